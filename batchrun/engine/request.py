@@ -1,0 +1,77 @@
+"""One generation request and its sampling parameters, as the engine sees them."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def problem(self) -> str | None:
+        """Why these parameters cannot run, or None."""
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            return f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            return f"temperature must be a finite number >= 0, got {self.temperature!r}"
+        if not (0 < self.top_p <= 1):
+            return f"top_p must be in (0, 1], got {self.top_p!r}"
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            return f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
+        if not isinstance(self.seed, int):
+            return f"seed must be an integer, got {self.seed!r}"
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            return "stop must be a list of non-empty strings"
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            return "stop_token_ids must be a list of non-negative integers"
+        return None
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted (its KV freed, recomputed on resume)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    row_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    # Filled in by the engine.
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length"
+    completion: str | None = None  # decoded text, set when finished
+    spec_rounds: int = 0
+    spec_hist: list[int] | None = None  # entry k-1: rounds that committed k tokens
+    # KV bookkeeping (engine-private).
+    num_cached: int = 0  # leading tokens whose target KV is written
+    pages: list[int] = field(default_factory=list)
+    draft_pages: list[int] = field(default_factory=list)
+    draft_cached: int = 0  # leading tokens whose draft context KV is written
+    pending_features: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+def row_seed(job_seed: int, row_index: int) -> int:
+    """The seed of a row that names none: distinct per row, fixed by the job seed."""
+    return (job_seed * 0x9E3779B1 + row_index) & 0x7FFFFFFFFFFFFFFF
