@@ -1,0 +1,64 @@
+"""Reference paged attention in plain torch: runs anywhere, the oracle for the GPU kernels.
+
+Per forward, `plan` turns the metadata into padded gather indices and a mask once; each layer
+then gathers its K/V pages into [R, max_kv] and runs one batched SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchrun.layers.attention_meta import AttentionMeta
+
+
+class TorchAttention:
+    name = "torch"
+
+    def plan(self, meta: AttentionMeta) -> None:
+        device = meta.positions.device
+        num_req = meta.num_requests
+        cu_q = meta.cu_q.long()
+        q_lens = cu_q[1:] - cu_q[:-1]
+        # Row t belongs to request req_of_row[t] at padded query slot col_of_row[t].
+        req_of_row = torch.repeat_interleave(torch.arange(num_req, device=device), q_lens)
+        col_of_row = torch.arange(req_of_row.numel(), device=device) - cu_q[req_of_row]
+        kv_pos = torch.arange(meta.max_kv, device=device)
+        pages = meta.page_table.long()[:, kv_pos // meta.page_size]
+        self.kv_slots = pages * meta.page_size + kv_pos % meta.page_size  # [R, max_kv]
+        q_pos = torch.full((num_req, meta.max_q), -1, dtype=torch.long, device=device)
+        q_pos[req_of_row, col_of_row] = meta.positions
+        visible = kv_pos[None, None, :] < meta.kv_lens.long()[:, None, None]
+        if meta.causal:
+            visible = visible & (kv_pos[None, None, :] <= q_pos[:, :, None])
+        visible = visible | (q_pos[:, :, None] < 0)  # padded queries: any finite row, dropped
+        self.mask = visible.unsqueeze(1)  # [R, 1, max_q, max_kv]
+        self.req_of_row, self.col_of_row = req_of_row, col_of_row
+        self.max_q = meta.max_q
+        self.slot_mapping = meta.slot_mapping
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        num_req = self.mask.shape[0]
+        hq, hkv, dim = q.shape[1], k.shape[1], q.shape[2]
+        k_flat, v_flat = k_cache.view(-1, hkv, dim), v_cache.view(-1, hkv, dim)
+        k_flat[self.slot_mapping] = k
+        v_flat[self.slot_mapping] = v
+        keys = k_flat[self.kv_slots].transpose(1, 2)  # [R, Hkv, max_kv, D]
+        values = v_flat[self.kv_slots].transpose(1, 2)
+        if hq != hkv:
+            keys = keys.repeat_interleave(hq // hkv, dim=1)
+            values = values.repeat_interleave(hq // hkv, dim=1)
+        q_pad = q.new_zeros(num_req, self.max_q, hq, dim)
+        q_pad[self.req_of_row, self.col_of_row] = q
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), keys, values, attn_mask=self.mask, scale=scale
+        )
+        return out.transpose(1, 2)[self.req_of_row, self.col_of_row]

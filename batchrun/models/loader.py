@@ -1,0 +1,129 @@
+"""Load Hugging Face Qwen3 checkpoint directories into batchrun's own modules."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from batchrun.errors import JobError
+from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_config(model_dir: Path, what: str = "model") -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise JobError(f"{what} directory not found: {model_dir}")
+    try:
+        return dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise JobError(f"{what} directory has no config.json: {model_dir}") from None
+    except (OSError, ValueError) as e:
+        raise JobError(f"cannot read {path}: {e}") from None
+
+
+def rope_theta(config: dict[str, Any], what: str) -> float:
+    """rope_theta from either config style; anything but plain RoPE is refused."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise JobError(f"{what}: rope type {kind!r} is not supported (only plain RoPE)")
+    theta = config.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        raise JobError(f"{what}: config.json has no rope_theta")
+    return float(theta)
+
+
+def qwen3_shape(config: dict[str, Any], what: str = "target") -> Qwen3Shape:
+    if config.get("model_type") != "qwen3":
+        raise JobError(f"{what}: model_type is {config.get('model_type')!r}; batchrun runs qwen3")
+    try:
+        heads = int(config["num_attention_heads"])
+        return Qwen3Shape(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta(config, what),
+            max_position_embeddings=int(config.get("max_position_embeddings", 40960)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+    except KeyError as e:
+        raise JobError(f"{what}: config.json lacks {e.args[0]!r}") from None
+
+
+def resolve_dtype(name: str, config: dict[str, Any], device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and inexact
+    # On the GPU, a checkpoint stored in float32 still runs in bfloat16 unless asked otherwise.
+    stored = str(config.get("dtype") or config.get("torch_dtype"))
+    return torch.float16 if stored == "float16" else torch.bfloat16
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise JobError(f"no .safetensors files in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def load_weights(
+    module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], what: str, skip: set[str]
+) -> None:
+    """Copy checkpoint tensors into the module's parameters, by name, checking every shape."""
+    params = dict(module.named_parameters())
+    missing = set(params)
+    for name, tensor in tensors:
+        if name in skip:
+            continue
+        param = params.get(name)
+        if param is None:
+            raise JobError(f"{what}: unexpected tensor {name!r} in the checkpoint")
+        if param.shape != tensor.shape:
+            raise JobError(
+                f"{what}: tensor {name!r} has shape {list(tensor.shape)}, "
+                f"expected {list(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensor)
+        missing.discard(name)
+    if missing:
+        raise JobError(f"{what}: checkpoint lacks {sorted(missing)[0]!r} ({len(missing)} missing)")
+
+
+def load_qwen3(
+    model_dir: Path, dtype: str, device: torch.device
+) -> tuple[Qwen3ForCausalLM, dict[str, Any]]:
+    config = read_config(model_dir, "target model")
+    shape = qwen3_shape(config)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(shape).to(torch_dtype)
+    model.to_empty(device=device)  # no random init: every parameter is loaded below
+    if shape.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    skip = {"lm_head.weight"} if shape.tie_word_embeddings else set()
+    load_weights(model, iter_safetensors(model_dir), "target", skip)
+    # Buffers are not in the checkpoint: build the RoPE table for real, in float32.
+    model.rope = RotaryEmbedding(
+        shape.head_dim, shape.max_position_embeddings, shape.rope_theta
+    ).to(device)
+    return model.eval(), config
