@@ -1,4 +1,9 @@
-"""The engine: load the models, then step the continuous batch until every request finishes."""
+"""The engine: load the models, then step the continuous batch until every request finishes.
+
+One step = (draft forward, when a draft is loaded) + one target forward over every scheduled
+request's rows: prefill chunks, plain decode rows, or DFlash verify blocks. A plain decode step
+is a verify round of width 1 that drafts nothing, so both paths share one commit rule.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from batchrun.engine.config import EngineConfig
+from batchrun.engine.loading import attention_backend, eos_token_ids, load_tokenizer, resolve_device
 from batchrun.engine.model_runner import ModelRunner, StepInput
 from batchrun.engine.page_pool import PagePool
 from batchrun.engine.request import Request
@@ -16,48 +21,13 @@ from batchrun.engine.sampler import SamplingBatch, sample
 from batchrun.engine.scheduler import Scheduled, Scheduler
 from batchrun.engine.stopping import Stopper
 from batchrun.errors import JobError
-from batchrun.kernels.torch_attention import TorchAttention
+from batchrun.models.dflash_loader import load_dflash
 from batchrun.models.loader import load_qwen3
+from batchrun.spec.acceptance import RoundTrace, accepted_count
+from batchrun.spec.drafter import Drafter
 
 CPU_KV_BUDGET_BYTES = 2 << 30
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise JobError("device 'cuda' was asked for but no CUDA device is available")
-    return torch.device(name)
-
-
-def attention_backend(name: str, device: torch.device) -> type[TorchAttention]:
-    if name in ("auto", "torch"):
-        return TorchAttention
-    raise JobError(f"attention backend {name!r} is not available in this build; use 'torch'")
-
-
-def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:  # transformers raises many kinds; any of them means no tokenizer
-        raise JobError(f"cannot load the tokenizer of {model_dir}: {e}".splitlines()[0]) from None
-
-
-def eos_token_ids(
-    model_dir: Path, config: dict[str, Any], tok: PreTrainedTokenizerBase
-) -> set[int]:
-    """End-of-sequence ids as generate() uses them: generation_config.json, else the config."""
-    import json
-
-    eos = None
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-    if eos is None:
-        eos = config.get("eos_token_id", tok.eos_token_id)
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, list) else {int(eos)}
+ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their tokens are cut
 
 
 class Engine:
@@ -65,46 +35,62 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         backend = attention_backend(config.attention_backend, self.device)
-        self.model, model_config = load_qwen3(Path(config.target), config.dtype, self.device)
-        self.tokenizer = load_tokenizer(Path(config.target))
+        target_dir = Path(config.target)
+        self.model, model_config = load_qwen3(target_dir, config.dtype, self.device, ROPE_HEADROOM)
         shape = self.model.shape
+        max_positions = shape.max_position_embeddings + ROPE_HEADROOM
+        self.draft = (
+            load_dflash(Path(config.draft), self.model, self.device, max_positions)
+            if config.draft
+            else None
+        )
+        self.tokenizer = load_tokenizer(target_dir)
         self.vocab_size = shape.vocab_size
-        self.block_size: int | None = None
-        width = 1
+        self.block_size = self.draft.block_size if self.draft else None
+        width = self.block_size or 1
 
         num_pages = config.num_pages or self._default_num_pages()
         capacity = num_pages * config.page_size
-        limit = config.max_model_len or shape.max_position_embeddings
-        self.max_model_len = min(limit, shape.max_position_embeddings, capacity - width)
+        limit = min(
+            config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings
+        )
+        self.max_model_len = min(limit, capacity - width)
         if self.max_model_len < 2:
             raise JobError(f"the KV pool ({num_pages} pages of {config.page_size}) is too small")
         self.pool = PagePool(num_pages, config.page_size)
         self.runner = ModelRunner(self.model, backend, num_pages, config.page_size, self.device)
+        self.drafter = (
+            Drafter(self.draft, self.model, backend, num_pages, config.page_size, self.device)
+            if self.draft
+            else None
+        )
         self.scheduler = Scheduler(
             self.pool, config.max_batch_size, config.max_batched_tokens, decode_width=width
         )
-        eos = eos_token_ids(Path(config.target), model_config, self.tokenizer)
+        eos = eos_token_ids(target_dir, model_config, self.tokenizer)
         self.stopper = Stopper(self.tokenizer, eos, self.max_model_len)
+        self.round_trace: list[RoundTrace] | None = None  # set to a list to record rounds
         self._backend_name = backend.name
         self._dtype = str(self.model.lm_head.weight.dtype).removeprefix("torch.")
 
     def _default_num_pages(self) -> int:
         s, cfg = self.model.shape, self.config
         dtype_bytes = self.model.lm_head.weight.element_size()
-        page_bytes = 2 * s.num_layers * cfg.page_size * s.num_kv_heads * s.head_dim * dtype_bytes
+        layers = s.num_layers + (self.draft.shape.num_layers if self.draft else 0)
+        page_bytes = 2 * layers * cfg.page_size * s.num_kv_heads * s.head_dim * dtype_bytes
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * 0.85)
         else:
             budget = CPU_KV_BUDGET_BYTES
         # Enough for every request of a full batch at full context, unless memory says less.
-        want = cfg.max_batch_size * -(-s.max_position_embeddings // cfg.page_size)
+        want = cfg.max_batch_size * -(-(s.max_position_embeddings + 64) // cfg.page_size)
         return max(1, min(want, budget // page_bytes))
 
     def info(self) -> dict[str, Any]:
         return {
             "target": str(self.config.target),
-            "draft": None,
+            "draft": str(self.config.draft) if self.config.draft else None,
             "dtype": self._dtype,
             "device": str(self.device),
             "attention_backend": self._backend_name,
@@ -119,61 +105,104 @@ class Engine:
         return self.scheduler.num_preemptions
 
     def add(self, request: Request) -> None:
+        if self.block_size and request.spec_hist is None:
+            request.spec_hist = [0] * self.block_size
         self.scheduler.add(request)
 
     def step(self) -> list[Request]:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        step = StepInput(
-            token_ids=[
-                it.req.token_slice(it.req.num_cached, it.req.num_cached + it.num_new)
-                for it in batch
-            ],
+        drafts = self.drafter.propose(batch) if self.drafter else {}
+        inputs, rows, sampled = self._target_rows(batch, drafts)
+        capture = self.draft.target_layer_ids if self.draft else ()
+        logits, features = self.runner.forward(inputs, rows, capture)
+        tokens = sample(logits, self._sampling_batch(sampled)).tolist() if rows else []
+
+        finished, row, pos = [], 0, 0
+        for it in batch:
+            req, n = it.req, it.num_new
+            feats = features[row : row + n] if features is not None else None
+            row += n
+            if not it.decoding:
+                req.num_cached += n
+                if feats is not None:
+                    req.pending_features.append(feats)
+                if self._ends_prompt(it, before=req.num_cached - n):
+                    self.stopper.commit(req, [tokens[pos]])
+                    pos += 1
+            else:
+                self._commit_round(req, drafts.get(id(req), []), tokens[pos : pos + n], feats)
+                pos += n
+            if req.finish_reason:
+                self.scheduler.finish(req)
+                finished.append(req)
+            else:
+                self.pool.shrink(req.pages, req.num_cached)  # release KV past the committed tokens
+        return finished
+
+    def _commit_round(
+        self, req: Request, drafts: list[int], post: list[int], feats: torch.Tensor | None
+    ) -> None:
+        """Commits post[0 .. acc] (acc accepted drafts plus the target's own next token)."""
+        p, anchor = req.num_cached, req.output_ids[-1]
+        acc = accepted_count(drafts, post)
+        kept = self.stopper.commit(req, post[: acc + 1])
+        req.num_cached = p + acc + 1  # anchor .. d_acc now hold target KV; the bonus is next
+        if feats is not None:
+            req.pending_features.append(feats[: acc + 1])
+        if req.spec_hist is not None:
+            req.spec_rounds += 1
+            req.spec_hist[kept - 1] += 1
+            if self.round_trace is not None:
+                committed = req.output_ids[len(req.output_ids) - kept :]
+                self.round_trace.append(RoundTrace(req.row_index, p, anchor, drafts, committed))
+
+    def _target_rows(
+        self, batch: list[Scheduled], drafts: dict[int, list[int]]
+    ) -> tuple[StepInput, list[int], list[tuple[Request, int]]]:
+        """The step's target rows, the flat rows to sample, and (request, step index) of each."""
+        token_ids: list[list[int]] = []
+        rows: list[int] = []
+        sampled: list[tuple[Request, int]] = []
+        row = 0
+        for it in batch:
+            req, start = it.req, it.req.num_cached
+            if it.decoding:
+                ids = [req.output_ids[-1], *drafts.get(id(req), [])]
+                rows += range(row, row + it.num_new)
+                sampled += [(req, len(req.output_ids) + j) for j in range(it.num_new)]
+            else:
+                ids = req.token_slice(start, start + it.num_new)
+                if self._ends_prompt(it, before=start):
+                    rows.append(row + it.num_new - 1)
+                    sampled.append((req, 0))
+            token_ids.append(ids)
+            row += it.num_new
+        inputs = StepInput(
+            token_ids=token_ids,
             start=[it.req.num_cached for it in batch],
             page_tables=[it.req.pages for it in batch],
         )
-        sampling = [it for it in batch if self._samples(it)]
-        rows, row = [], 0
-        for it in batch:
-            row += it.num_new
-            if self._samples(it):
-                rows.append(row - 1)
-        tokens: list[int] = []
-        if rows:
-            logits, _ = self.runner.forward(step, rows)
-            tokens = sample(logits, self._sampling_batch(sampling)).tolist()
-        else:
-            self.runner.forward(step, [])
-        for it in batch:
-            it.req.num_cached += it.num_new
-        finished = []
-        for it, token in zip(sampling, tokens, strict=True):
-            self.stopper.commit(it.req, [token])
-            if it.req.finish_reason:
-                self.scheduler.finish(it.req)
-                finished.append(it.req)
-        return finished
+        return inputs, rows, sampled
 
     @staticmethod
-    def _samples(it: Scheduled) -> bool:
-        """A decode step samples; a prefill chunk samples only when it ends a fresh prompt."""
+    def _ends_prompt(it: Scheduled, before: int) -> bool:
+        """A prefill chunk samples only when it completes a fresh prompt (not a recompute)."""
         req = it.req
-        return it.decoding or (
-            not req.output_ids and req.num_cached + it.num_new == len(req.prompt_ids)
-        )
+        return not req.output_ids and before + it.num_new == len(req.prompt_ids)
 
-    def _sampling_batch(self, items: list[Scheduled]) -> SamplingBatch:
-        params = [it.req.params for it in items]
+    def _sampling_batch(self, sampled: list[tuple[Request, int]]) -> SamplingBatch:
         dev = self.device
+        params = [req.params for req, _ in sampled]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
         return SamplingBatch(
-            temperature=torch.tensor(
-                [p.temperature for p in params], dtype=torch.float32, device=dev
-            ),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
-            seed=torch.tensor([p.seed for p in params], dtype=torch.long, device=dev),
-            step=torch.tensor(
-                [len(it.req.output_ids) for it in items], dtype=torch.long, device=dev
-            ),
+            temperature=tensor([p.temperature for p in params], torch.float32),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            top_k=tensor([p.top_k for p in params], torch.long),
+            seed=tensor([p.seed for p in params], torch.long),
+            step=tensor([step for _, step in sampled], torch.long),
         )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchrun.engine.page_pool import slot_ids
 from batchrun.layers.attention import AttentionBackend
 from batchrun.layers.attention_meta import AttentionMeta
 from batchrun.models.qwen3 import Qwen3ForCausalLM
@@ -48,9 +49,9 @@ def build_meta(
     kv_lens = [s + n for s, n in zip(step.start, q_lens, strict=True)]
     positions = [p for s, n in zip(step.start, q_lens, strict=True) for p in range(s, s + n)]
     slots = [
-        table[p // page_size] * page_size + p % page_size
+        slot
         for table, s, n in zip(step.page_tables, step.start, q_lens, strict=True)
-        for p in range(s, s + n)
+        for slot in slot_ids(table, s, n, page_size)
     ]
     width = max(len(t) for t in step.page_tables)
     table = [t + [0] * (width - len(t)) for t in step.page_tables]

@@ -51,6 +51,8 @@ class TorchAttention:
         k_flat, v_flat = k_cache.view(-1, hkv, dim), v_cache.view(-1, hkv, dim)
         k_flat[self.slot_mapping] = k
         v_flat[self.slot_mapping] = v
+        if num_req == 0:  # a write-only forward (DFlash context rows, no block to draft)
+            return q
         keys = k_flat[self.kv_slots].transpose(1, 2)  # [R, Hkv, max_kv, D]
         values = v_flat[self.kv_slots].transpose(1, 2)
         if hq != hkv:

@@ -65,4 +65,4 @@ class PagedAttention(nn.Module):
         q = rope(q, positions)
         k, v = self.project_kv(x, positions, rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))

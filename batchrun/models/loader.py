@@ -110,7 +110,7 @@ def load_weights(
 
 
 def load_qwen3(
-    model_dir: Path, dtype: str, device: torch.device
+    model_dir: Path, dtype: str, device: torch.device, rope_headroom: int = 0
 ) -> tuple[Qwen3ForCausalLM, dict[str, Any]]:
     config = read_config(model_dir, "target model")
     shape = qwen3_shape(config)
@@ -124,6 +124,6 @@ def load_qwen3(
     load_weights(model, iter_safetensors(model_dir), "target", skip)
     # Buffers are not in the checkpoint: build the RoPE table for real, in float32.
     model.rope = RotaryEmbedding(
-        shape.head_dim, shape.max_position_embeddings, shape.rope_theta
+        shape.head_dim, shape.max_position_embeddings + rope_headroom, shape.rope_theta
     ).to(device)
     return model.eval(), config
