@@ -1,0 +1,246 @@
+"""A plain DFlash reference, written straight from docs/dflash.md for the tests.
+
+One request at a time, no pages, no batching, no KV cache: the target is transformers' own
+Qwen3ForCausalLM, re-run over the whole sequence every round, and the draft is its safetensors
+tensors used with plain torch ops. Clarity over speed; from batchrun it takes only the default
+target layer ids (a config formula that tests check on their own).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import Qwen3ForCausalLM
+
+from batchrun.models.dflash import default_target_layer_ids
+
+
+class RefRound(NamedTuple):
+    position: int  # p, the anchor's position
+    anchor: int
+    drafts: list[int]  # d1 .. d_{B-1}
+    committed: list[int]  # post[0 .. acc], cut at eos / max_new_tokens
+
+
+@dataclass(frozen=True)
+class Draft:
+    weights: dict[str, torch.Tensor]  # the z-lab tensor names, no prefix
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+
+
+def read_draft(draft_dir: Path | str) -> Draft:
+    config = json.loads((Path(draft_dir) / "config.json").read_text())
+    dflash = config.get("dflash_config") or {}
+    heads = config["num_attention_heads"]
+    num_layers = config["num_hidden_layers"]
+    layer_ids = dflash.get("target_layer_ids")
+    if layer_ids is None:
+        layer_ids = default_target_layer_ids(num_layers, config["num_target_layers"])
+    rope = config.get("rope_parameters") or {}
+    return Draft(
+        weights=load_file(str(Path(draft_dir) / "model.safetensors")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=config.get("rope_theta", rope.get("rope_theta")),
+        block_size=config.get("block_size", dflash.get("block_size")),
+        target_layer_ids=list(layer_ids),
+        mask_token_id=dflash["mask_token_id"],
+    )
+
+
+@lru_cache(maxsize=8)
+def _cached_target(path: str, mtime_ns: int) -> Qwen3ForCausalLM:
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+def load_target(target_dir: Path | str) -> Qwen3ForCausalLM:
+    """The HF target in float32, loaded once per checkpoint (the key includes its mtime)."""
+    weights = sorted(Path(target_dir).glob("*.safetensors"))
+    return _cached_target(str(target_dir), max(w.stat().st_mtime_ns for w in weights))
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Tiny ops run fastest on one thread, and far slower when cores are oversubscribed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- target side (dflash.md section 2) ----
+
+
+@contextmanager
+def _layer_outputs(target: Qwen3ForCausalLM, layer_ids: Sequence[int]) -> Iterator[dict]:
+    """Capture each listed decoder layer's output. This equals HF's hidden_states[l + 1] except
+    for the last layer, where HF applies the final norm and the spec wants the pre-norm stream."""
+    captured: dict[int, torch.Tensor] = {}
+    hooks = []
+    for layer_id in set(layer_ids):
+
+        def hook(_module, _args, output, layer_id: int = layer_id) -> None:
+            captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        hooks.append(target.model.layers[layer_id].register_forward_hook(hook))
+    try:
+        yield captured
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def target_pass(
+    target: Qwen3ForCausalLM, ids: Sequence[int], layer_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal forward over ids from position 0: (logits [T, V], features f [T, n * H])."""
+    with torch.no_grad(), _layer_outputs(target, layer_ids) as captured:
+        out = target(torch.tensor([list(ids)]), output_hidden_states=True)
+    feats = torch.cat([captured[layer_id][0] for layer_id in layer_ids], dim=-1)
+    return out.logits[0], feats
+
+
+# ---- draft side (dflash.md section 3) ----
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Neox (rotate-half) RoPE of x [..., T, heads, head_dim] at positions [T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def unmasked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [..., Tq, Hq, d], k/v [..., Tk, Hkv, d] -> [..., Tq, Hq * d]; every query sees every
+    key (GQA: query head h reads kv head h // (Hq / Hkv))."""
+    groups = q.shape[-2] // k.shape[-2]
+    k, v = k.repeat_interleave(groups, dim=-2), v.repeat_interleave(groups, dim=-2)
+    scores = torch.einsum("...qhd,...khd->...hqk", q, k) * q.shape[-1] ** -0.5
+    out = torch.einsum("...hqk,...khd->...qhd", scores.softmax(dim=-1), v)
+    return out.flatten(-2)
+
+
+def draft_hidden(
+    draft: Draft, ctx_features: torch.Tensor, block_embeds: torch.Tensor
+) -> torch.Tensor:
+    """The draft's final-normed block rows [..., B, H].
+
+    ctx_features [..., p, n * H] are the features of positions 0 .. p-1 (every committed token
+    but the anchor); block_embeds [..., B, H] are the target embeddings of [anchor, MASK, ...]
+    at positions p .. p+B-1. Leading dims batch independent blocks of the same p (training).
+    Recomputing the context K/V each call equals the spec's persistent cache: a context row's
+    K/V depend only on its own feature and position.
+    """
+    w, eps, d = draft.weights, draft.rms_norm_eps, draft.head_dim
+    p, width = ctx_features.shape[-2], block_embeds.shape[-2]
+    ctx_pos, blk_pos = torch.arange(p), torch.arange(p, p + width)
+    ctx = rms_norm(ctx_features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+
+    def heads(rows: torch.Tensor, weight: str, num: int) -> torch.Tensor:
+        return (rows @ w[weight].T).unflatten(-1, (num, d))
+
+    def kv(a: str, rows: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = rms_norm(
+            heads(rows, a + "k_proj.weight", draft.num_kv_heads), w[a + "k_norm.weight"], eps
+        )
+        return rope(k, pos, draft.rope_theta), heads(rows, a + "v_proj.weight", draft.num_kv_heads)
+
+    x = block_embeds
+    for i in range(draft.num_layers):
+        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        h = rms_norm(x, w[f"layers.{i}.input_layernorm.weight"], eps)
+        q = rms_norm(heads(h, a + "q_proj.weight", draft.num_heads), w[a + "q_norm.weight"], eps)
+        q = rope(q, blk_pos, draft.rope_theta)
+        k_ctx, v_ctx = kv(a, ctx, ctx_pos)  # context rows: no layernorm, residual or MLP
+        k_blk, v_blk = kv(a, h, blk_pos)
+        o = unmasked_attention(q, torch.cat([k_ctx, k_blk], -3), torch.cat([v_ctx, v_blk], -3))
+        x = x + o @ w[a + "o_proj.weight"].T
+        h = rms_norm(x, w[f"layers.{i}.post_attention_layernorm.weight"], eps)
+        gated = F.silu(h @ w[m + "gate_proj.weight"].T) * (h @ w[m + "up_proj.weight"].T)
+        x = x + gated @ w[m + "down_proj.weight"].T
+    return rms_norm(x, w["norm.weight"], eps)
+
+
+def draft_block_logits(
+    draft: Draft, target: Qwen3ForCausalLM, ctx_features: torch.Tensor, anchors: torch.Tensor
+) -> torch.Tensor:
+    """Logits [..., B-1, V] of block rows 1 .. B-1, for anchors [...] after ctx_features
+    [..., p, n * H], through the target's embedding and lm_head."""
+    mask = torch.full((*anchors.shape, draft.block_size - 1), draft.mask_token_id)
+    block = torch.cat([anchors[..., None], mask], dim=-1)
+    hidden = draft_hidden(draft, ctx_features, target.model.embed_tokens.weight[block])
+    return hidden[..., 1:, :] @ target.lm_head.weight.T
+
+
+# ---- a round (dflash.md section 4, greedy) ----
+
+
+def reference_generate(
+    target_dir: Path | str,
+    draft_dir: Path | str,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+) -> tuple[list[int], list[RefRound]]:
+    """Greedy DFlash generation: (generated ids without the prompt, every verify round)."""
+    target, draft = load_target(target_dir), read_draft(draft_dir)
+    layer_ids, width = draft.target_layer_ids, draft.block_size
+    logits, feats = target_pass(target, prompt_ids, layer_ids)
+    out = [int(logits[-1].argmax())]
+    rounds: list[RefRound] = []
+    while out[-1] not in eos_ids and len(out) < max_new_tokens:
+        seq = list(prompt_ids) + out
+        p, anchor = len(seq) - 1, out[-1]
+        with torch.no_grad():
+            draft_logits = draft_block_logits(draft, target, feats[:p], torch.tensor(anchor))
+        drafts = draft_logits.argmax(-1).tolist()
+        # The verify pass's features cover p .. p+B-1; rows p .. p+acc are the next context.
+        logits, feats = target_pass(target, seq + drafts, layer_ids)
+        post = logits[p : p + width].argmax(-1).tolist()
+        acc = 0
+        while acc < width - 1 and drafts[acc] == post[acc]:
+            acc += 1
+        committed = _cut(post[: acc + 1], eos_ids, max_new_tokens - len(out))
+        out += committed
+        rounds.append(RefRound(p, anchor, drafts, committed))
+    return out, rounds
+
+
+def _cut(tokens: list[int], eos_ids: Sequence[int], room: int) -> list[int]:
+    """Keep tokens up to and including the first eos, and at most room of them (by length)."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            tokens = tokens[: i + 1]
+            break
+    return tokens[:room]
