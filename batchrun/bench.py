@@ -1,0 +1,148 @@
+"""`batchrun bench`: throughput of the engine, target-only and with a draft, against transformers'
+generate() measured in the same run on the same prompts, written as JSON."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import Request, SamplingParams
+
+
+def synthetic_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (count, length), generator=gen).tolist()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    requests = [Request(i, p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+    _sync(engine.device)
+    start = time.perf_counter()
+    for req in requests:
+        engine.add(req)
+    steps = 0
+    while engine.num_unfinished:
+        engine.step()
+        steps += 1
+    _sync(engine.device)
+    wall = time.perf_counter() - start
+    tokens = sum(len(r.output_ids) for r in requests)
+    rounds = sum(r.spec_rounds for r in requests)
+    result: dict[str, Any] = {
+        "wall_seconds": wall,
+        "output_tokens": tokens,
+        "output_tokens_per_second": tokens / wall,
+        "steps": steps,
+        "outputs": [r.output_ids for r in requests],
+    }
+    if engine.block_size:
+        result["acceptance_length"] = (tokens - len(requests)) / rounds if rounds else None
+    return result
+
+
+def run_hf_generate(
+    target: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, Any]:
+    """transformers' own batched greedy generate(): the baseline."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype)
+    model.to(device).eval()  # type: ignore[arg-type]
+    ids = torch.tensor(prompts, device=device)  # equal lengths: no padding needed
+    _sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    _sync(device)
+    wall = time.perf_counter() - start
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    tokens = 0
+    for row in out[:, ids.shape[1] :].tolist():
+        n = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        tokens += n
+    del model
+    return {
+        "wall_seconds": wall,
+        "output_tokens": tokens,
+        "output_tokens_per_second": tokens / wall,
+    }
+
+
+def bench(
+    config: EngineConfig,
+    *,
+    num_prompts: int,
+    prompt_len: int,
+    max_tokens: int,
+    hf_baseline: bool,
+    seed: int = 0,
+) -> dict[str, Any]:
+    target_only = Engine(replace(config, draft=None))
+    prompts = synthetic_prompts(target_only.vocab_size, num_prompts, prompt_len, seed)
+    run_engine(target_only, prompts[:2], 4)  # warm-up: first-call allocations, kernels
+    results: dict[str, Any] = {"target_only": run_engine(target_only, prompts, max_tokens)}
+    info = target_only.info()
+    dtype, device = target_only.model.lm_head.weight.dtype, target_only.device
+    del target_only
+    if config.draft:
+        spec = Engine(config)
+        run_engine(spec, prompts[:2], 4)
+        results["speculative"] = run_engine(spec, prompts, max_tokens)
+        info = spec.info()
+        del spec
+    if hf_baseline:
+        results["hf_generate"] = run_hf_generate(
+            Path(config.target), prompts, max_tokens, dtype, device
+        )
+    base = results["target_only"]["output_tokens_per_second"]
+    ratios = {
+        f"{name}_vs_target_only": r["output_tokens_per_second"] / base
+        for name, r in results.items()
+        if name != "target_only"
+    }
+    if "speculative" in results:
+        ratios["speculative_outputs_identical"] = (
+            results["speculative"]["outputs"] == results["target_only"]["outputs"]
+        )
+    for r in results.values():
+        r.pop("outputs", None)
+    return {
+        "setup": {
+            **info,
+            "num_prompts": num_prompts,
+            "prompt_len": prompt_len,
+            "max_tokens": max_tokens,
+            "max_batch_size": config.max_batch_size,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+        },
+        "results": results,
+        "ratios": ratios,
+    }
+
+
+def write_result(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
