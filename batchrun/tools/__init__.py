@@ -1,0 +1,1 @@
+"""Tools that build test and demo assets locally: a BPE tokenizer and tiny random checkpoints."""

@@ -1,0 +1,55 @@
+"""Shared fixtures: one locally trained tokenizer per session and tiny random Qwen3 checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from batchrun.tools.bpe import build_tokenizer
+from batchrun.tools.tiny import make_tiny_model
+
+TOKENIZER_VOCAB = 1024
+# A smaller corpus than the default keeps the session's one training run around a second.
+TOKENIZER_BYTES = 1_000_000
+
+MakeModel = Callable[..., Path]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(out, vocab_size=TOKENIZER_VOCAB, max_bytes=TOKENIZER_BYTES)
+    return out
+
+
+@pytest.fixture(scope="session")
+def make_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> MakeModel:
+    """make_model(**shape) -> checkpoint dir; make_tiny_model's keywords, each shape built once."""
+    cache: dict[tuple[tuple[str, Any], ...], Path] = {}
+
+    def make(**shape: Any) -> Path:
+        key = tuple(sorted(shape.items()))
+        if key not in cache:
+            out = tmp_path_factory.mktemp("tiny-model")
+            cache[key] = make_tiny_model(out, tokenizer_dir=tokenizer_dir, **shape)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(make_model: MakeModel) -> Path:
+    return make_model()
