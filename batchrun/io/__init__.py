@@ -1,0 +1,1 @@
+"""Parquet in, part files out: reading, prompt conversion, output schema, commits and resume."""

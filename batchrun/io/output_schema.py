@@ -1,0 +1,146 @@
+"""The output Arrow schema, and how a finished request or a failed row becomes output columns."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass
+
+import pyarrow as pa
+
+from batchrun.engine.request import Request
+from batchrun.errors import JobError
+
+# Parquet names a list's item "element"; using it here keeps parts equal to this schema on read.
+_INT32_LIST = pa.list_(pa.field("element", pa.int32()))
+
+
+def _field(name: str, arrow_type: pa.DataType, nullable: bool, description: str) -> pa.Field:
+    return pa.field(name, arrow_type, nullable=nullable, metadata={"description": description})
+
+
+# The columns batchrun appends after the input's own columns, in this order.
+OUTPUT_FIELDS: tuple[pa.Field, ...] = (
+    _field(
+        "row_index",
+        pa.int64(),
+        False,
+        "Position of the input row in the whole input (files sorted by path); "
+        "sort by it to restore input order.",
+    ),
+    _field(
+        "completion",
+        pa.string(),
+        True,
+        "Decoded completion, special tokens skipped; null on error.",
+    ),
+    _field("completion_token_ids", _INT32_LIST, True, "Generated token ids; null on error."),
+    _field("finish_reason", pa.string(), False, '"stop", "length" or "error".'),
+    _field("prompt_tokens", pa.int32(), False, "Prompt length in tokens; 0 on error."),
+    _field("completion_tokens", pa.int32(), False, "Generated tokens; 0 on error."),
+    _field(
+        "spec_rounds",
+        pa.int32(),
+        True,
+        "Speculative verify rounds (0 without a draft); null on error.",
+    ),
+    _field(
+        "spec_accept_hist",
+        _INT32_LIST,
+        True,
+        "Length B (the draft block size): entry k-1 counts rounds that committed k tokens; "
+        "null without a draft and on error.",
+    ),
+    _field(
+        "acceptance_length",
+        pa.float32(),
+        True,
+        "Tau: (completion_tokens - 1) / spec_rounds, the first token coming from the prefill; "
+        "null without a draft, with 0 rounds, and on error.",
+    ),
+    _field("error", pa.string(), True, "Null, or why this row failed (it was not generated)."),
+)
+OUTPUT_NAMES: tuple[str, ...] = tuple(field.name for field in OUTPUT_FIELDS)
+
+
+def output_schema(input_schema: pa.Schema) -> pa.Schema:
+    """Every input column unchanged, in input order, then OUTPUT_FIELDS."""
+    collisions = [name for name in input_schema.names if name in OUTPUT_NAMES]
+    if collisions:
+        raise JobError(
+            f"input column {collisions[0]!r} has the name of an output column; rename it "
+            f"(output columns: {', '.join(OUTPUT_NAMES)})"
+        )
+    # Schema metadata (e.g. pandas') describes the input table, not ours: leave it out.
+    return pa.schema(list(input_schema.remove_metadata()) + list(OUTPUT_FIELDS))
+
+
+@dataclass(frozen=True)
+class OutputRow:
+    """Values of OUTPUT_FIELDS for one row, in the same order."""
+
+    row_index: int
+    completion: str | None
+    completion_token_ids: list[int] | None
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    spec_rounds: int | None
+    spec_accept_hist: list[int] | None
+    acceptance_length: float | None
+    error: str | None
+
+
+def finished_row(request: Request) -> OutputRow:
+    """The output of a request the engine finished."""
+    if request.finish_reason is None:
+        raise RuntimeError(f"engine returned row {request.row_index} without a finish_reason")
+    completion_tokens = len(request.output_ids)
+    tau = None
+    if request.spec_hist is not None and request.spec_rounds > 0:
+        tau = (completion_tokens - 1) / request.spec_rounds
+    return OutputRow(
+        row_index=request.row_index,
+        completion=request.completion,
+        completion_token_ids=list(request.output_ids),
+        finish_reason=request.finish_reason,
+        prompt_tokens=len(request.prompt_ids),
+        completion_tokens=completion_tokens,
+        spec_rounds=request.spec_rounds,
+        spec_accept_hist=list(request.spec_hist) if request.spec_hist is not None else None,
+        acceptance_length=tau,
+        error=None,
+    )
+
+
+def error_row(row_index: int, message: str) -> OutputRow:
+    return OutputRow(
+        row_index=row_index,
+        completion=None,
+        completion_token_ids=None,
+        finish_reason="error",
+        prompt_tokens=0,
+        completion_tokens=0,
+        spec_rounds=None,
+        spec_accept_hist=None,
+        acceptance_length=None,
+        error=message,
+    )
+
+
+def build_table(
+    schema: pa.Schema, passthrough: Sequence[pa.RecordBatch], rows: Sequence[OutputRow]
+) -> pa.Table:
+    """One part: the input columns of each row (one-row batches) beside its output columns."""
+    num_inputs = len(schema) - len(OUTPUT_FIELDS)
+    input_columns = [
+        pa.concat_arrays([batch.column(i) for batch in passthrough])
+        if passthrough
+        else pa.array([], type=schema.field(i).type)
+        for i in range(num_inputs)
+    ]
+    values = list(zip(*(astuple(row) for row in rows), strict=True)) or [()] * len(OUTPUT_FIELDS)
+    output_columns = [
+        pa.array(column, type=field.type)
+        for column, field in zip(values, OUTPUT_FIELDS, strict=True)
+    ]
+    return pa.Table.from_arrays(input_columns + output_columns, schema=schema)

@@ -1,0 +1,150 @@
+"""Streaming Parquet input: a file, a directory or a glob, read in path order, batch by batch.
+
+Memory does not grow with the input: only one record batch of one row group is decoded at a
+time, and row groups whose rows are all skipped (other shards, already committed) are not read.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchrun.errors import JobError
+
+READ_BATCH_ROWS = 256  # small: a row's pass-through slice pins its batch until the row is written
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: Path
+    first_row: int  # row_index of its first row
+    row_group_rows: tuple[int, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.row_group_rows)
+
+
+@dataclass(frozen=True)
+class InputSource:
+    files: tuple[InputFile, ...]
+    schema: pa.Schema  # shared by every file, without schema metadata
+
+    @property
+    def total_rows(self) -> int:
+        return sum(file.num_rows for file in self.files)
+
+
+@dataclass(frozen=True)
+class InputBatch:
+    row_indices: np.ndarray  # int64, the global row_index of each row of `batch`
+    batch: pa.RecordBatch
+
+
+class RowSelection:
+    """Which rows this run processes: this shard's rows that have no committed output yet."""
+
+    def __init__(self, done: np.ndarray, shard: tuple[int, int] | None = None) -> None:
+        self.done = done
+        self.shard = shard
+
+    def mask(self, start: int, stop: int) -> np.ndarray:
+        wanted = ~self.done[start:stop]
+        if self.shard is not None:
+            index, count = self.shard
+            wanted &= np.arange(start, stop) % count == index
+        return wanted
+
+    def count(self) -> int:
+        return int(self.mask(0, len(self.done)).sum())
+
+
+def resolve_input_paths(spec: str) -> list[Path]:
+    """The Parquet files named by --input, sorted by path."""
+    path = Path(spec)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        found = [
+            p
+            for p in path.rglob("*.parquet")
+            if p.is_file()
+            and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+        ]
+        if not found:
+            raise JobError(f"input directory {spec!r} holds no .parquet files")
+        return sorted(found, key=str)
+    if glob.has_magic(spec):
+        found = [Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file()]
+        if not found:
+            raise JobError(f"input glob {spec!r} matches no files")
+        return sorted(found, key=str)
+    raise JobError(f"input {spec!r} does not exist")
+
+
+def open_input(spec: str) -> InputSource:
+    """Read the footers of every input file (no data) and check they share one schema."""
+    files: list[InputFile] = []
+    schema: pa.Schema | None = None
+    first_row = 0
+    for path in resolve_input_paths(spec):
+        try:
+            parquet = pq.ParquetFile(path)
+            metadata = parquet.metadata
+            # schema_arrow restores the writer's Arrow types (large_string, time zones, ...).
+            file_schema = parquet.schema_arrow.remove_metadata()
+        except (OSError, pa.ArrowException) as exc:
+            raise JobError(f"cannot read input file {str(path)!r}: {exc}") from exc
+        if schema is None:
+            schema = file_schema
+        elif not file_schema.equals(schema):
+            raise JobError(
+                f"input file {str(path)!r} has columns {_describe(file_schema)}, "
+                f"but the first file has {_describe(schema)}"
+            )
+        rows = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
+        files.append(InputFile(path=path, first_row=first_row, row_group_rows=rows))
+        first_row += sum(rows)
+    assert schema is not None  # resolve_input_paths never returns an empty list
+    return InputSource(files=tuple(files), schema=schema)
+
+
+def _describe(schema: pa.Schema) -> str:
+    return ", ".join(f"{field.name}: {field.type}" for field in schema)
+
+
+def iter_batches(
+    source: InputSource, selection: RowSelection, columns: Sequence[str] | None = None
+) -> Iterator[InputBatch]:
+    """The selected rows, in row_index order, as record batches of the given columns."""
+    for file in source.files:
+        try:
+            yield from _read_file(file, selection, columns)
+        except (OSError, pa.ArrowException) as exc:
+            raise JobError(f"cannot read input file {str(file.path)!r}: {exc}") from exc
+
+
+def _read_file(
+    file: InputFile, selection: RowSelection, columns: Sequence[str] | None
+) -> Iterator[InputBatch]:
+    reader: pq.ParquetFile | None = None
+    group_start = file.first_row
+    for group, num_rows in enumerate(file.row_group_rows):
+        start, group_start = group_start, group_start + num_rows
+        if not selection.mask(start, group_start).any():
+            continue
+        reader = reader or pq.ParquetFile(file.path)
+        for batch in reader.iter_batches(
+            batch_size=READ_BATCH_ROWS, row_groups=[group], columns=columns
+        ):
+            wanted = selection.mask(start, start + batch.num_rows)
+            indices = np.arange(start, start + batch.num_rows, dtype=np.int64)[wanted]
+            start += batch.num_rows
+            if len(indices):
+                yield InputBatch(indices, batch.filter(pa.array(wanted)))

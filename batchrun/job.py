@@ -1,0 +1,154 @@
+"""The job spec: what to run, resolved from defaults, a TOML job file and command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import tomllib
+
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.request import SamplingParams, row_seed
+from batchrun.errors import JobError
+from batchrun.schemas import job_schema
+
+# Keys holding paths: relative ones in a job file resolve against the job file's directory.
+_PATH_KEYS = ("input", "output", "target", "draft")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    input: str
+    output: str
+    target: str
+    draft: str | None = None  # None (or "none"): no draft
+    prompt_column: str | None = None
+    messages_column: str | None = None
+    token_ids_column: str | None = None
+    id_column: str | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True
+    max_batch_size: int = 64
+    max_batched_tokens: int = 2048
+    shard: str | None = None  # "I/N"
+    overwrite: bool = False
+    quiet: bool = False
+    rows_per_part: int = 1000
+    part_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        # Normalise what TOML and callers hand us, then hold every JobSpec to the schema.
+        if self.draft is not None and self.draft.lower() == "none":
+            object.__setattr__(self, "draft", None)
+        for name in ("stop", "stop_token_ids"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        validate_job_dict(self.to_dict())
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "part_seconds", float(self.part_seconds))
+        if self.shard is not None:
+            parse_shard(self.shard)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job as job-file keys (None values left out, tuples as lists)."""
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                out[field.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @property
+    def shard_spec(self) -> tuple[int, int] | None:
+        """(I, N) of --shard I/N, or None."""
+        return parse_shard(self.shard) if self.shard is not None else None
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            target=Path(self.target),
+            draft=Path(self.draft) if self.draft is not None else None,
+            dtype=self.dtype,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            cuda_graphs=self.cuda_graphs,
+            max_batch_size=self.max_batch_size,
+            max_batched_tokens=self.max_batched_tokens,
+        )
+
+    def default_params(self, row_index: int | None = None) -> SamplingParams:
+        """The job's sampling defaults; with a row_index, seeded for that row."""
+        seed = self.seed if row_index is None else row_seed(self.seed, row_index)
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+        )
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """(I, N) of "I/N"; the schema has already checked the form."""
+    index, count = (int(part) for part in text.split("/"))
+    if count < 1 or index >= count:
+        raise JobError(f"job key 'shard': {text!r} needs 0 <= I < N")
+    return index, count
+
+
+def validate_job_dict(data: Mapping[str, Any]) -> None:
+    """Raise JobError, naming the key, for the first way `data` breaks the job schema."""
+    validator = jsonschema.Draft202012Validator(job_schema())
+    error = jsonschema.exceptions.best_match(validator.iter_errors(dict(data)))
+    if error is None:
+        return
+    if error.validator == "additionalProperties":
+        known = job_schema()["properties"]
+        unknown = sorted(key for key in data if key not in known)
+        raise JobError(f"unknown job key {unknown[0]!r}")
+    if error.validator == "required":
+        missing = next(key for key in job_schema()["required"] if key not in data)
+        flag = "--" + missing.replace("_", "-")
+        raise JobError(f"job key {missing!r} is required (set it in the job file or with {flag})")
+    key = error.absolute_path[0] if error.absolute_path else "?"
+    raise JobError(f"job key {key!r}: {error.message}")
+
+
+def read_job_file(path: Path) -> dict[str, Any]:
+    """The keys of a TOML job file, with relative paths resolved against its directory."""
+    try:
+        with path.open("rb") as file:
+            data = tomllib.load(file)
+    except OSError as exc:
+        raise JobError(f"cannot read job file {str(path)!r}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise JobError(f"job file {str(path)!r} is not valid TOML: {exc}") from exc
+    base = path.resolve().parent
+    for key in _PATH_KEYS:
+        value = data.get(key)
+        if isinstance(value, str) and not (key == "draft" and value.lower() == "none"):
+            data[key] = str(base / value)  # an absolute value replaces base
+    return data
+
+
+def load_job(job_file: Path | None = None, overrides: Mapping[str, Any] | None = None) -> JobSpec:
+    """Defaults < job file < overrides (None values in overrides are unset flags)."""
+    data = read_job_file(job_file) if job_file is not None else {}
+    data.update({key: value for key, value in (overrides or {}).items() if value is not None})
+    validate_job_dict(data)
+    return JobSpec(**data)

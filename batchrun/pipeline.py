@@ -1,0 +1,265 @@
+"""One job from start to end: check everything, then stream rows through the engine into parts.
+
+Memory stays bounded: the input is read batch by batch, at most QUEUE_FACTOR * max_batch_size
+requests wait in the engine, and finished rows are written out every rows_per_part rows or
+part_seconds seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchrun.engine.request import Request
+from batchrun.errors import JobError
+from batchrun.io.output_schema import OutputRow, build_table, error_row, finished_row, output_schema
+from batchrun.io.progress import STATS_FILE, OutputDir, job_fingerprint
+from batchrun.io.progress_bar import ProgressBar
+from batchrun.io.prompts import (
+    PromptColumn,
+    RequestBuilder,
+    find_id_column,
+    find_prompt_column,
+)
+from batchrun.io.reader import InputSource, RowSelection, iter_batches, open_input
+from batchrun.job import JobSpec
+from batchrun.stats import STATS_COLUMNS, StatsAccumulator
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from transformers import PreTrainedTokenizerBase
+
+QUEUE_FACTOR = 4  # requests queued in the engine, per unit of max_batch_size
+MAX_LOGGED_ERRORS = 10
+
+
+class EngineLike(Protocol):
+    """What the pipeline needs of an engine (batchrun.engine.engine.Engine, or a test fake)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    max_model_len: int  # prompt + output tokens must fit
+    vocab_size: int  # valid token ids: 0 <= id < vocab_size
+    block_size: int | None  # DFlash block size; None without a draft
+
+    def info(self) -> dict[str, Any]: ...
+
+    def add(self, request: Request) -> None: ...
+
+    def step(self) -> list[Request]: ...
+
+    @property
+    def num_unfinished(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class OpenedJob:
+    """What the start-up checks found; nothing has been written yet."""
+
+    job: JobSpec
+    source: InputSource
+    prompt: PromptColumn
+    id_column: str | None
+    schema: pa.Schema  # of every output part
+    out: OutputDir
+    fingerprint: dict[str, Any]
+
+
+def open_job(job: JobSpec) -> OpenedJob:
+    """Every check that needs no model: inputs, columns, output directory. Raises JobError."""
+    for key in ("target", "draft"):
+        model = getattr(job, key)
+        if model is not None and not Path(model).is_dir():
+            raise JobError(f"{key} model directory {model!r} does not exist")
+    source = open_input(job.input)
+    prompt = find_prompt_column(source.schema, job)
+    id_column = find_id_column(source.schema, job)
+    schema = output_schema(source.schema)
+    out = OutputDir(Path(job.output), job.shard_spec)
+    fingerprint = job_fingerprint(job, source)
+    out.check(fingerprint, job.overwrite)
+    return OpenedJob(job, source, prompt, id_column, schema, out, fingerprint)
+
+
+def build_engine(job: JobSpec) -> EngineLike:
+    from batchrun.engine.engine import Engine  # the model stack loads only when a job runs
+
+    return Engine(job.engine_config())
+
+
+def run_job(job: JobSpec, engine: EngineLike | None = None) -> dict[str, Any]:
+    """Run the job (or its shard) to the end; returns its stats.json content."""
+    started = time.monotonic()
+    opened = open_job(job)
+    engine = engine if engine is not None else build_engine(job)
+    builder = RequestBuilder(
+        job,
+        opened.prompt,
+        opened.source.schema,
+        engine.tokenizer,
+        engine.max_model_len,
+        engine.vocab_size,
+    )
+    opened.out.prepare(opened.fingerprint, job.overwrite)
+    return _Run(opened, engine, builder, started).execute()
+
+
+class _Run:
+    def __init__(
+        self, opened: OpenedJob, engine: EngineLike, builder: RequestBuilder, started: float
+    ) -> None:
+        self.job, self.out, self.engine, self.builder = opened.job, opened.out, engine, builder
+        self.opened = opened
+        self.started = started
+        total = opened.source.total_rows
+        self.selection = RowSelection(self.out.done_mask(total), self.job.shard_spec)
+        shard = self.job.shard_spec
+        self.job_rows = total if shard is None else len(range(shard[0], total, shard[1]))
+        self.stats = StatsAccumulator()
+        for part in self.out.own_parts():
+            self.stats.add(pq.read_table(part, columns=STATS_COLUMNS))
+        self.done_rows = self.job_rows - self.selection.count()  # committed plus buffered
+        self.pending: dict[int, pa.RecordBatch] = {}  # row_index -> its input columns
+        self.buffer_inputs: list[pa.RecordBatch] = []
+        self.buffer_rows: list[OutputRow] = []
+        self.buffer_since = 0.0
+        self.run_tokens = 0  # generated in this run, for tokens/s
+        self.run_spec_tokens = 0
+        self.run_spec_rounds = 0
+        self.errors_logged = 0
+        self.bar = ProgressBar(self.job_rows, enabled=not self.job.quiet)
+
+    def execute(self) -> dict[str, Any]:
+        try:
+            self._loop()
+        except BaseException:
+            self._commit()  # finished rows are good output whatever stopped the job
+            raise
+        finally:
+            self.bar.close()
+        self._commit()
+        return self._finish()
+
+    def _loop(self) -> None:
+        rows = self._input_rows()
+        max_queued = QUEUE_FACTOR * self.job.max_batch_size
+        exhausted = False
+        while True:
+            while not exhausted and self.engine.num_unfinished < max_queued:
+                row = next(rows, None)
+                if row is None:
+                    exhausted = True
+                else:
+                    self._admit(*row)
+            if self.engine.num_unfinished == 0:
+                break  # and the input is exhausted, else the queue would not be empty
+            for request in self.engine.step():
+                self._buffer(self.pending.pop(request.row_index), finished_row(request))
+                self._count(request)
+            self._maybe_commit()
+
+    def _input_rows(self) -> Iterator[tuple[int, pa.RecordBatch, dict[str, Any]]]:
+        columns = self.builder.columns
+        if self.opened.id_column is not None and self.opened.id_column not in columns:
+            columns = [*columns, self.opened.id_column]
+        for batch in iter_batches(self.opened.source, self.selection):
+            values = batch.batch.select(columns).to_pylist()
+            for i, row_index in enumerate(batch.row_indices.tolist()):
+                yield row_index, batch.batch.slice(i, 1), values[i]
+
+    def _admit(self, row_index: int, inputs: pa.RecordBatch, values: dict[str, Any]) -> None:
+        request = self.builder.build(row_index, values)
+        if isinstance(request, Request):
+            self.pending[row_index] = inputs
+            self.engine.add(request)
+            return
+        self._log_error(row_index, values, request)
+        self._buffer(inputs, error_row(row_index, request))
+        self._maybe_commit()
+
+    def _count(self, request: Request) -> None:
+        self.run_tokens += len(request.output_ids)
+        if request.spec_hist is not None:
+            self.run_spec_tokens += len(request.output_ids) - 1
+            self.run_spec_rounds += request.spec_rounds
+
+    def _log_error(self, row_index: int, values: dict[str, Any], message: str) -> None:
+        if self.job.quiet:
+            return
+        self.errors_logged += 1
+        if self.errors_logged > MAX_LOGGED_ERRORS + 1:
+            return
+        if self.errors_logged > MAX_LOGGED_ERRORS:
+            self.bar.log("batchrun: more error rows follow; see the output's error column")
+            return
+        id_column = self.opened.id_column
+        name = f" ({id_column}={values[id_column]!r})" if id_column is not None else ""
+        self.bar.log(f"batchrun: row {row_index}{name}: {message}")
+
+    def _buffer(self, inputs: pa.RecordBatch, row: OutputRow) -> None:
+        if not self.buffer_rows:
+            self.buffer_since = time.monotonic()
+        self.buffer_inputs.append(inputs)
+        self.buffer_rows.append(row)
+        self.done_rows += 1
+        self._draw()
+
+    def _maybe_commit(self) -> None:
+        full = len(self.buffer_rows) >= self.job.rows_per_part
+        if full or (
+            self.buffer_rows and time.monotonic() - self.buffer_since >= self.job.part_seconds
+        ):
+            self._commit()
+
+    def _commit(self) -> None:
+        if not self.buffer_rows:
+            return
+        # Take the buffer first: if the write fails, these rows are simply redone next run.
+        inputs, rows = self.buffer_inputs, self.buffer_rows
+        self.buffer_inputs, self.buffer_rows = [], []
+        table = build_table(self.opened.schema, inputs, rows)
+        self.out.commit(table)
+        self.stats.add(table)
+        self.out.write_json(self.out.stats_path, self._stats())
+
+    def _draw(self) -> None:
+        tau = self.run_spec_tokens / self.run_spec_rounds if self.run_spec_rounds else None
+        self.bar.update(self.done_rows, self.run_tokens, tau)
+
+    def _stats(self) -> dict[str, Any]:
+        return self.stats.to_dict(
+            info=self.engine.info(),
+            block_size=self.engine.block_size,
+            wall_seconds=time.monotonic() - self.started,
+            run_completion_tokens=self.run_tokens,
+            extra={"input_rows": self.job_rows, "shard": self.job.shard},
+        )
+
+    def _finish(self) -> dict[str, Any]:
+        stats = self._stats()
+        self.out.write_json(self.out.stats_path, stats)
+        if self.out.done_mask(self.opened.source.total_rows).all():
+            if self.job.shard is not None:
+                self._write_job_wide_stats()
+            self.out.mark_success()  # last: every input row has its output row
+        return stats
+
+    def _write_job_wide_stats(self) -> None:
+        """The last shard to finish writes stats.json over every shard's parts."""
+        totals = StatsAccumulator()
+        for part in self.out.all_parts():
+            totals.add(pq.read_table(part, columns=STATS_COLUMNS))
+        walls = [self.out.read_json(path)["wall_seconds"] for path in self.out.shard_stats_paths()]
+        stats = totals.to_dict(
+            info=self.engine.info(),
+            block_size=self.engine.block_size,
+            wall_seconds=max(walls, default=0.0),  # shards run side by side
+            run_completion_tokens=totals.completion_tokens,
+            extra={"input_rows": self.opened.source.total_rows, "shard": None},
+        )
+        self.out.write_json(self.out.path / STATS_FILE, stats)

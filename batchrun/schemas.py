@@ -1,0 +1,179 @@
+"""The job file's JSON Schema and the output Parquet schema, and the files users read them from.
+
+`python -m batchrun.schemas [DIR]` rewrites DIR/job.schema.json and DIR/output.schema.json
+(DIR defaults to the repository's schemas/); a test checks the committed files are up to date.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from batchrun.io.output_schema import OUTPUT_FIELDS
+
+_PATH_NOTE = "Relative paths in a job file resolve against the job file's directory."
+
+
+def _string(description: str) -> dict[str, Any]:
+    return {"type": "string", "minLength": 1, "description": description}
+
+
+def _integer(description: str, default: int, minimum: int) -> dict[str, Any]:
+    return {"type": "integer", "minimum": minimum, "default": default, "description": description}
+
+
+def _choice(description: str, choices: list[str]) -> dict[str, Any]:
+    return {"type": "string", "enum": choices, "default": "auto", "description": description}
+
+
+def _flag(description: str, default: bool) -> dict[str, Any]:
+    return {"type": "boolean", "default": default, "description": description}
+
+
+def job_schema() -> dict[str, Any]:
+    """JSON Schema (2020-12) of a job: the keys of a job file, which are also the CLI flags."""
+    properties: dict[str, Any] = {
+        "input": _string(
+            f"Parquet file, directory of Parquet files, or glob; files are read sorted by path. "
+            f"{_PATH_NOTE}"
+        ),
+        "output": _string(f"Output directory for part files, progress and stats. {_PATH_NOTE}"),
+        "target": _string(f"Target model directory (Hugging Face layout). {_PATH_NOTE}"),
+        "draft": _string(
+            'DFlash draft model directory, or "none" for plain decoding (the default). '
+            + _PATH_NOTE
+        ),
+        "prompt_column": _string("Text prompt column (default: `prompt` if it exists)."),
+        "messages_column": _string(
+            "Chat column, list<struct<role, content>>, rendered with the target's chat template "
+            "(default: `messages` if it exists)."
+        ),
+        "token_ids_column": _string(
+            "Column of prompt token ids, list<int> (default: `prompt_token_ids` if it exists)."
+        ),
+        "id_column": _string(
+            "Column that names rows in logs (row_index serves when unset; need not be unique)."
+        ),
+        "max_tokens": _integer("Default maximum number of generated tokens per row.", 256, 1),
+        "temperature": {
+            "type": "number",
+            "minimum": 0,
+            "default": 0.0,
+            "description": "Default sampling temperature; 0 is greedy and reproducible.",
+        },
+        "top_p": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "maximum": 1,
+            "default": 1.0,
+            "description": "Default nucleus sampling mass; 1 keeps every token.",
+        },
+        "top_k": _integer("Default top-k cutoff; 0 turns it off.", 0, 0),
+        "seed": _integer(
+            "Job seed; a row without a `seed` cell gets a distinct seed derived from it "
+            "and its row_index.",
+            0,
+            0,
+        ),
+        "stop": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1},
+            "default": [],
+            "description": "Default stop strings; the completion is cut before the first one.",
+        },
+        "stop_token_ids": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0},
+            "default": [],
+            "description": "Default token ids that end generation (in addition to EOS).",
+        },
+        "dtype": _choice(
+            "Model weight and activation dtype.", ["auto", "float32", "bfloat16", "float16"]
+        ),
+        "device": _choice("Device to run on.", ["auto", "cpu", "cuda"]),
+        "attention_backend": _choice(
+            "Attention implementation.", ["auto", "torch", "triton", "flashinfer"]
+        ),
+        "cuda_graphs": _flag("Capture CUDA graphs for decode steps (GPU only).", True),
+        "max_batch_size": _integer("Requests in flight in the engine at once.", 64, 1),
+        "max_batched_tokens": _integer(
+            "Tokens per forward pass (prefill chunks + decode).", 2048, 1
+        ),
+        "shard": {
+            "type": "string",
+            "pattern": "^[0-9]+/[0-9]+$",
+            "description": 'Process only rows with row_index % N == I, given as "I/N"; '
+            "shards can share one output directory.",
+        },
+        "overwrite": _flag(
+            "Delete this job's earlier output in the output directory first.", False
+        ),
+        "quiet": _flag("No progress bar on stderr.", False),
+        "rows_per_part": _integer("Rows per output part file.", 1000, 1),
+        "part_seconds": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "default": 60.0,
+            "description": "Commit a part after this many seconds even if it is not full, "
+            "so a killed job loses little work.",
+        },
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://batchrun.dev/schemas/job.schema.json",
+        "title": "batchrun job",
+        "description": "A batchrun job file (TOML). Every key is also a command-line flag "
+        "(underscores become dashes); flags override the file, the file overrides defaults. "
+        "input, output and target are required, from the file or from flags.",
+        "type": "object",
+        "properties": properties,
+        "required": ["input", "output", "target"],
+        "additionalProperties": False,
+    }
+
+
+def _type_name(arrow_type: pa.DataType) -> str:
+    if pa.types.is_list(arrow_type):
+        return f"list<{_type_name(arrow_type.value_type)}>"
+    if pa.types.is_floating(arrow_type):
+        return f"float{arrow_type.bit_width}"  # Arrow says "float"/"double"; be explicit
+    return str(arrow_type)
+
+
+def output_schema_json() -> list[dict[str, Any]]:
+    """The columns batchrun adds after the input's own columns, for users to read."""
+    return [
+        {
+            "name": field.name,
+            "type": _type_name(field.type),
+            "nullable": field.nullable,
+            "description": field.metadata[b"description"].decode(),
+        }
+        for field in OUTPUT_FIELDS
+    ]
+
+
+def schema_files() -> dict[str, str]:
+    """File name -> exact text of each schema file."""
+    return {
+        "job.schema.json": json.dumps(job_schema(), indent=2) + "\n",
+        "output.schema.json": json.dumps(output_schema_json(), indent=2) + "\n",
+    }
+
+
+def default_schema_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "schemas"
+
+
+def write_schema_files(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in schema_files().items():
+        (directory / name).write_text(text)
+
+
+if __name__ == "__main__":
+    write_schema_files(Path(sys.argv[1]) if len(sys.argv) > 1 else default_schema_dir())

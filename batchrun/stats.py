@@ -1,0 +1,182 @@
+"""Job statistics: stats.json, accumulated as parts commit, and `batchrun stats` from part files."""
+
+from __future__ import annotations
+
+import platform
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+import batchrun
+from batchrun.errors import JobError
+from batchrun.io.parts import PART_PATTERN
+from batchrun.io.progress import SUCCESS_FILE
+
+# The output columns statistics are computed from.
+STATS_COLUMNS = [
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "spec_rounds",
+    "spec_accept_hist",
+    "error",
+]
+
+
+def per_position_acceptance(hist: np.ndarray) -> list[float] | None:
+    """Entry j-1: the fraction of rounds that committed more than j tokens (draft j accepted)."""
+    rounds = int(hist.sum())
+    if rounds == 0:
+        return None
+    return [float(hist[j:].sum() / rounds) for j in range(1, len(hist))]
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {
+        "batchrun": batchrun.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+class StatsAccumulator:
+    """Running totals over output rows; token counts cover ok rows only."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.error_rows = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.spec_rounds = 0
+        self.spec_tokens = 0  # sum of completion_tokens - 1 over rows with a histogram
+        self.hist: np.ndarray | None = None  # pooled spec_accept_hist
+        self.finish_reasons: Counter[str] = Counter()
+
+    def add(self, table: pa.Table) -> None:
+        """Count the rows of a part (any table holding STATS_COLUMNS)."""
+        ok = table.filter(pc.not_equal(table.column("finish_reason"), "error"))
+        self.rows += table.num_rows
+        self.error_rows += table.num_rows - ok.num_rows
+        self.prompt_tokens += _sum(ok.column("prompt_tokens"))
+        self.completion_tokens += _sum(ok.column("completion_tokens"))
+        self.spec_rounds += _sum(ok.column("spec_rounds"))
+        for reason, count in Counter(table.column("finish_reason").to_pylist()).items():
+            self.finish_reasons[reason] += count
+        spec = ok.filter(pc.is_valid(ok.column("spec_accept_hist")))
+        if spec.num_rows:
+            self.spec_tokens += _sum(spec.column("completion_tokens")) - spec.num_rows
+            self._add_hist(spec.column("spec_accept_hist"))
+
+    def _add_hist(self, column: pa.ChunkedArray) -> None:
+        flat = pc.list_flatten(column).to_numpy().astype(np.int64)
+        hist = flat.reshape(len(column), -1).sum(axis=0)
+        self.hist = hist if self.hist is None else self.hist + hist
+
+    def to_dict(
+        self,
+        *,
+        info: dict[str, Any],
+        block_size: int | None,
+        wall_seconds: float,
+        run_completion_tokens: int,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """stats.json. Throughput counts this run's tokens over this run's wall time."""
+        uses_draft = block_size is not None or self.hist is not None
+        tau = self.spec_tokens / self.spec_rounds if uses_draft and self.spec_rounds else None
+        return {
+            "rows": self.rows,
+            "ok_rows": self.rows - self.error_rows,
+            "error_rows": self.error_rows,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "wall_seconds": round(wall_seconds, 3),
+            "output_tokens_per_second": (
+                round(run_completion_tokens / wall_seconds, 2) if wall_seconds > 0 else None
+            ),
+            "spec_rounds": self.spec_rounds,
+            "acceptance_length": tau,
+            "per_position_acceptance": (
+                per_position_acceptance(self.hist) if self.hist is not None else None
+            ),
+            "block_size": block_size if block_size is not None else _hist_len(self.hist),
+            "target": info.get("target"),
+            "draft": info.get("draft"),
+            "dtype": info.get("dtype"),
+            "device": info.get("device"),
+            "attention_backend": info.get("attention_backend"),
+            "versions": versions(),
+            "finish_reasons": dict(sorted(self.finish_reasons.items())),
+            **(extra or {}),
+        }
+
+
+def _sum(column: pa.ChunkedArray) -> int:
+    total = pc.sum(column).as_py()
+    return int(total) if total is not None else 0
+
+
+def _hist_len(hist: np.ndarray | None) -> int | None:
+    return len(hist) if hist is not None else None
+
+
+def summarize(out_dir: Path, top_errors: int = 5) -> str:
+    """A human summary of the part files in out_dir (works while the job is still running)."""
+    parts = sorted(out_dir.glob(PART_PATTERN))
+    if not parts:
+        raise JobError(f"no part files in {str(out_dir)!r}")
+    frame = pl.scan_parquet(parts).select(STATS_COLUMNS).collect()
+    ok = frame.filter(pl.col("finish_reason") != "error")
+    lines = [
+        f"output: {out_dir} ({len(parts)} parts"
+        + (", complete)" if (out_dir / SUCCESS_FILE).exists() else ", not complete)"),
+        f"rows: {frame.height} ({ok.height} ok, {frame.height - ok.height} errors)",
+        "finish reasons: "
+        + ", ".join(
+            f"{row['finish_reason']} {row['len']}"
+            for row in frame.group_by("finish_reason")
+            .len()
+            .sort("len", descending=True)
+            .iter_rows(named=True)
+        ),
+        f"prompt tokens: {ok['prompt_tokens'].sum()}, "
+        f"completion tokens: {ok['completion_tokens'].sum()}",
+    ]
+    lines += _speculation_lines(ok)
+    errors = (
+        frame.filter(pl.col("error").is_not_null())
+        .group_by("error")
+        .len()
+        .sort(["len", "error"], descending=[True, False])
+        .head(top_errors)
+    )
+    if errors.height:
+        lines.append("most common errors:")
+        lines += [f"  {row['len']:>8}  {row['error']}" for row in errors.iter_rows(named=True)]
+    return "\n".join(lines)
+
+
+def _speculation_lines(ok: pl.DataFrame) -> list[str]:
+    spec = ok.filter(pl.col("spec_accept_hist").is_not_null())
+    if spec.height == 0:
+        return ["speculation: none (no draft)"]
+    flat = spec.select(pl.col("spec_accept_hist").explode()).to_series().to_numpy()
+    hist = flat.astype(np.int64).reshape(spec.height, -1).sum(axis=0)
+    rounds = int(spec["spec_rounds"].sum())
+    tau = (int(spec["completion_tokens"].sum()) - spec.height) / rounds if rounds else None
+    positions = per_position_acceptance(hist)
+    return [
+        f"speculation: block size {len(hist)}, {rounds} rounds, "
+        f"acceptance length (tau) {f'{tau:.3f}' if tau is not None else 'n/a'}",
+        "per-position acceptance: "
+        + (" ".join(f"{p:.3f}" for p in positions) if positions is not None else "n/a"),
+    ]

@@ -1,0 +1,227 @@
+"""The command line over real tiny checkpoints: run, validate, stats, one-line errors, kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+from batchrun.cli import cli
+from batchrun.tools.tiny_draft import make_tiny_draft
+
+REPO = Path(__file__).resolve().parent.parent
+# Tiny models run fastest on one thread; more only contend with other processes for the cores.
+ONE_THREAD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args))
+
+
+def write_job(tmp_path: Path, model: Path, extra: str = "", **keys: int) -> Path:
+    settings = {"max_tokens": 6, "rows_per_part": 4, "max_batch_size": 4, **keys}
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'input = "in"\noutput = "out"\ntarget = "{model}"\nquiet = true\n'
+        + "".join(f"{key} = {value}\n" for key, value in settings.items())
+        + extra
+    )
+    return job
+
+
+def write_prompts(directory: Path, prompts: Sequence[str | None], files: int = 1) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    table = pa.table({"prompt": pa.array(prompts, pa.string()), "n": list(range(len(prompts)))})
+    per_file = -(-len(prompts) // files)
+    for number in range(files):
+        pq.write_table(table.slice(number * per_file, per_file), directory / f"{number}.parquet")
+
+
+def read_output(out: Path) -> pa.Table:
+    parts = sorted(out.glob("part-*.parquet"))
+    return pa.concat_tables(pq.read_table(p) for p in parts).sort_by("row_index")
+
+
+def assert_one_line_error(result: Result, message: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("batchrun: error: "), result.stderr
+    assert message in lines[0]
+
+
+PROMPTS = [f"def step_{i}(state):" for i in range(10)] + ["", None, "import os"]
+
+
+def test_run_and_stats_end_to_end(tmp_path: Path, tiny_model: Path) -> None:
+    write_prompts(tmp_path / "in", PROMPTS, files=3)
+    result = invoke("run", str(write_job(tmp_path, tiny_model)), "--max-tokens", "5")
+    assert result.exit_code == 0, result.output
+    out = read_output(tmp_path / "out")
+    assert out.column("row_index").to_pylist() == out.column("n").to_pylist() == list(range(13))
+    assert out.column("finish_reason").to_pylist().count("error") == 2
+    for row in out.to_pylist():
+        if row["error"] is None:
+            assert 1 <= row["completion_tokens"] <= 5 and row["finish_reason"] in ("stop", "length")
+            assert len(row["completion_token_ids"]) == row["completion_tokens"]
+    assert (tmp_path / "out" / "_SUCCESS").exists() and (tmp_path / "out" / "stats.json").exists()
+    summary = invoke("stats", str(tmp_path / "out"))
+    assert summary.exit_code == 0
+    assert "rows: 13 (11 ok, 2 errors)" in summary.output
+    assert "prompt is empty" in summary.output and "prompt is null" in summary.output
+
+
+def test_a_draft_fills_the_speculation_columns(tmp_path: Path, tiny_model: Path) -> None:
+    draft = make_tiny_draft(tmp_path / "draft", tiny_model, block_size=4)
+    write_prompts(tmp_path / "in", PROMPTS[:6])
+    job = str(write_job(tmp_path, tiny_model, max_tokens=12))
+    assert invoke("run", job, "--output", str(tmp_path / "plain")).exit_code == 0
+    result = invoke("run", job, "--draft", str(draft))
+    assert result.exit_code == 0, result.output
+    speculative, plain = read_output(tmp_path / "out"), read_output(tmp_path / "plain")
+    assert speculative.column("completion").equals(plain.column("completion"))  # greedy: same text
+    for row in speculative.to_pylist():
+        hist = row["spec_accept_hist"]
+        assert len(hist) == 4 and sum(hist) == row["spec_rounds"]
+        assert row["completion_tokens"] == 1 + sum(k * hist[k - 1] for k in range(1, 5))
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["block_size"] == 4 and stats["spec_rounds"] > 0
+    assert stats["acceptance_length"] >= 1 and len(stats["per_position_acceptance"]) == 3
+    assert "per-position acceptance" in invoke("stats", str(tmp_path / "out")).output
+
+
+def test_chat_rows_use_the_chat_template(tmp_path: Path, tiny_model: Path) -> None:
+    messages = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    rows = [
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        [{"role": "user", "content": None}],
+    ]
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"messages": pa.array(rows, messages)}), tmp_path / "in" / "c.parquet")
+    assert invoke("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
+    first, second = read_output(tmp_path / "out").to_pylist()
+    assert first["error"] is None and first["prompt_tokens"] > 4
+    assert second["error"].startswith("malformed chat row")
+
+
+def test_validate_reports_what_it_found(tmp_path: Path, tiny_model: Path) -> None:
+    write_prompts(tmp_path / "in", PROMPTS, files=2)
+    result = invoke("validate", str(write_job(tmp_path, tiny_model, 'id_column = "n"\n')))
+    assert result.exit_code == 0, result.output
+    assert "input: 2 file(s), 13 rows" in result.output
+    assert "prompt column: prompt (text)" in result.output
+    assert "id column: n" in result.output
+    assert not (tmp_path / "out").exists()  # validate runs nothing
+
+
+@pytest.mark.parametrize(
+    ("extra", "flags", "message"),
+    [
+        ("colour = 1\n", [], "unknown job key 'colour'"),
+        ("", ["--top-p", "2"], "job key 'top_p'"),
+        ("", ["--target", "missing-model"], "target model directory"),
+        ("", ["--target", "."], "no config.json"),
+        ("", ["--input", "nothing.parquet"], "does not exist"),
+        ("", ["--prompt-column", "text"], "prompt_column 'text' is not an input column"),
+        ('prompt_column = "n"\n', [], "prompt column 'n' must be string"),
+    ],
+)
+def test_job_errors_are_one_line_and_exit_2(
+    tmp_path: Path,
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    extra: str,
+    flags: list[str],
+    message: str,
+) -> None:
+    write_prompts(tmp_path / "in", PROMPTS)
+    monkeypatch.chdir(tmp_path)  # relative flags resolve against the working directory
+    assert_one_line_error(
+        invoke("run", str(write_job(tmp_path, tiny_model, extra)), *flags), message
+    )
+
+
+def test_unreadable_input_as_a_real_process(tmp_path: Path, tiny_model: Path) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "broken.parquet").write_text("not parquet")
+    done = subprocess.run(
+        [sys.executable, "-m", "batchrun.cli", "run", str(write_job(tmp_path, tiny_model))],
+        cwd=REPO,
+        env=ONE_THREAD_ENV,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("batchrun: error: cannot read input file")
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def kill_when(job: Path, ready: Callable[[], bool]) -> bool:
+    """Start `batchrun run job`, SIGKILL it once ready() holds; False if it finished first."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "batchrun.cli", "run", str(job)],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        env=ONE_THREAD_ENV,
+    )
+    try:
+        while process.poll() is None:
+            if ready():
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait()
+                return True
+            time.sleep(0.002)
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, process.stderr.read() if process.stderr else ""
+    return False
+
+
+@pytest.mark.slow
+def test_kill_9_and_rerun_gives_every_row_once(tmp_path: Path, tiny_model: Path) -> None:
+    rows = 12
+    prompts = [f"class Model{i}:\n    def forward(self, x):" for i in range(rows)]
+    write_prompts(tmp_path / "in", prompts, files=2)
+    job = write_job(tmp_path, tiny_model, rows_per_part=2, max_batch_size=2, max_tokens=6)
+    reference = invoke("run", str(job), "--output", str(tmp_path / "reference"))
+    assert reference.exit_code == 0, reference.output
+    out = tmp_path / "out"
+
+    def parts() -> int:
+        return len(list(out.glob("part-*.parquet")))
+
+    killed = [
+        kill_when(job, lambda: (out / "_progress" / "job.json").exists()),  # before any part
+        kill_when(job, lambda: parts() >= 1),
+        kill_when(job, lambda: parts() >= 3),
+    ]
+    assert killed[0], "the first run finished before it could be killed"
+    committed = read_output(out).column("row_index").to_pylist()
+    assert len(committed) == len(set(committed)) < rows  # nothing twice, and work was left
+    assert invoke("run", str(job)).exit_code == 0
+    resumed, expected = read_output(out), read_output(tmp_path / "reference")
+    assert resumed.column("row_index").to_pylist() == list(range(rows))
+    for column in ("completion", "completion_token_ids", "finish_reason", "prompt_tokens"):
+        assert resumed.column(column).equals(expected.column(column)), column
+    assert (out / "_SUCCESS").exists()
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]

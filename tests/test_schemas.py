@@ -1,0 +1,81 @@
+"""The committed schema files are what the code generates, and agree with JobSpec and the parts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pyarrow as pa
+
+from batchrun.io.output_schema import OUTPUT_FIELDS, OutputRow, output_schema
+from batchrun.job import JobSpec
+from batchrun.schemas import default_schema_dir, job_schema, schema_files
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_committed_schema_files_are_up_to_date() -> None:
+    for name, text in schema_files().items():
+        committed = (default_schema_dir() / name).read_text()
+        assert committed == text, f"schemas/{name} is stale: run python -m batchrun.schemas"
+
+
+def test_module_writes_the_files(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "batchrun.schemas", str(tmp_path)], check=True, cwd=REPO)
+    for name, text in schema_files().items():
+        assert (tmp_path / name).read_text() == text
+
+
+def test_job_schema_is_valid_and_matches_jobspec() -> None:
+    schema = job_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert set(schema["properties"]) == {f.name for f in dataclasses.fields(JobSpec)}
+    assert schema["additionalProperties"] is False
+    assert all(prop.get("description") for prop in schema["properties"].values())
+
+
+def test_schema_defaults_are_jobspec_defaults() -> None:
+    defaults = {
+        f.name: f.default
+        for f in dataclasses.fields(JobSpec)
+        if f.default is not dataclasses.MISSING
+    }
+    for name, prop in job_schema()["properties"].items():
+        if "default" in prop:
+            expected = defaults[name]
+            assert prop["default"] == (list(expected) if isinstance(expected, tuple) else expected)
+
+
+def test_output_schema_file_lists_the_output_columns_in_order() -> None:
+    listed = json.loads(schema_files()["output.schema.json"])
+    assert [c["name"] for c in listed] == [
+        "row_index",
+        "completion",
+        "completion_token_ids",
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "spec_rounds",
+        "spec_accept_hist",
+        "acceptance_length",
+        "error",
+    ]
+    assert [c["type"] for c in listed][:3] == ["int64", "string", "list<int32>"]
+    assert listed[8]["type"] == "float32"
+    assert all(c["description"] for c in listed)
+    assert [f.name for f in dataclasses.fields(OutputRow)] == [f.name for f in OUTPUT_FIELDS]
+
+
+def test_output_schema_keeps_input_columns_first() -> None:
+    input_schema = pa.schema([("id", pa.string()), ("prompt", pa.large_string())])
+    schema = output_schema(input_schema.with_metadata({"pandas": "{}"}))
+    assert schema.names[:2] == ["id", "prompt"]
+    assert schema.field("prompt").type == pa.large_string()
+    assert schema.metadata is None
+    assert schema.field("error").metadata == {
+        b"description": OUTPUT_FIELDS[-1].metadata[b"description"]
+    }
