@@ -270,6 +270,15 @@ def test_resume_after_a_failure_equals_an_uninterrupted_run(
     assert again.added == 0 and read_output(tmp_path / "out").num_rows == 40
 
 
+def test_an_empty_input_finishes_at_once(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "in" / "e.parquet")
+    stats = run_job(make_job(tmp_path, id_column=None), FakeEngine(tokenizer))
+    assert stats["rows"] == 0 and (tmp_path / "out" / "_SUCCESS").exists()
+
+
 def test_part_seconds_commits_a_part_before_it_is_full(
     tmp_path: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:

@@ -68,6 +68,7 @@ class OutputDir:
         self.path = path
         self.progress = path / PROGRESS_DIR
         self.names = PartNames(shard)
+        self._next_number: int | None = None  # of this shard's next part, found on first commit
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -99,6 +100,7 @@ class OutputDir:
         """Clear (with overwrite) or recover after a kill, and record the job."""
         if overwrite:
             self._clear()
+        self._next_number = None
         self.progress.mkdir(parents=True, exist_ok=True)
         write_text_atomically(self.progress / JOB_FILE, json.dumps(fingerprint, indent=2) + "\n")
         for directory in (self.path, self.progress):
@@ -153,10 +155,12 @@ class OutputDir:
 
     def commit(self, table: pa.Table) -> Path:
         """Write the next part atomically, then its manifest."""
-        numbers = [self.names.number(p.name) for p in self.own_parts()]
-        number = max((n for n in numbers if n is not None), default=-1) + 1
-        path = self.path / self.names.name(number)
+        if self._next_number is None:
+            numbers = [self.names.number(p.name) for p in self.own_parts()]
+            self._next_number = max((n for n in numbers if n is not None), default=-1) + 1
+        path = self.path / self.names.name(self._next_number)
         write_part(path, table)
+        self._next_number += 1
         self._write_manifest(path, table)
         return path
 
