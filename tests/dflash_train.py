@@ -109,7 +109,9 @@ def train_draft(target_dir: Path | str, draft_dir: Path | str, *, steps: int, se
 
 
 # The trained draft the tests share: for a 4-layer target, block 4, features of layers 1 and 2.
-TRAINED_SHAPE = {"num_layers": 1, "block_size": 4, "target_layer_ids": [1, 2]}
+TRAINED_LAYERS = 1
+TRAINED_BLOCK_SIZE = 4
+TRAINED_LAYER_IDS = [1, 2]
 TRAIN_STEPS = 300
 TRAIN_SEED = 0
 
@@ -123,7 +125,14 @@ def trained_draft_beside(target_dir: Path | str) -> Path:
     if not out.exists():
         scratch = target.with_name(target.name + "-dflash-training")
         shutil.rmtree(scratch, ignore_errors=True)
-        make_tiny_draft(scratch, target, seed=TRAIN_SEED, **TRAINED_SHAPE)
+        make_tiny_draft(
+            scratch,
+            target,
+            num_layers=TRAINED_LAYERS,
+            block_size=TRAINED_BLOCK_SIZE,
+            target_layer_ids=TRAINED_LAYER_IDS,
+            seed=TRAIN_SEED,
+        )
         train_draft(target, scratch, steps=TRAIN_STEPS, seed=TRAIN_SEED)
         scratch.rename(out)
     return out

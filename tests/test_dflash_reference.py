@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from dflash_reference import load_target, one_thread, reference_generate, target_pass
-from dflash_train import CONTINUATION, TRAINED_SHAPE, trained_draft_beside, training_prompts
+from dflash_train import CONTINUATION, TRAINED_BLOCK_SIZE, trained_draft_beside, training_prompts
 from safetensors import safe_open
 
 from batchrun.models.dflash import default_target_layer_ids
@@ -140,9 +140,7 @@ def test_random_draft_is_lossless(target: Path, random_draft: Path, seed: int) -
 
 def test_trained_draft_accepts_often_but_not_always(target: Path) -> None:
     draft = trained_draft_beside(target)
-    width = TRAINED_SHAPE["block_size"]
-    assert isinstance(width, int)
-    hist = [0] * width
+    hist = [0] * TRAINED_BLOCK_SIZE
     for prompt in training_prompts(seed=0):
         out, rounds = reference_generate(target, draft, prompt, CONTINUATION, [2])
         assert out == hf_greedy(target, prompt, CONTINUATION, [2])

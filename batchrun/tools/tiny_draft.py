@@ -55,9 +55,16 @@ def make_tiny_draft(
         state_dict = random_draft_weights(config, num_features, seed)
     config.update(extra_config or {})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {name: t.detach().to(torch.float32).contiguous() for name, t in state_dict.items()}
+    tensors = {name: _stored(t) for name, t in state_dict.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def _stored(tensor: torch.Tensor) -> torch.Tensor:
+    """Float weights in float32 (the tiny target's dtype); other tensors (say an int d2t map in
+    a broken variant) as they are."""
+    tensor = tensor.detach().contiguous()
+    return tensor.to(torch.float32) if tensor.is_floating_point() else tensor
 
 
 def unused_embedding_row(target_dir: Path | str, vocab_size: int) -> int:

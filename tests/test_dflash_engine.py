@@ -1,0 +1,425 @@
+"""The engine's DFlash path against target-only decoding and against the plain reference.
+
+Float32 on the CPU: speculative greedy output must be token-identical to the engine without a
+draft, every verify round must draft exactly the reference's tokens, the speculation statistics
+must add up, and sampling must not change the output (the sampler is keyed by seed and token
+index, so even individual samples match). Bad drafts are refused when the engine starts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dflash_reference import RefRound, load_target, one_thread, reference_generate
+from dflash_train import CONTINUATION, trained_draft_beside, training_prompts
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import Request, SamplingParams
+from batchrun.errors import JobError
+from batchrun.tools.tiny_draft import make_tiny_draft
+
+MakeModel = Callable[..., Path]
+Job = tuple[list[int], SamplingParams]
+
+TARGET_SHAPE = {"num_layers": 4, "vocab_size": 1088, "tie_word_embeddings": False}
+EOS = 2  # <|im_end|> of the tiny tokenizer
+PROMPT_LENGTHS = [1, 2, 5, 9, 16, 23, 37, 11]
+MAX_TOKENS = [20, 7, 13, 1, 24, 9, 18, 30]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def target(make_model: MakeModel) -> Path:
+    return make_model(**TARGET_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def trained(target: Path) -> Path:
+    return trained_draft_beside(target)
+
+
+@pytest.fixture(scope="module")
+def draft_for(
+    make_model: MakeModel, target: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], tuple[Path, Path]]:
+    """kind -> (target dir, draft dir)."""
+    kinds: dict[str, Callable[[], tuple[Path, Path]]] = {
+        "random": lambda: (target, draft(target, num_layers=2, target_layer_ids=[1, 2])),
+        # Default layer ids ([2] for n=1, N=4) and a wide block.
+        "random-b8-default-ids": lambda: (target, draft(target, block_size=8)),
+        # Tied target; default ids for n=2, N=3 are [1, 0]: features out of layer order.
+        "tied-3-layers": lambda: (
+            make_model(num_layers=3),
+            draft(make_model(num_layers=3), num_layers=2, block_size=5, seed=3),
+        ),
+        # The last layer's feature is its pre-norm output, not HF's (normed) last hidden state.
+        "random-last-layer": lambda: (target, draft(target, target_layer_ids=[0, 3], seed=2)),
+        "trained": lambda: (target, trained_draft_beside(target)),
+    }
+
+    def draft(target_dir: Path, **kw: Any) -> Path:
+        return make_tiny_draft(tmp_path_factory.mktemp("draft"), target_dir, **{"seed": 1, **kw})
+
+    return lambda kind: kinds[kind]()
+
+
+def run(
+    target: Path, draft: Path | None, jobs: list[Job], **config: Any
+) -> tuple[Engine, list[Request]]:
+    """Every job through one engine: finished requests in row order; rounds in round_trace."""
+    settings: dict[str, Any] = {"max_batch_size": 8, "max_batched_tokens": 64, "num_pages": 64}
+    settings |= config
+    engine = Engine(
+        EngineConfig(
+            target=target,
+            draft=draft,
+            device="cpu",
+            dtype="float32",
+            attention_backend="torch",
+            cuda_graphs=False,
+            page_size=4,
+            **settings,
+        )
+    )
+    engine.round_trace = []
+    for i, (prompt, params) in enumerate(jobs):
+        engine.add(Request(row_index=i, prompt_ids=list(prompt), params=params))
+    finished: list[Request] = []
+    while engine.num_unfinished:
+        finished += engine.step()
+    assert len(finished) == len(jobs)
+    return engine, sorted(finished, key=lambda r: r.row_index)
+
+
+def random_prompts(seed: int, lengths: list[int] = PROMPT_LENGTHS) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in lengths]
+
+
+def greedy_jobs(prompts: list[list[int]], max_tokens: list[int]) -> list[Job]:
+    return [(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, max_tokens, strict=True)]
+
+
+def rounds_of(engine: Engine, row: int) -> list[RefRound]:
+    assert engine.round_trace is not None
+    return [
+        RefRound(t.position, t.anchor, list(t.drafts), list(t.committed))
+        for t in engine.round_trace
+        if t.row_index == row
+    ]
+
+
+def check_stats(req: Request, block_size: int, rounds: list[RefRound]) -> None:
+    hist = req.spec_hist
+    assert hist is not None and len(hist) == block_size
+    assert len(req.output_ids) == 1 + sum(k * n for k, n in enumerate(hist, start=1))
+    assert req.spec_rounds == sum(hist) == len(rounds)
+    assert Counter(len(r.committed) for r in rounds) == {
+        k: n for k, n in enumerate(hist, start=1) if n
+    }
+
+
+def check_against_reference(
+    target: Path, draft: Path, jobs: list[Job], engine: Engine, finished: list[Request]
+) -> None:
+    """Outputs, and every round's position, anchor, drafts and committed tokens, per request."""
+    assert engine.block_size is not None
+    for i, ((prompt, params), req) in enumerate(zip(jobs, finished, strict=True)):
+        stops = [EOS, *params.stop_token_ids]
+        out, ref_rounds = reference_generate(target, draft, prompt, params.max_tokens, stops)
+        got = rounds_of(engine, i)
+        assert req.output_ids == out, f"row {i}"
+        for j, (a, b) in enumerate(zip(got, ref_rounds, strict=False)):
+            assert a == b, f"row {i} round {j}: engine {a} != reference {b}"
+        assert len(got) == len(ref_rounds), f"row {i}"
+        check_stats(req, engine.block_size, got)
+
+
+def check_same_outputs(spec: list[Request], plain: list[Request]) -> None:
+    for a, b in zip(spec, plain, strict=True):
+        assert a.output_ids == b.output_ids, f"row {a.row_index}"
+        assert (a.finish_reason, a.completion) == (b.finish_reason, b.completion)
+
+
+@pytest.mark.parametrize(
+    "kind", ["random", "random-b8-default-ids", "tied-3-layers", "random-last-layer", "trained"]
+)
+def test_greedy_equals_target_only_and_reference(
+    draft_for: Callable[[str], tuple[Path, Path]], kind: str
+) -> None:
+    target, draft = draft_for(kind)
+    if kind == "trained":
+        prompts = training_prompts(seed=0)
+        jobs = greedy_jobs(prompts, [CONTINUATION, 3, 17, 1, 26, 9, 40, 30])
+    else:
+        jobs = greedy_jobs(random_prompts(seed=0), MAX_TOKENS)
+    engine, spec = run(target, draft, jobs)
+    _, plain = run(target, None, jobs)
+    check_same_outputs(spec, plain)
+    check_against_reference(target, draft, jobs, engine, spec)
+    if kind == "trained":
+        lengths = Counter(len(t.committed) for t in engine.round_trace or [])
+        assert len(lengths) >= 3, lengths  # the commit paths of short and long runs both ran
+
+
+def test_mask_token_that_the_target_also_emits(target: Path, tmp_path: Path) -> None:
+    """Outputs are cut by length, never stripped by value: a real token may equal the mask id."""
+    jobs = greedy_jobs(random_prompts(seed=11), MAX_TOKENS)
+    _, plain = run(target, None, jobs)
+    emitted = Counter(t for req in plain for t in req.output_ids[1:])
+    mask = emitted.most_common(1)[0][0]
+    draft = make_tiny_draft(tmp_path / "draft", target, target_layer_ids=[1], mask_token_id=mask)
+    engine, spec = run(target, draft, jobs)
+    check_same_outputs(spec, plain)
+    check_against_reference(target, draft, jobs, engine, spec)
+
+
+def reference_runs(target: Path, draft: Path) -> list[tuple[list[int], list[int], list[RefRound]]]:
+    """(prompt, output, rounds) of the trained draft's prompts, greedy, no stop but eos."""
+    return [
+        (p, *reference_generate(target, draft, p, CONTINUATION, [EOS]))
+        for p in training_prompts(seed=0)
+    ]
+
+
+def inside_accepted_runs(
+    runs: list[tuple[list[int], list[int], list[RefRound]]],
+) -> Iterator[tuple[int, int, RefRound, int]]:
+    """(row, output index, round, k) for every committed token k of a round that follows an
+    accepted draft and is followed by more committed tokens of the same round."""
+    for row, (prompt, _, rounds) in enumerate(runs):
+        for r in rounds:
+            for k in range(1, len(r.committed) - 1):
+                yield row, r.position + 1 + k - len(prompt), r, k
+
+
+def stop_jobs(
+    runs: list[tuple[list[int], list[int], list[RefRound]]],
+    stop_at: Callable[[list[int], int], SamplingParams | None],
+) -> list[tuple[Job, RefRound, int]]:
+    """Per row, the first cut point inside an accepted run for which stop_at gives parameters
+    (None: not usable there): (job, the round it cuts, tokens of that round kept)."""
+    chosen: dict[int, tuple[Job, RefRound, int]] = {}
+    for row, index, r, k in inside_accepted_runs(runs):
+        if row not in chosen and (params := stop_at(runs[row][1], index)):
+            chosen[row] = ((runs[row][0], params), r, k + 1)
+    return [chosen[row] for row in sorted(chosen)]
+
+
+def check_cut_rounds(engine: Engine, cases: list[tuple[Job, RefRound, int]]) -> None:
+    """Each request's last round is the reference's uncut round, cut to its first `kept`."""
+    for row, (_, r, kept) in enumerate(cases):
+        last = rounds_of(engine, row)[-1]
+        assert last == r._replace(committed=r.committed[:kept]), f"row {row}"
+
+
+def test_stop_token_inside_an_accepted_run(target: Path, trained: Path) -> None:
+    def stop_at(output: list[int], index: int) -> SamplingParams | None:
+        if output[index] in output[:index]:
+            return None  # it would stop earlier
+        return SamplingParams(max_tokens=CONTINUATION, stop_token_ids=(output[index],))
+
+    cases = stop_jobs(reference_runs(target, trained), stop_at)
+    assert len(cases) >= 4
+    jobs = [job for job, _, _ in cases]
+    engine, spec = run(target, trained, jobs)
+    _, plain = run(target, None, jobs)
+    check_same_outputs(spec, plain)
+    check_against_reference(target, trained, jobs, engine, spec)
+    check_cut_rounds(engine, cases)
+    for req, (_, params) in zip(spec, jobs, strict=True):
+        assert req.finish_reason == "stop" and req.output_ids[-1] == params.stop_token_ids[0]
+
+
+def test_stop_string_inside_an_accepted_run(target: Path, trained: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(str(target))
+
+    def stop_at(output: list[int], index: int) -> SamplingParams | None:
+        piece = str(tok.decode([output[index]], skip_special_tokens=True)).strip()
+        if len(piece) < 2 or "\ufffd" in piece:
+            return None  # too common, or a partial character
+        if piece in str(tok.decode(output[:index], skip_special_tokens=True)):
+            return None
+        return SamplingParams(max_tokens=CONTINUATION, stop=(piece,))
+
+    cases = stop_jobs(reference_runs(target, trained), stop_at)
+    assert len(cases) >= 3
+    jobs = [job for job, _, _ in cases]
+    engine, spec = run(target, trained, jobs)
+    _, plain = run(target, None, jobs)
+    check_same_outputs(spec, plain)
+    check_cut_rounds(engine, cases)
+    assert engine.block_size is not None
+    for req, (_, params) in zip(spec, jobs, strict=True):
+        assert req.finish_reason == "stop" and req.completion is not None
+        assert params.stop[0] not in req.completion
+        check_stats(req, engine.block_size, rounds_of(engine, req.row_index))
+
+
+def test_max_tokens_inside_a_block(target: Path, trained: Path) -> None:
+    """One prompt at every max_tokens from 1 to 14: most limits fall inside a round."""
+    prompt = training_prompts(seed=0)[0]
+    jobs = greedy_jobs([prompt] * 14, list(range(1, 15)))
+    engine, spec = run(target, trained, jobs)
+    _, plain = run(target, None, jobs)
+    check_same_outputs(spec, plain)
+    check_against_reference(target, trained, jobs, engine, spec)
+    assert spec[0].spec_rounds == 0 and spec[0].spec_hist == [0, 0, 0, 0]  # prefill token only
+    _, uncut = reference_generate(target, trained, prompt, 14, [EOS])
+    uncut_at = {r.position: r for r in uncut}
+    cut_inside = 0
+    for req in spec[1:]:
+        last = rounds_of(engine, req.row_index)[-1]
+        cut_inside += len(last.committed) < len(uncut_at[last.position].committed)
+    assert cut_inside >= 3
+
+
+@pytest.mark.parametrize("kind", ["random", "trained"])
+def test_preemption_changes_nothing(
+    draft_for: Callable[[str], tuple[Path, Path]], kind: str
+) -> None:
+    target, draft = draft_for(kind)
+    prompts = training_prompts(seed=0) if kind == "trained" else random_prompts(seed=7)
+    jobs = greedy_jobs(prompts, [30] * len(prompts))
+    engine, spec = run(target, draft, jobs, num_pages=40)
+    assert engine.num_preemptions > 0
+    _, plain = run(target, None, jobs)
+    check_same_outputs(spec, plain)
+    check_against_reference(target, draft, jobs, engine, spec)
+
+
+# The tiny target's top logits are close, so only low temperatures or a small top-k keep the
+# samples near the greedy continuations that the trained draft knows: its drafts then get
+# accepted, and rejected, often enough to exercise both paths.
+SAMPLING = [
+    {"temperature": 0.03},
+    {"temperature": 0.1, "top_p": 0.9},
+    {"temperature": 0.5, "top_k": 2},
+]
+
+
+@pytest.mark.parametrize("sampling", SAMPLING, ids=["t0.03", "t0.1-p0.9", "t0.5-k2"])
+def test_sampled_outputs_identical_with_and_without_draft(
+    target: Path, trained: Path, sampling: dict[str, Any]
+) -> None:
+    prompts = training_prompts(seed=0) + random_prompts(seed=3, lengths=[4, 19])
+    jobs = [
+        (p, SamplingParams(max_tokens=24, seed=100 + i, **sampling)) for i, p in enumerate(prompts)
+    ]
+    engine, spec = run(target, trained, jobs)
+    _, plain = run(target, None, jobs)
+    check_same_outputs(spec, plain)
+    assert engine.block_size is not None
+    for req in spec:
+        check_stats(req, engine.block_size, rounds_of(engine, req.row_index))
+    # The drafts are still argmax, and they are accepted only where they equal the sample.
+    assert any(len(t.committed) > 1 for t in engine.round_trace or [])
+
+
+def exact_top_k_probs(target: Path, prompt: list[int], depth: int, k: int) -> dict[tuple, float]:
+    """P(first `depth` output tokens) under top-k sampling at temperature 1, from HF."""
+    model = load_target(target)
+    probs: dict[tuple, float] = {(): 1.0}
+    for _ in range(depth):
+        grown: dict[tuple, float] = {}
+        for prefix, p in probs.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].double()
+            top = logits.topk(k)
+            for token, q in zip(top.indices.tolist(), top.values.softmax(-1).tolist(), strict=True):
+                grown[(*prefix, token)] = p * q
+        probs = grown
+    return probs
+
+
+def chi_square_p_value(counts: Counter, expected: dict[tuple, float], n: int) -> float:
+    """Pearson's test; cells expecting fewer than 5 hits are pooled into one."""
+    big = [c for c in expected if expected[c] * n >= 5]
+    small = [c for c in expected if expected[c] * n < 5]
+    observed = [counts[c] for c in big] + [sum(counts[c] for c in small)]
+    means = [expected[c] * n for c in big] + [sum(expected[c] for c in small) * n]
+    cells = [(o, e) for o, e in zip(observed, means, strict=True) if e > 0]
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    dof = torch.tensor((len(cells) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, torch.tensor(chi2 / 2, dtype=torch.float64)))
+
+
+def test_sampling_distribution_matches_target(target: Path, trained: Path) -> None:
+    """Over many seeds, the first four tokens (the prefill's, then verify rounds that often
+    accept drafts) follow the target's exact top-2 distribution at temperature 1."""
+    depth, k, n = 4, 2, 800
+    # The prompt whose greedy continuation the draft predicts best from its first round.
+    runs = reference_runs(target, trained)
+    prompt = max(runs, key=lambda run: len(run[2][0].committed))[0]
+    jobs = [
+        (prompt, SamplingParams(max_tokens=depth, temperature=1.0, top_k=k, seed=s))
+        for s in range(n)
+    ]
+    wide = {"max_batch_size": 64, "max_batched_tokens": 512, "num_pages": 512}
+    engine, spec = run(target, trained, jobs, **wide)
+    _, plain = run(target, None, jobs, **wide)
+    check_same_outputs(spec, plain)
+    multi = sum(len(t.committed) > 1 for t in engine.round_trace or [])
+    assert multi >= n // 10, multi  # many samples came out of accepted drafts
+
+    expected = exact_top_k_probs(target, prompt, depth, k)
+    counts = Counter(tuple(r.output_ids) for r in spec)
+    assert set(counts) <= set(expected)
+    p_value = chi_square_p_value(counts, expected, n)
+    assert p_value > 1e-3, (p_value, counts.most_common(), expected)
+
+
+GOOD_IDS = {"target_layer_ids": [1, 2], "mask_token_id": 1024}
+BAD_DRAFTS: dict[str, tuple[dict[str, Any], str]] = {
+    "hidden-size": ({"extra_config": {"hidden_size": 48}}, r"hidden_size 48"),
+    "no-mask-id": ({"extra_config": {"dflash_config": {"target_layer_ids": [1, 2]}}}, "mask"),
+    "mask-outside-embedding": ({"mask_token_id": 1088}, r"mask_token_id 1088.*outside"),
+    "layer-id-out-of-range": ({"target_layer_ids": [1, 4]}, "target_layer_ids"),
+    "negative-layer-id": ({"target_layer_ids": [-1, 2]}, "target_layer_ids"),
+    "sample-from-anchor": ({"extra_config": {"sample_from_anchor": True}}, "sample_from_anchor"),
+    "sample-from-anchor-in-dflash-config": (
+        {"extra_config": {"dflash_config": {**GOOD_IDS, "sample_from_anchor": True}}},
+        "sample_from_anchor",
+    ),
+    "dflash2": ({"extra_config": {"architectures": ["DFlash2DraftModel"]}}, "DFlash2DraftModel"),
+    "sliding-window": (
+        {"extra_config": {"layer_types": ["sliding_attention"], "sliding_window": 8}},
+        "sliding",
+    ),
+    "use-sliding-window": (
+        {"extra_config": {"use_sliding_window": True, "sliding_window": 8}},
+        "sliding",
+    ),
+    "d2t-tensor": ({"extra_tensors": {"d2t": torch.zeros(512, dtype=torch.int64)}}, "d2t"),
+    "draft-vocab-size": ({"extra_config": {"draft_vocab_size": 512}}, "draft_vocab_size"),
+    "yarn-rope-scaling": (
+        {"extra_config": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}},
+        "rope.*yarn",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DRAFTS))
+def test_bad_draft_is_refused(target: Path, tmp_path: Path, case: str) -> None:
+    kw, message = BAD_DRAFTS[case]
+    kw = {"num_layers": 1, **GOOD_IDS, **kw}
+    extra = kw.pop("extra_tensors", None)
+    draft = make_tiny_draft(tmp_path / "draft", target, **kw)
+    if extra:
+        weights = load_file(str(draft / "model.safetensors")) | extra
+        make_tiny_draft(draft, target, **kw, state_dict=weights)
+    with pytest.raises(JobError, match=message):
+        run(target, draft, [])
