@@ -80,6 +80,7 @@ def test_run_and_stats_end_to_end(tmp_path: Path, tiny_model: Path) -> None:
     assert out.column("finish_reason").to_pylist().count("error") == 2
     for row in out.to_pylist():
         if row["error"] is None:
+            assert isinstance(row["completion"], str)
             assert 1 <= row["completion_tokens"] <= 5 and row["finish_reason"] in ("stop", "length")
             assert len(row["completion_token_ids"]) == row["completion_tokens"]
     assert (tmp_path / "out" / "_SUCCESS").exists() and (tmp_path / "out" / "stats.json").exists()
@@ -157,6 +158,11 @@ def test_job_errors_are_one_line_and_exit_2(
     assert_one_line_error(
         invoke("run", str(write_job(tmp_path, tiny_model, extra)), *flags), message
     )
+
+
+def test_stats_and_validate_errors(tmp_path: Path) -> None:
+    assert_one_line_error(invoke("stats", str(tmp_path)), "no part files")
+    assert_one_line_error(invoke("validate", str(tmp_path / "none.toml")), "cannot read job file")
 
 
 def test_unreadable_input_as_a_real_process(tmp_path: Path, tiny_model: Path) -> None:
