@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jsonschema
-import tomllib
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.request import SamplingParams, row_seed
@@ -142,7 +143,8 @@ def read_job_file(path: Path) -> dict[str, Any]:
     for key in _PATH_KEYS:
         value = data.get(key)
         if isinstance(value, str) and not (key == "draft" and value.lower() == "none"):
-            data[key] = str(base / value)  # an absolute value replaces base
+            # An absolute value replaces base; normpath keeps globs intact (no resolve()).
+            data[key] = os.path.normpath(base / value)
     return data
 
 
