@@ -142,7 +142,7 @@ def write_input(directory: Path, rows: int = 40, files: int = 2) -> pa.Table:
     for index, (prompt, tokens, _) in BAD_ROWS.items():
         if index < rows:
             prompts[index], max_tokens[index] = prompt, tokens
-    start = datetime.datetime(2024, 1, 1, tzinfo=datetime.timezone.utc)
+    start = datetime.datetime(2024, 1, 1, tzinfo=datetime.UTC)
     table = pa.table(
         {
             "key": pa.array([f"k{i}" for i in range(rows)], pa.large_string()),
