@@ -12,7 +12,6 @@ from batchrun.errors import JobError
 from batchrun.io.prompts import OVERRIDE_COLUMNS
 from batchrun.job import load_job
 from batchrun.pipeline import open_job, run_job
-from batchrun.stats import summarize
 
 
 class _Group(click.Group):
@@ -118,6 +117,8 @@ def validate(job_file: Path) -> None:
 @click.argument("output_dir", type=click.Path(path_type=Path))
 def stats(output_dir: Path) -> None:
     """Summarize the part files of OUTPUT_DIR (finished or running)."""
+    from batchrun.summary import summarize  # polars is needed for summaries only
+
     click.echo(summarize(output_dir))
 
 
