@@ -10,17 +10,17 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 mkdir -p "$work"
 case "$stage" in
 target)
-    python -m batchrun.train.target --out "$work/target" --device cuda --seed 0 --time-limit 300
+    python3 -m batchrun.train.target --out "$work/target" --device cuda --seed 0 --time-limit 300
     # Drafter data: prefixes of TRAIN-split files, completed greedily by the target through
     # batchrun itself, exactly as a user would make data for their own target.
-    python -m batchrun.train.prompts --tokenizer "$work/target" --split train --count 8000 \
+    python3 -m batchrun.train.prompts --tokenizer "$work/target" --split train --count 8000 \
         --out "$work/draft-prompts.parquet"
-    python -m batchrun.cli run --input "$work/draft-prompts.parquet" --target "$work/target" \
+    python3 -m batchrun.cli run --input "$work/draft-prompts.parquet" --target "$work/target" \
         --draft none --max-tokens 256 --output "$work/completions" --device cuda --quiet \
         --max-batch-size 512 --max-batched-tokens 16384 --overwrite
     ;;
 draft)
-    python -m batchrun.train.draft --target "$work/target" --data "$work/completions" \
+    python3 -m batchrun.train.draft --target "$work/target" --data "$work/completions" \
         --out "$work/draft" --block-size 16 --layers 1 --layer-ids 1,2,3 --device cuda \
         --seed 0 --time-limit 300
     ;;
