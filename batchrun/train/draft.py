@@ -57,6 +57,7 @@ from batchrun.train import (
 class DraftRun:
     block_size: int = 16
     num_layers: int = 1
+    intermediate_size: int | None = None  # None: the target's
     steps: int = 3000
     batch_size: int = 32  # sequences per step
     anchors: int = 32  # blocks per sequence
@@ -411,10 +412,13 @@ def load_frozen_target(target_dir: Path, device: torch.device) -> Qwen3ForCausal
     return target.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
 
 
-def draft_model_config(target: Qwen3ForCausalLM, num_layers: int) -> Qwen3Config:
-    """The target's widths, norms and RoPE with the draft's own depth."""
+def draft_model_config(
+    target: Qwen3ForCausalLM, num_layers: int, intermediate_size: int | None = None
+) -> Qwen3Config:
+    """The target's widths, norms and RoPE with the draft's own depth (and MLP width)."""
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = num_layers
+    config.intermediate_size = intermediate_size or config.intermediate_size
     config.layer_types = ["full_attention"] * num_layers
     return config
 
@@ -434,6 +438,7 @@ def save_draft(
     dflash = {"target_layer_ids": layer_ids, "mask_token_id": mask_id}
     config = draft_config(target_config, run.num_layers, run.block_size, dflash)
     config["dtype"] = "bfloat16"
+    config["intermediate_size"] = run.intermediate_size or target_config["intermediate_size"]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     state = draft.state_dict()
     tensors = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in state.items()}
@@ -484,7 +489,9 @@ def run_draft(
         raise ValueError(f"no usable rows in {data} (read: {counts})")
     log(f"draft data: {len(train_rows)} train rows, {len(heldout_rows)} held-out rows ({counts})")
 
-    draft = TrainableDraft(draft_model_config(target, run.num_layers), len(layer_ids)).to(device)
+    draft = TrainableDraft(
+        draft_model_config(target, run.num_layers, run.intermediate_size), len(layer_ids)
+    ).to(device)
     # Padding is never a label and never context of a live row: any real row will do.
     setup = Setup(target, draft, layer_ids, mask_id, pad_id=mask_id, device=device)
     losses, steps_done, seconds = train_draft(setup, train_rows, run)
@@ -532,6 +539,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=r.block_size)
     parser.add_argument("--layers", type=int, default=r.num_layers, help="draft decoder layers")
     parser.add_argument(
+        "--intermediate", type=int, default=None, help="draft MLP width (default: the target's)"
+    )
+    parser.add_argument(
         "--layer-ids", default=None, help="comma-separated target layer ids (default: derived)"
     )
     parser.add_argument("--mask-id", type=int, default=None, help="default: first padded row")
@@ -554,6 +564,7 @@ def main(argv: list[str] | None = None) -> None:
     run = DraftRun(
         block_size=a.block_size,
         num_layers=a.layers,
+        intermediate_size=a.intermediate,
         steps=a.steps,
         batch_size=a.batch_size,
         anchors=a.anchors,

@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 mkdir -p "$work"
 case "$stage" in
 target)
-    python3 -m batchrun.train.target --out "$work/target" --device cuda --seed 0 --time-limit 300
+    python3 -m batchrun.train.target --out "$work/target" --device cuda --seed 0 --steps 500
     # Drafter data: prefixes of TRAIN-split files, completed greedily by the target through
     # batchrun itself, exactly as a user would make data for their own target.
     python3 -m batchrun.train.prompts --tokenizer "$work/target" --split train --count 8000 \
@@ -21,8 +21,8 @@ target)
     ;;
 draft)
     python3 -m batchrun.train.draft --target "$work/target" --data "$work/completions" \
-        --out "$work/draft" --block-size 16 --layers 1 --layer-ids 1,2,3 --device cuda \
-        --seed 0 --time-limit 300
+        --out "$work/draft" --block-size 16 --layers 2 --intermediate 512 --layer-ids 1,3 \
+        --device cuda --seed 0 --time-limit 240
     ;;
 *)
     echo "unknown stage $stage" >&2
