@@ -9,11 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchrun.layers.attention import AttentionBackend, PagedAttention
-from batchrun.layers.mlp import SwiGLU
+from batchrun.layers.attention import AttentionBackend
 from batchrun.layers.norm import RMSNorm
 from batchrun.layers.rotary import RotaryEmbedding
-from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.models.qwen3 import LayerWeights, Qwen3ForCausalLM, Qwen3Shape
 
 
 def default_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> list[int]:
@@ -23,16 +22,7 @@ def default_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> l
     return [round(1 + i * span) for i in range(num_draft_layers)]
 
 
-class DraftLayer(nn.Module):
-    def __init__(self, s: Qwen3Shape) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.self_attn = PagedAttention(
-            s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
-        )
-        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.mlp = SwiGLU(s.hidden_size, s.intermediate_size)
-
+class DraftLayer(LayerWeights):
     def forward(
         self,
         x: torch.Tensor,  # block rows

@@ -32,7 +32,10 @@ class Qwen3Shape:
     tie_word_embeddings: bool
 
 
-class DecoderLayer(nn.Module):
+class LayerWeights(nn.Module):
+    """The weights of one Qwen3 decoder layer, under the checkpoint's names (also the DFlash
+    draft's layers, which differ only in what they attend to)."""
+
     def __init__(self, s: Qwen3Shape) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
@@ -42,6 +45,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = SwiGLU(s.hidden_size, s.intermediate_size)
 
+
+class DecoderLayer(LayerWeights):
     def forward(
         self,
         x: torch.Tensor,
