@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from batchrun.tools.bpe import ENDOFTEXT, python_files
 from batchrun.train import draft as draft_train
+from batchrun.train import draft_data, draft_model
 from batchrun.train import prompts as prompts_cli
 from batchrun.train import target as target_cli
 from batchrun.train.corpus import Corpus, load_corpus, token_stream
@@ -218,12 +219,12 @@ def float32_copy(draft_dir: Path, out: Path) -> Path:
 
 def saved_draft(
     draft_dir: Path, target: Qwen3ForCausalLM
-) -> tuple[draft_train.TrainableDraft, list[int], int]:
+) -> tuple[draft_model.TrainableDraft, list[int], int]:
     """A saved draft loaded back for training code: (module in float32, layer ids, mask id)."""
     config = json.loads((draft_dir / "config.json").read_text())
     layer_ids = config["dflash_config"]["target_layer_ids"]
-    module_config = draft_train.draft_model_config(target, config["num_hidden_layers"])
-    draft = draft_train.TrainableDraft(module_config, len(layer_ids))
+    module_config = draft_model.draft_model_config(target, config["num_hidden_layers"])
+    draft = draft_model.TrainableDraft(module_config, len(layer_ids))
     weights = load_file(str(draft_dir / "model.safetensors"))
     draft.load_state_dict({k: v.float() for k, v in weights.items()})
     return draft, layer_ids, config["dflash_config"]["mask_token_id"]
@@ -233,9 +234,9 @@ def test_draft_training_forward_equals_the_reference_draft(
     tmp_path: Path, draft_target: Path
 ) -> None:
     """Many anchors in one masked forward give each block what the plain draft gives it."""
-    target = draft_train.load_frozen_target(draft_target, torch.device("cpu"))
+    target = draft_model.load_frozen_target(draft_target, torch.device("cpu"))
     layer_ids, mask_id = [0, 2], target.config.vocab_size - 1
-    draft = draft_train.TrainableDraft(draft_train.draft_model_config(target, 2), len(layer_ids))
+    draft = draft_model.TrainableDraft(draft_model.draft_model_config(target, 2), len(layer_ids))
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.1)  # norms away from 1: a skipped norm shows
@@ -246,9 +247,9 @@ def test_draft_training_forward_equals_the_reference_draft(
 
     ids = torch.randint(0, target.config.vocab_size, (2, 20))
     anchors = torch.tensor([[2, 9, 15], [4, 5, 16]])
-    features = draft_train.target_features(target, ids, layer_ids)
+    features = draft_model.target_features(target, ids, layer_ids)
     with torch.no_grad():
-        batched = draft_train.draft_logits(draft, target, features, ids, anchors, mask_id, BLOCK)
+        batched = draft_model.draft_logits(draft, target, features, ids, anchors, mask_id, BLOCK)
     for n in range(2):
         _, ref_features = target_pass(target, ids[n].tolist(), layer_ids)
         assert torch.allclose(ref_features, features[n], atol=1e-5)
@@ -272,10 +273,10 @@ def test_draft_data_takes_token_id_prompts_and_skips_unusable_rows(
     )
     pq.write_table(table, path)
     tokenizer = AutoTokenizer.from_pretrained(str(draft_target))
-    rows, counts = draft_train.read_rows([str(path)], tokenizer, max_len=5)
+    rows, counts = draft_data.read_rows([str(path)], tokenizer, max_len=5)
     assert rows == [
-        draft_train.TokenRow([5, 6, 7, 1, 2], 3),  # cut to max_len
-        draft_train.TokenRow([11, 12, 13, 14, 15], 2),
+        draft_data.TokenRow([5, 6, 7, 1, 2], 3),  # cut to max_len
+        draft_data.TokenRow([11, 12, 13, 14, 15], 2),
     ]
     assert counts == {"files": 1, "rows": 4, "error_rows": 1, "short_rows": 1}
 
@@ -330,8 +331,8 @@ def test_offline_tau_replays_reference_rounds(
          "--lr", "3e-3", "--warmup", "2", "--log-every", "8", "--device", "cpu"]
     )  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(str(draft_target))
-    rows, _ = draft_train.read_rows([str(data)], tokenizer, max_len=1024)
-    target = draft_train.load_frozen_target(draft_target, torch.device("cpu"))
+    rows, _ = draft_data.read_rows([str(data)], tokenizer, max_len=1024)
+    target = draft_model.load_frozen_target(draft_target, torch.device("cpu"))
     draft, layer_ids, mask_id = saved_draft(out, target)
     setup = draft_train.Setup(target, draft, layer_ids, mask_id, 0, torch.device("cpu"))
     estimate = draft_train.estimate_tau(setup, rows, BLOCK)

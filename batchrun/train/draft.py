@@ -1,7 +1,7 @@
 """Train a DFlash drafter on its target's own completions (dflash.md and the DFlash paper).
 
     python -m batchrun.train.draft --target DIR --data PARQUET_OR_DIR [...] --out DIR
-                                   [--block-size 16] [--layers 1] [--steps N] [--batch-size N]
+                                   [--block-size 16] [--layers 2] [--steps N] [--batch-size N]
 
 The data is batchrun output (or any Parquet with `prompt` or `prompt_token_ids`, and
 `completion_token_ids`); rows with an error are skipped. The target is frozen. Each training
@@ -15,31 +15,19 @@ weighted by exp(-(j-1)/gamma) along the block. The result is a z-lab format draf
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch import nn
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
-from transformers.models.qwen3.modeling_qwen3 import (
-    Qwen3DecoderLayer,
-    Qwen3RMSNorm,
-    Qwen3RotaryEmbedding,
-    rotate_half,
-)
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3ForCausalLM
 
 from batchrun.engine.loading import resolve_device
-from batchrun.io.reader import resolve_input_paths
 from batchrun.models.dflash import default_target_layer_ids
 from batchrun.tools.tiny_draft import draft_config, unused_embedding_row
 from batchrun.train import (
@@ -51,12 +39,21 @@ from batchrun.train import (
     seed_everything,
     write_report,
 )
+from batchrun.train.draft_data import TokenRow, pad_rows, read_rows, sample_anchors, split_rows
+from batchrun.train.draft_model import (
+    TrainableDraft,
+    block_labels,
+    draft_logits,
+    draft_model_config,
+    load_frozen_target,
+    target_features,
+)
 
 
 @dataclass(frozen=True)
 class DraftRun:
     block_size: int = 16
-    num_layers: int = 1
+    num_layers: int = 2  # one layer cannot both read the anchor and look it up in the context
     intermediate_size: int | None = None  # None: the target's
     steps: int = 3000
     batch_size: int = 32  # sequences per step
@@ -72,230 +69,6 @@ class DraftRun:
     device: str = "auto"
     time_limit: float = 300.0  # seconds of training; a safety net, the steps should fit
     log_every: int = 50
-
-
-@dataclass(frozen=True)
-class TokenRow:
-    ids: list[int]  # prompt + completion
-    prompt_len: int
-
-
-# ---- data ----
-
-
-def read_rows(
-    data: list[str], tokenizer: PreTrainedTokenizerBase, max_len: int
-) -> tuple[list[TokenRow], dict[str, int]]:
-    """Rows with a completion to learn from, and counts of what was read and skipped."""
-    rows: list[TokenRow] = []
-    counts = {"files": 0, "rows": 0, "error_rows": 0, "short_rows": 0}
-    for spec in data:
-        for path in resolve_input_paths(spec):
-            counts["files"] += 1
-            names = set(pq.read_schema(path).names)
-            prompt = "prompt_token_ids" if "prompt_token_ids" in names else "prompt"
-            if prompt not in names or "completion_token_ids" not in names:
-                raise ValueError(
-                    f"{path}: needs a prompt or prompt_token_ids, and a completion_token_ids column"
-                )
-            columns = [prompt, "completion_token_ids"] + (["error"] if "error" in names else [])
-            for row in pq.read_table(path, columns=columns).to_pylist():
-                counts["rows"] += 1
-                if row.get("error") is not None or row["completion_token_ids"] is None:
-                    counts["error_rows"] += 1
-                    continue
-                # Tokenized as batchrun tokenizes a text prompt.
-                ids = row[prompt] if prompt == "prompt_token_ids" else tokenizer.encode(row[prompt])
-                seq = (list(ids) + list(row["completion_token_ids"]))[:max_len]
-                if len(seq) < len(ids) + 2:  # an anchor and at least one token to predict
-                    counts["short_rows"] += 1
-                    continue
-                rows.append(TokenRow(seq, len(ids)))
-    return rows, counts
-
-
-def split_rows(
-    rows: list[TokenRow], eval_rows: int, seed: int
-) -> tuple[list[TokenRow], list[TokenRow]]:
-    """(train, held-out): a seeded choice of at most a tenth of the rows is held out."""
-    order = np.random.default_rng(seed).permutation(len(rows))
-    n_eval = min(eval_rows, max(1, len(rows) // 10)) if len(rows) > 1 else 0
-    return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
-
-
-def pad_rows(rows: list[TokenRow], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [N, T] right-padded, lengths [N], prompt lengths [N]."""
-    width = max(len(r.ids) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r.ids)] = torch.tensor(r.ids)
-    lens = torch.tensor([len(r.ids) for r in rows])
-    return ids, lens, torch.tensor([r.prompt_len for r in rows])
-
-
-def sample_anchors(
-    prompt_lens: torch.Tensor, lens: torch.Tensor, count: int, rng: np.random.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to count distinct anchors per row in [prompt_len, len - 2]: (positions, valid) [N, K]."""
-    anchors = torch.zeros(len(lens), count, dtype=torch.long)
-    valid = torch.zeros(len(lens), count, dtype=torch.bool)
-    for i, (start, stop) in enumerate(zip(prompt_lens.tolist(), (lens - 1).tolist(), strict=True)):
-        chosen = rng.choice(np.arange(start, stop), size=min(count, stop - start), replace=False)
-        anchors[i, : len(chosen)] = torch.from_numpy(np.sort(chosen))
-        valid[i, : len(chosen)] = True
-    return anchors, valid
-
-
-# ---- the frozen target ----
-
-
-@contextmanager
-def captured_layers(
-    target: Qwen3ForCausalLM, layer_ids: list[int]
-) -> Iterator[dict[int, torch.Tensor]]:
-    """Capture each listed decoder layer's OUTPUT: HF's hidden_states[l + 1], but pre-norm also
-    for the last layer, where HF's last hidden state has the final norm applied."""
-    captured: dict[int, torch.Tensor] = {}
-
-    def hook_for(layer_id: int) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            captured[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    hooks = [target.model.layers[i].register_forward_hook(hook_for(i)) for i in set(layer_ids)]
-    try:
-        yield captured
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-@torch.no_grad()
-def target_features(
-    target: Qwen3ForCausalLM, ids: torch.Tensor, layer_ids: list[int]
-) -> torch.Tensor:
-    """f = concat of the listed layers' outputs [N, T, n * H]. Right padding needs no mask:
-    the target is causal, so padding changes no earlier position."""
-    with captured_layers(target, layer_ids) as captured:
-        target.model(input_ids=ids, use_cache=False)
-    return torch.cat([captured[i] for i in layer_ids], dim=-1)
-
-
-# ---- the draft ----
-
-
-class TrainableDraft(nn.Module):
-    """The draft's weights under the z-lab names (fc, hidden_norm, layers.i.*, norm), with a
-    training forward that drafts many blocks per sequence at once."""
-
-    def __init__(self, config: Qwen3Config, num_features: int) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.fc = nn.Linear(num_features * h, h, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
-        )
-        self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
-        self.rotary = Qwen3RotaryEmbedding(config)  # non-persistent buffers: not saved
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=config.initializer_range)
-
-    def forward(
-        self,
-        features: torch.Tensor,  # [N, T, n * H] target features of every position
-        block_embeds: torch.Tensor,  # [N, Q, H] target embeddings of [anchor, MASK, ...] per block
-        block_positions: torch.Tensor,  # [N, Q]
-        mask: torch.Tensor,  # [N, 1, Q, T + Q] bool, True where a block row may attend
-    ) -> torch.Tensor:
-        """The final-normed block rows [N, Q, H]."""
-        n, t = features.shape[:2]
-        ctx = self.hidden_norm(self.fc(features))
-        ctx_positions = torch.arange(t, device=features.device).expand(n, t)
-        ctx_rope = self.rotary(ctx, ctx_positions)
-        blk_rope = self.rotary(block_embeds, block_positions)
-        x = block_embeds
-        for layer in self.layers:
-            x = self._layer(cast(Qwen3DecoderLayer, layer), x, ctx, blk_rope, ctx_rope, mask)
-        return self.norm(x)
-
-    @staticmethod
-    def _layer(
-        layer: Qwen3DecoderLayer,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        blk_rope: tuple[torch.Tensor, torch.Tensor],
-        ctx_rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """dflash.md section 3: context rows only feed this layer's k/v (norm then RoPE), with no
-        layernorm, residual or MLP of their own; block rows are a normal pre-norm layer."""
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = _heads(attn.q_norm(_split(attn.q_proj(h), attn.head_dim)), blk_rope)
-        k_blk = _heads(attn.k_norm(_split(attn.k_proj(h), attn.head_dim)), blk_rope)
-        k_ctx = _heads(attn.k_norm(_split(attn.k_proj(ctx), attn.head_dim)), ctx_rope)
-        v_blk = _split(attn.v_proj(h), attn.head_dim).transpose(1, 2)
-        v_ctx = _split(attn.v_proj(ctx), attn.head_dim).transpose(1, 2)
-        groups = attn.num_key_value_groups
-        k = torch.cat([k_ctx, k_blk], dim=2).repeat_interleave(groups, dim=1)
-        v = torch.cat([v_ctx, v_blk], dim=2).repeat_interleave(groups, dim=1)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
-        x = x + attn.o_proj(o.transpose(1, 2).flatten(2))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
-def _split(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    return x.view(*x.shape[:-1], -1, head_dim)
-
-
-def _heads(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """[N, T, heads, d] -> RoPE (rotate-half) -> [N, heads, T, d]."""
-    cos, sin = (c.unsqueeze(2) for c in rope)
-    return (x * cos + rotate_half(x) * sin).transpose(1, 2)
-
-
-def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """[N, 1, K*B, T + K*B]: block k's rows see context positions < p_k and block k only."""
-    n, k = anchors.shape
-    ctx_ok = torch.arange(context_len, device=anchors.device) < anchors[:, :, None]  # [N, K, T]
-    block_of = torch.arange(k * block_size, device=anchors.device) // block_size
-    same = block_of[:, None] == block_of[None, :]  # [KB, KB]
-    rows = torch.cat([ctx_ok.repeat_interleave(block_size, dim=1), same.expand(n, -1, -1)], dim=2)
-    return rows[:, None]
-
-
-def draft_logits(
-    draft: TrainableDraft,
-    target: Qwen3ForCausalLM,
-    features: torch.Tensor,
-    ids: torch.Tensor,
-    anchors: torch.Tensor,
-    mask_id: int,
-    block_size: int,
-) -> torch.Tensor:
-    """Logits [N, K, B-1, V] of rows 1 .. B-1 of every block, through the target's lm_head."""
-    n, k = anchors.shape
-    block = torch.full((n, k, block_size), mask_id, dtype=torch.long, device=ids.device)
-    block[:, :, 0] = ids.gather(1, anchors)
-    positions = anchors[:, :, None] + torch.arange(block_size, device=ids.device)
-    embeds = target.model.embed_tokens(block.flatten(1))
-    mask = block_attention_mask(anchors, features.shape[1], block_size)
-    hidden = draft(features, embeds, positions.flatten(1), mask)
-    rows = hidden.view(n, k, block_size, -1)[:, :, 1:]
-    return target.lm_head(rows)
-
-
-def block_labels(
-    ids: torch.Tensor, lens: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, width: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's tokens at p+1 .. p+B-1 [N, K, B-1], and which of them exist."""
-    positions = anchors[:, :, None] + torch.arange(1, width, device=ids.device)
-    labels = ids.gather(1, positions.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(positions)
-    exists = (positions < lens[:, None, None]) & valid[:, :, None]
-    return labels, exists
 
 
 # ---- training and evaluation ----
@@ -399,28 +172,6 @@ def estimate_tau(setup: Setup, rows: list[TokenRow], block_size: int) -> dict[st
         "accept_hist": hist.tolist(),
         "per_position_acceptance": [round(float(c) / max(rounds, 1), 4) for c in accepted_beyond],
     }
-
-
-# ---- checkpoint ----
-
-
-def load_frozen_target(target_dir: Path, device: torch.device) -> Qwen3ForCausalLM:
-    """The target in float32 (autocast computes in bf16 on CUDA), with no gradients."""
-    target = Qwen3ForCausalLM.from_pretrained(
-        str(target_dir), dtype=torch.float32, attn_implementation="sdpa"
-    )
-    return target.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
-
-
-def draft_model_config(
-    target: Qwen3ForCausalLM, num_layers: int, intermediate_size: int | None = None
-) -> Qwen3Config:
-    """The target's widths, norms and RoPE with the draft's own depth (and MLP width)."""
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = num_layers
-    config.intermediate_size = intermediate_size or config.intermediate_size
-    config.layer_types = ["full_attention"] * num_layers
-    return config
 
 
 def save_draft(
