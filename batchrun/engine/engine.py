@@ -14,7 +14,7 @@ import torch
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.loading import attention_backend, eos_token_ids, load_tokenizer, resolve_device
-from batchrun.engine.model_runner import ModelRunner, StepInput
+from batchrun.engine.model_runner import ModelRunner, StepInput, device_tensor
 from batchrun.engine.page_pool import PagePool
 from batchrun.engine.request import Request
 from batchrun.engine.sampler import SamplingBatch, sample
@@ -34,7 +34,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        backend = attention_backend(config.attention_backend, self.device)
+        backend = attention_backend(config.attention_backend)
         target_dir = Path(config.target)
         self.model, model_config = load_qwen3(target_dir, config.dtype, self.device, ROPE_HEADROOM)
         shape = self.model.shape
@@ -114,26 +114,26 @@ class Engine:
         if not batch:
             return []
         drafts = self.drafter.propose(batch) if self.drafter else {}
-        inputs, rows, sampled = self._target_rows(batch, drafts)
+        samples = [self._rows_sampled(it) for it in batch]
+        inputs, rows, sampled = self._target_rows(batch, drafts, samples)
         capture = self.draft.target_layer_ids if self.draft else ()
         logits, features = self.runner.forward(inputs, rows, capture)
         tokens = sample(logits, self._sampling_batch(sampled)).tolist() if rows else []
 
         finished, row, pos = [], 0, 0
-        for it in batch:
+        for it, k in zip(batch, samples, strict=True):
             req, n = it.req, it.num_new
             feats = features[row : row + n] if features is not None else None
-            row += n
-            if not it.decoding:
+            post = tokens[pos : pos + k]
+            row, pos = row + n, pos + k
+            if it.decoding:
+                self._commit_round(req, drafts.get(id(req), []), post, feats)
+            else:
                 req.num_cached += n
                 if feats is not None:
                     req.pending_features.append(feats)
-                if self._ends_prompt(it, before=req.num_cached - n):
-                    self.stopper.commit(req, [tokens[pos]])
-                    pos += 1
-            else:
-                self._commit_round(req, drafts.get(id(req), []), tokens[pos : pos + n], feats)
-                pos += n
+                if post:  # the first token, sampled from the prompt's last row
+                    self.stopper.commit(req, post)
             if req.finish_reason:
                 self.scheduler.finish(req)
                 finished.append(req)
@@ -159,26 +159,23 @@ class Engine:
                 self.round_trace.append(RoundTrace(req.row_index, p, anchor, drafts, committed))
 
     def _target_rows(
-        self, batch: list[Scheduled], drafts: dict[int, list[int]]
+        self, batch: list[Scheduled], drafts: dict[int, list[int]], samples: list[int]
     ) -> tuple[StepInput, list[int], list[tuple[Request, int]]]:
-        """The step's target rows, the flat rows to sample, and (request, step index) of each."""
+        """The step's target rows, the flat rows to sample (each item's last `samples[i]`
+        rows), and (request, index of the output token it samples) of each."""
         token_ids: list[list[int]] = []
         rows: list[int] = []
         sampled: list[tuple[Request, int]] = []
         row = 0
-        for it in batch:
-            req, start = it.req, it.req.num_cached
+        for it, k in zip(batch, samples, strict=True):
+            req, start, n = it.req, it.req.num_cached, it.num_new
             if it.decoding:
-                ids = [req.output_ids[-1], *drafts.get(id(req), [])]
-                rows += range(row, row + it.num_new)
-                sampled += [(req, len(req.output_ids) + j) for j in range(it.num_new)]
+                token_ids.append([req.output_ids[-1], *drafts.get(id(req), [])])
             else:
-                ids = req.token_slice(start, start + it.num_new)
-                if self._ends_prompt(it, before=start):
-                    rows.append(row + it.num_new - 1)
-                    sampled.append((req, 0))
-            token_ids.append(ids)
-            row += it.num_new
+                token_ids.append(req.token_slice(start, start + n))
+            rows += range(row + n - k, row + n)
+            sampled += [(req, len(req.output_ids) + j) for j in range(k)]
+            row += n
         inputs = StepInput(
             token_ids=token_ids,
             start=[it.req.num_cached for it in batch],
@@ -187,17 +184,19 @@ class Engine:
         return inputs, rows, sampled
 
     @staticmethod
-    def _ends_prompt(it: Scheduled, before: int) -> bool:
-        """A prefill chunk samples only when it completes a fresh prompt (not a recompute)."""
+    def _rows_sampled(it: Scheduled) -> int:
+        """Every row of a decode/verify step; one for a prefill chunk that completes a fresh
+        prompt; none for other chunks (a recompute after preemption samples nothing)."""
+        if it.decoding:
+            return it.num_new
         req = it.req
-        return not req.output_ids and before + it.num_new == len(req.prompt_ids)
+        return int(not req.output_ids and req.num_cached + it.num_new == len(req.prompt_ids))
 
     def _sampling_batch(self, sampled: list[tuple[Request, int]]) -> SamplingBatch:
-        dev = self.device
         params = [req.params for req, _ in sampled]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+            return device_tensor(values, dtype, self.device)
 
         return SamplingBatch(
             temperature=tensor([p.temperature for p in params], torch.float32),

@@ -21,7 +21,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def attention_backend(name: str, device: torch.device) -> type[TorchAttention]:
+def attention_backend(name: str) -> type[TorchAttention]:
     if name in ("auto", "torch"):
         return TorchAttention
     raise JobError(f"attention backend {name!r} is not available in this build; use 'torch'")

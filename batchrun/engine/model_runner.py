@@ -41,10 +41,16 @@ def allocate_kv(
     ]
 
 
+def device_tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor built on the host from Python values, then copied to the device."""
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+
 def build_meta(
     step: StepInput, page_size: int, device: torch.device, causal: bool = True
 ) -> tuple[torch.Tensor, AttentionMeta]:
-    """Flat input ids and the attention metadata of a step, as device tensors."""
+    """Flat input ids and the attention metadata of a step, as device tensors. A step may be
+    empty (a DFlash draft forward that only writes context rows)."""
     q_lens = [len(t) for t in step.token_ids]
     kv_lens = [s + n for s, n in zip(step.start, q_lens, strict=True)]
     positions = [p for s, n in zip(step.start, q_lens, strict=True) for p in range(s, s + n)]
@@ -53,27 +59,23 @@ def build_meta(
         for table, s, n in zip(step.page_tables, step.start, q_lens, strict=True)
         for slot in slot_ids(table, s, n, page_size)
     ]
-    width = max(len(t) for t in step.page_tables)
+    width = max((len(t) for t in step.page_tables), default=0)
     table = [t + [0] * (width - len(t)) for t in step.page_tables]
     cu_q = [0]
     for n in q_lens:
         cu_q.append(cu_q[-1] + n)
-
-    def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
-
     meta = AttentionMeta(
-        positions=tensor(positions, torch.long),
-        slot_mapping=tensor(slots, torch.long),
-        cu_q=tensor(cu_q, torch.int32),
-        kv_lens=tensor(kv_lens, torch.int32),
-        page_table=tensor(table, torch.int32),
+        positions=device_tensor(positions, torch.long, device),
+        slot_mapping=device_tensor(slots, torch.long, device),
+        cu_q=device_tensor(cu_q, torch.int32, device),
+        kv_lens=device_tensor(kv_lens, torch.int32, device),
+        page_table=device_tensor(table, torch.int32, device).view(len(table), width),
         page_size=page_size,
-        max_q=max(q_lens),
-        max_kv=max(kv_lens),
+        max_q=max(q_lens, default=0),
+        max_kv=max(kv_lens, default=0),
         causal=causal,
     )
-    input_ids = tensor([t for ids in step.token_ids for t in ids], torch.long)
+    input_ids = device_tensor([t for ids in step.token_ids for t in ids], torch.long, device)
     return input_ids, meta
 
 

@@ -59,13 +59,8 @@ class Request:
     # KV bookkeeping (engine-private).
     num_cached: int = 0  # leading tokens whose target KV is written
     pages: list[int] = field(default_factory=list)
-    draft_pages: list[int] = field(default_factory=list)
     draft_cached: int = 0  # leading tokens whose draft context KV is written
     pending_features: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """tokens[start:end] without building the whole list."""

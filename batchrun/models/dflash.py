@@ -69,7 +69,7 @@ class DFlashDraft(nn.Module):
     def forward(
         self,
         target: Qwen3ForCausalLM,
-        anchors: torch.Tensor,  # [R] newest committed token of each drafting request
+        block_ids: torch.Tensor,  # [R * B] per drafting request: its anchor, then B-1 masks
         positions: torch.Tensor,  # [R * B] block positions p .. p+B-1 per request
         features: torch.Tensor,  # [C, n * H] target features of the new context tokens
         ctx_positions: torch.Tensor,  # [C]
@@ -77,14 +77,10 @@ class DFlashDraft(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Writes the new context K/V and returns the drafted tokens [R, B-1] (argmax)."""
-        block = torch.full(
-            (anchors.shape[0], self.block_size), self.mask_token_id, device=anchors.device
-        )
-        block[:, 0] = anchors
-        x = target.model.embed_tokens(block.view(-1))
+        x = target.model.embed_tokens(block_ids)
         ctx = self.hidden_norm(self.fc(features.to(x.dtype)))
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, positions, ctx, ctx_positions, self.rope, backend, cache)
-        rows = x.view(anchors.shape[0], self.block_size, x.shape[-1])[:, 1:]
+        rows = x.view(x.shape[0] // self.block_size, self.block_size, x.shape[-1])[:, 1:]
         logits = target.lm_head(self.norm(rows))
         return logits.argmax(dim=-1)
