@@ -61,6 +61,11 @@ def row_ranges(indices: np.ndarray) -> list[list[int]]:
     return [[int(start), int(stop)] for start, stop in zip(starts, stops, strict=True)]
 
 
+def _part_rows(part: Path) -> np.ndarray:
+    """The row indices a committed part holds, read from the part itself."""
+    return pq.read_table(part, columns=["row_index"]).column("row_index").to_numpy()
+
+
 class OutputDir:
     """One shard's (or the whole job's) view of the output directory."""
 
@@ -109,7 +114,7 @@ class OutputDir:
                     entry.unlink(missing_ok=True)
         for part in self.all_parts():
             if not self._manifest_path(part).exists():
-                self._write_manifest(part, pq.read_table(part, columns=["row_index"]))
+                self._write_manifest(part, _part_rows(part))
 
     def _is_our_temp(self, name: str) -> bool:
         # Temps of a shard's parts, manifests and stats carry its tag; unsharded owns them all.
@@ -161,14 +166,13 @@ class OutputDir:
         path = self.path / self.names.name(self._next_number)
         write_part(path, table)
         self._next_number += 1
-        self._write_manifest(path, table)
+        self._write_manifest(path, table.column("row_index").to_numpy())
         return path
 
     def _manifest_path(self, part: Path) -> Path:
         return self.progress / f"{part.stem}.json"
 
-    def _write_manifest(self, part: Path, table: pa.Table) -> None:
-        indices = table.column("row_index").to_numpy()
+    def _write_manifest(self, part: Path, indices: np.ndarray) -> None:
         manifest = {"part": part.name, "rows": len(indices), "row_ranges": row_ranges(indices)}
         write_text_atomically(self._manifest_path(part), json.dumps(manifest) + "\n")
 
@@ -178,8 +182,7 @@ class OutputDir:
             manifest: dict[str, Any] = json.loads(path.read_text())
         except FileNotFoundError:
             # Another shard's part between its rename and its manifest: read the part itself.
-            indices = pq.read_table(part, columns=["row_index"]).column("row_index").to_numpy()
-            return {"row_ranges": row_ranges(indices)}
+            return {"row_ranges": row_ranges(_part_rows(part))}
         return manifest
 
     # -- stats and completion ---------------------------------------------------------------
