@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 import batchrun
+from batchrun.bench.command import bench
 from batchrun.errors import JobError
 from batchrun.io.prompts import OVERRIDE_COLUMNS
 from batchrun.job import load_job
@@ -122,46 +123,7 @@ def stats(output_dir: Path) -> None:
     click.echo(summarize(output_dir))
 
 
-@cli.command()
-@click.option("--target", required=True, type=click.Path(path_type=Path), help="Target model.")
-@click.option("--draft", type=click.Path(path_type=Path), help="DFlash draft (also run).")
-@click.option("--num-prompts", default=64, show_default=True)
-@click.option("--prompt-len", default=128, show_default=True)
-@click.option("--max-tokens", default=128, show_default=True)
-@click.option("--max-batch-size", default=64, show_default=True)
-@click.option("--max-batched-tokens", default=4096, show_default=True)
-@click.option("--dtype", default="auto", show_default=True)
-@click.option("--device", default="auto", show_default=True)
-@click.option("--attention-backend", default="auto", show_default=True)
-@click.option("--hf-baseline/--no-hf-baseline", default=True, help="Also time generate().")
-@click.option("--out", type=click.Path(path_type=Path), help="Write the result JSON here.")
-def bench(out: Path | None, **opts: Any) -> None:
-    """Time the engine on synthetic prompts against baselines measured in the same run."""
-    import json
-
-    from batchrun.bench import bench as run_bench
-    from batchrun.bench import write_result
-    from batchrun.engine.config import EngineConfig
-
-    config = EngineConfig(
-        target=opts["target"],
-        draft=opts["draft"],
-        dtype=opts["dtype"],
-        device=opts["device"],
-        attention_backend=opts["attention_backend"],
-        max_batch_size=opts["max_batch_size"],
-        max_batched_tokens=opts["max_batched_tokens"],
-    )
-    result = run_bench(
-        config,
-        num_prompts=opts["num_prompts"],
-        prompt_len=opts["prompt_len"],
-        max_tokens=opts["max_tokens"],
-        hf_baseline=opts["hf_baseline"],
-    )
-    if out is not None:
-        write_result(result, out)
-    click.echo(json.dumps(result["ratios"], indent=2))
+cli.add_command(bench)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
+from batchrun.models.loader import checkpoint_tensors
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def engine(target: Path, dtype: str) -> Engine:
 def test_bf16_checkpoint_upcasts_exactly_on_cpu(bf16_checkpoint: Path) -> None:
     hf = AutoModelForCausalLM.from_pretrained(str(bf16_checkpoint), dtype=torch.bfloat16)
     eng = engine(bf16_checkpoint, "auto")  # auto on a CPU: float32
-    ours = dict(eng.model.named_parameters())
+    ours = checkpoint_tensors(eng.model)
     assert ours["model.embed_tokens.weight"].dtype == torch.float32
     for name, param in hf.named_parameters():
         assert torch.equal(ours[name], param.float()), name

@@ -8,7 +8,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class EngineConfig:
-    target: Path
+    target: Path | None  # None: models built in memory (`batchrun bench --shape`)
     draft: Path | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda

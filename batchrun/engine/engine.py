@@ -2,7 +2,8 @@
 
 One step = (draft forward, when a draft is loaded) + one target forward over every scheduled
 request's rows: prefill chunks, plain decode rows, or DFlash verify blocks. A plain decode step
-is a verify round of width 1 that drafts nothing, so both paths share one commit rule.
+is a verify round of width 1 that drafts nothing, so both paths share one commit rule. Sampling
+and acceptance run on the device; one small copy per step brings back what was committed.
 """
 
 from __future__ import annotations
@@ -10,21 +11,33 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from batchrun.attention.meta import host_meta
 from batchrun.engine.config import EngineConfig
-from batchrun.engine.loading import attention_backend, eos_token_ids, load_tokenizer, resolve_device
-from batchrun.engine.model_runner import ModelRunner, StepInput, device_tensor
+from batchrun.engine.loading import (
+    attention_backend,
+    eos_token_ids,
+    load_tokenizer,
+    resolve_device,
+)
+from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.page_pool import PagePool
 from batchrun.engine.request import Request
 from batchrun.engine.sampler import SamplingBatch, sample
 from batchrun.engine.scheduler import Scheduled, Scheduler
+from batchrun.engine.step_timer import StepTimer
 from batchrun.engine.stopping import Stopper
 from batchrun.errors import JobError
+from batchrun.layers.ops import use_ops
+from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import load_dflash
 from batchrun.models.loader import load_qwen3
-from batchrun.spec.acceptance import RoundTrace, accepted_count
-from batchrun.spec.drafter import Drafter
+from batchrun.models.qwen3 import Qwen3ForCausalLM
+from batchrun.speculative.acceptance import RoundTrace, accepted_lengths
+from batchrun.speculative.drafter import ContextRows, draft_blocks, write_context
 
 CPU_KV_BUDGET_BYTES = 2 << 30
 ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their tokens are cut
@@ -32,24 +45,51 @@ ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their to
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.device = resolve_device(config.device)
-        backend = attention_backend(config.attention_backend)
+        device = resolve_device(config.device)
         target_dir = Path(config.target)
-        self.model, model_config = load_qwen3(target_dir, config.dtype, self.device, ROPE_HEADROOM)
-        shape = self.model.shape
-        max_positions = shape.max_position_embeddings + ROPE_HEADROOM
-        self.draft = (
-            load_dflash(Path(config.draft), self.model, self.device, max_positions)
-            if config.draft
-            else None
+        model, model_config = load_qwen3(target_dir, config.dtype, device, ROPE_HEADROOM)
+        max_positions = model.shape.max_position_embeddings + ROPE_HEADROOM
+        draft = (
+            load_dflash(Path(config.draft), model, device, max_positions) if config.draft else None
         )
-        self.tokenizer = load_tokenizer(target_dir)
+        tokenizer = load_tokenizer(target_dir)
+        eos = eos_token_ids(target_dir, model_config, tokenizer)
+        self._setup(config, model, draft, tokenizer, eos, config.num_pages)
+
+    @classmethod
+    def from_models(
+        cls,
+        config: EngineConfig,
+        model: Qwen3ForCausalLM,
+        draft: DFlashDraft | None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        eos: set[int] | None = None,
+        num_pages: int | None = None,
+    ) -> Engine:
+        """An engine over models already on their device (`batchrun bench --shape`)."""
+        engine = cls.__new__(cls)
+        engine._setup(config, model, draft, tokenizer, eos or set(), num_pages)
+        return engine
+
+    def _setup(
+        self,
+        config: EngineConfig,
+        model: Qwen3ForCausalLM,
+        draft: DFlashDraft | None,
+        tokenizer: PreTrainedTokenizerBase | None,
+        eos: set[int],
+        num_pages: int | None,
+    ) -> None:
+        self.config = config
+        self.model, self.draft = model, draft
+        self.device = model.lm_head.weight.device
+        self.tokenizer = tokenizer
+        shape = model.shape
         self.vocab_size = shape.vocab_size
-        self.block_size = self.draft.block_size if self.draft else None
+        self.block_size = draft.block_size if draft else None
         width = self.block_size or 1
 
-        num_pages = config.num_pages or self._default_num_pages()
+        num_pages = num_pages or self._default_num_pages()
         capacity = num_pages * config.page_size
         limit = min(
             config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings
@@ -58,20 +98,25 @@ class Engine:
         if self.max_model_len < 2:
             raise JobError(f"the KV pool ({num_pages} pages of {config.page_size}) is too small")
         self.pool = PagePool(num_pages, config.page_size)
-        self.runner = ModelRunner(self.model, backend, num_pages, config.page_size, self.device)
-        self.drafter = (
-            Drafter(self.draft, self.model, backend, num_pages, config.page_size, self.device)
-            if self.draft
-            else None
-        )
+        heads = max(shape.num_heads, draft.shape.num_heads if draft else 0)
+        backend, ops = attention_backend(
+            config.attention_backend, self.device, config.max_batch_size * width, heads,
+            shape.num_kv_heads, shape.head_dim,
+        )  # fmt: skip
+        use_ops(model, ops)
+        if draft is not None:
+            use_ops(draft, ops)
+        self.runner = ModelRunner(model, draft, backend, num_pages, config.page_size, self.device)
+        if config.cuda_graphs and backend.graphable and self.device.type == "cuda":
+            self.runner.capture_graphs(config.max_batch_size, self.max_model_len)
         self.scheduler = Scheduler(
             self.pool, config.max_batch_size, config.max_batched_tokens, decode_width=width
         )
-        eos = eos_token_ids(target_dir, model_config, self.tokenizer)
-        self.stopper = Stopper(self.tokenizer, eos, self.max_model_len)
+        self.stopper = Stopper(tokenizer, eos, self.max_model_len)
+        self.timer = StepTimer(self.device)
         self.round_trace: list[RoundTrace] | None = None  # set to a list to record rounds
         self._backend_name = backend.name
-        self._dtype = str(self.model.lm_head.weight.dtype).removeprefix("torch.")
+        self._dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
 
     def _default_num_pages(self) -> int:
         s, cfg = self.model.shape, self.config
@@ -94,6 +139,7 @@ class Engine:
             "dtype": self._dtype,
             "device": str(self.device),
             "attention_backend": self._backend_name,
+            "cuda_graphs": self.runner.target_graphs is not None,
         }
 
     @property
@@ -109,25 +155,43 @@ class Engine:
             request.spec_hist = [0] * self.block_size
         self.scheduler.add(request)
 
+    def abort_all(self) -> None:
+        """Drop every unfinished request and free its pages (benchmarks between points)."""
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.finish(req)
+        self.scheduler.waiting.clear()
+
+    # -- one step -----------------------------------------------------------------------------
+
     def step(self) -> list[Request]:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        drafts = self.drafter.propose(batch) if self.drafter else {}
+        self.timer.mark()
+        decoding = [it.req for it in batch if it.decoding]
+        drafts = self._propose(batch, decoding)
+        self.timer.mark()
         samples = [self._rows_sampled(it) for it in batch]
-        inputs, rows, sampled = self._target_rows(batch, drafts, samples)
-        capture = self.draft.target_layer_ids if self.draft else ()
-        logits, features = self.runner.forward(inputs, rows, capture)
-        tokens = sample(logits, self._sampling_batch(sampled)).tolist() if rows else []
+        ids, host, rows = self._target_rows(batch, drafts, samples)
+        logits, features = self.runner.forward(ids, host, rows)
+        tokens = self._sample(logits, batch, samples)
+        accepted = self._accepted(batch, samples, tokens, drafts)
+        self.timer.mark()
+        # The step's one device-to-host copy: sampled tokens, then accepted counts.
+        host_out = torch.cat((tokens, accepted)).tolist()
+        post_all, acc_all = host_out[: len(tokens)], host_out[len(tokens) :]
+        drafts_host = drafts.tolist() if drafts is not None and self.round_trace is not None else []
 
-        finished, row, pos = [], 0, 0
+        finished, row, pos, dec = [], 0, 0, 0
         for it, k in zip(batch, samples, strict=True):
             req, n = it.req, it.num_new
             feats = features[row : row + n] if features is not None else None
-            post = tokens[pos : pos + k]
+            post = post_all[pos : pos + k]
             row, pos = row + n, pos + k
             if it.decoding:
-                self._commit_round(req, drafts.get(id(req), []), post, feats)
+                acc = acc_all[dec] if drafts is not None else 0
+                self._commit_round(req, post, acc, feats, drafts_host[dec] if drafts_host else [])
+                dec += 1
             else:
                 req.num_cached += n
                 if feats is not None:
@@ -141,12 +205,97 @@ class Engine:
                 self.pool.shrink(req.pages, req.num_cached)  # release KV past the committed tokens
         return finished
 
+    def _propose(self, batch: list[Scheduled], decoding: list[Request]) -> torch.Tensor | None:
+        """Write the draft context of newly committed tokens, then draft a block for every
+        decoding request: [R_decoding, B-1] on the device (None without a draft)."""
+        if self.draft is None or self.block_size is None:
+            return None
+        context = []
+        for it in batch:
+            req = it.req
+            if req.pending_features:
+                rows = torch.cat(req.pending_features)
+                context.append(ContextRows(rows, req.draft_cached, req.pages))
+                req.draft_cached += rows.shape[0]
+                req.pending_features.clear()
+        write_context(self.runner, context)
+        if not decoding:
+            return None
+        for req in decoding:
+            assert req.draft_cached == req.num_cached, "draft context must end at the anchor"
+        anchors = torch.tensor([r.output_ids[-1] for r in decoding], dtype=torch.long)
+        starts = np.array([r.num_cached for r in decoding], dtype=np.int64)
+        return draft_blocks(
+            self.runner, anchors.to(self.device, non_blocking=True), starts,
+            [r.pages for r in decoding], self.block_size, self.draft.mask_token_id,
+        )  # fmt: skip
+
+    def _target_rows(
+        self, batch: list[Scheduled], drafts: torch.Tensor | None, samples: list[int]
+    ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+        """The step's input ids on the device, its metadata, and the flat rows to sample (each
+        item's last samples[i] rows; None when that is every row)."""
+        ids: list[int] = []
+        draft_rows: list[int] = []
+        sampled: list[int] = []
+        row = 0
+        for it, k in zip(batch, samples, strict=True):
+            req, start, n = it.req, it.req.num_cached, it.num_new
+            if it.decoding:
+                ids.append(req.output_ids[-1])
+                ids.extend([0] * (n - 1))  # the drafts, filled in on the device
+                draft_rows.extend(range(row + 1, row + n))
+            else:
+                ids.extend(req.token_slice(start, start + n))
+            sampled.extend(range(row + n - k, row + n))
+            row += n
+        starts = np.array([it.req.num_cached for it in batch], dtype=np.int64)
+        q_lens = np.array([it.num_new for it in batch], dtype=np.int64)
+        host = host_meta(starts, q_lens, [it.req.pages for it in batch], self.pool.page_size)
+        device_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        if drafts is not None and draft_rows:
+            index = torch.tensor(draft_rows, dtype=torch.long).to(self.device, non_blocking=True)
+            device_ids[index] = drafts.reshape(-1)
+        if len(sampled) == row:
+            return device_ids, host, None
+        return device_ids, host, torch.tensor(sampled, dtype=torch.long).to(self.device)
+
+    def _sample(
+        self, logits: torch.Tensor, batch: list[Scheduled], samples: list[int]
+    ) -> torch.Tensor:
+        reqs = [it.req for it, k in zip(batch, samples, strict=True) for _ in range(k)]
+        if all(req.params.temperature == 0 for req in reqs):
+            return logits.argmax(dim=-1)
+        return sample(logits, self._sampling_batch(batch, samples))
+
+    def _accepted(
+        self,
+        batch: list[Scheduled],
+        samples: list[int],
+        tokens: torch.Tensor,
+        drafts: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Accepted drafts per decoding request, on the device (empty without drafts)."""
+        if drafts is None:
+            return tokens.new_zeros(0)
+        width = drafts.shape[1] + 1
+        starts, pos = [], 0
+        for it, k in zip(batch, samples, strict=True):
+            if it.decoding:
+                starts.append(pos)
+            pos += k
+        if len(starts) * width == len(tokens):
+            post = tokens.view(-1, width)
+        else:
+            index = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(width)
+            post = tokens[index.to(self.device)]
+        return accepted_lengths(drafts, post).to(tokens.dtype)
+
     def _commit_round(
-        self, req: Request, drafts: list[int], post: list[int], feats: torch.Tensor | None
+        self, req: Request, post: list[int], acc: int, feats: torch.Tensor | None, drafts: list[int]
     ) -> None:
         """Commits post[0 .. acc] (acc accepted drafts plus the target's own next token)."""
         p, anchor = req.num_cached, req.output_ids[-1]
-        acc = accepted_count(drafts, post)
         kept = self.stopper.commit(req, post[: acc + 1])
         req.num_cached = p + acc + 1  # anchor .. d_acc now hold target KV; the bonus is next
         if feats is not None:
@@ -158,31 +307,6 @@ class Engine:
                 committed = req.output_ids[len(req.output_ids) - kept :]
                 self.round_trace.append(RoundTrace(req.row_index, p, anchor, drafts, committed))
 
-    def _target_rows(
-        self, batch: list[Scheduled], drafts: dict[int, list[int]], samples: list[int]
-    ) -> tuple[StepInput, list[int], list[tuple[Request, int]]]:
-        """The step's target rows, the flat rows to sample (each item's last `samples[i]`
-        rows), and (request, index of the output token it samples) of each."""
-        token_ids: list[list[int]] = []
-        rows: list[int] = []
-        sampled: list[tuple[Request, int]] = []
-        row = 0
-        for it, k in zip(batch, samples, strict=True):
-            req, start, n = it.req, it.req.num_cached, it.num_new
-            if it.decoding:
-                token_ids.append([req.output_ids[-1], *drafts.get(id(req), [])])
-            else:
-                token_ids.append(req.token_slice(start, start + n))
-            rows += range(row + n - k, row + n)
-            sampled += [(req, len(req.output_ids) + j) for j in range(k)]
-            row += n
-        inputs = StepInput(
-            token_ids=token_ids,
-            start=[it.req.num_cached for it in batch],
-            page_tables=[it.req.pages for it in batch],
-        )
-        return inputs, rows, sampled
-
     @staticmethod
     def _rows_sampled(it: Scheduled) -> int:
         """Every row of a decode/verify step; one for a prefill chunk that completes a fresh
@@ -192,16 +316,19 @@ class Engine:
         req = it.req
         return int(not req.output_ids and req.num_cached + it.num_new == len(req.prompt_ids))
 
-    def _sampling_batch(self, sampled: list[tuple[Request, int]]) -> SamplingBatch:
-        params = [req.params for req, _ in sampled]
+    def _sampling_batch(self, batch: list[Scheduled], samples: list[int]) -> SamplingBatch:
+        params, steps = [], []
+        for it, k in zip(batch, samples, strict=True):
+            params += [it.req.params] * k
+            steps += range(len(it.req.output_ids), len(it.req.output_ids) + k)
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return device_tensor(values, dtype, self.device)
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
         return SamplingBatch(
             temperature=tensor([p.temperature for p in params], torch.float32),
             top_p=tensor([p.top_p for p in params], torch.float32),
             top_k=tensor([p.top_k for p in params], torch.long),
             seed=tensor([p.seed for p in params], torch.long),
-            step=tensor([step for _, step in sampled], torch.long),
+            step=tensor(steps, torch.long),
         )

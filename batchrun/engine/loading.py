@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from batchrun.attention.base import AttentionBackend
+from batchrun.attention.torch_backend import TorchAttention
 from batchrun.errors import JobError
-from batchrun.kernels.torch_attention import TorchAttention
+from batchrun.layers.ops import TORCH_OPS, TorchOps
 
 
 def resolve_device(name: str) -> torch.device:
@@ -21,10 +24,33 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def attention_backend(name: str) -> type[TorchAttention]:
-    if name in ("auto", "torch"):
-        return TorchAttention
-    raise JobError(f"attention backend {name!r} is not available in this build; use 'torch'")
+def attention_backend(
+    name: str,
+    device: torch.device,
+    max_decode_rows: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[AttentionBackend, TorchOps]:
+    """The attention backend and the layers' small ops: `auto` is Triton on a GPU and the torch
+    reference on a CPU (where `triton` runs under Triton's interpreter, for tests)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention(), TORCH_OPS
+    if name == "triton":
+        if device.type == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+        try:
+            from batchrun.attention.triton_backend import TritonAttention
+            from batchrun.layers.triton_ops import TritonOps
+        except ImportError as exc:
+            raise JobError(f"attention backend 'triton' needs triton ({exc})") from None
+        backend = TritonAttention(max_decode_rows, num_heads, num_kv_heads, head_dim)
+        return backend, TritonOps()
+    raise JobError(
+        f"attention backend {name!r} is not available in this build; use 'triton' or 'torch'"
+    )
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

@@ -1,112 +1,156 @@
-"""Turns a scheduled batch into one batched target forward over the paged KV cache."""
+"""The model runner: owns the target and draft models, their paged KV pools, the attention
+backend and the CUDA graphs, and runs a step's forwards.
+
+A forward in which every request feeds the same number of rows (plain decode: 1; a DFlash draft
+block or verify: B) replays a CUDA graph captured for the smallest batch size that holds it;
+any other forward (prefill chunks mixed in) runs the same modules eagerly.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
-from batchrun.engine.page_pool import slot_ids
-from batchrun.layers.attention import AttentionBackend
-from batchrun.layers.attention_meta import AttentionMeta
+from batchrun.attention.base import AttentionBackend
+from batchrun.attention.meta import AttentionMeta, HostMeta, allocate_kv, device_meta
+from batchrun.engine.cuda_graphs import GraphSet, StepBuffers, batch_ladder
+from batchrun.models.dflash import DFlashDraft
 from batchrun.models.qwen3 import Qwen3ForCausalLM
-
-
-@dataclass
-class StepInput:
-    """One forward's rows, built on the host: request r feeds token_ids[r] at positions
-    start[r] .. start[r] + len(token_ids[r]) - 1."""
-
-    token_ids: list[list[int]]
-    start: list[int]
-    page_tables: list[list[int]]
-
-
-def allocate_kv(
-    num_layers: int,
-    num_pages: int,
-    page_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(num_layers)
-    ]
-
-
-def device_tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor built on the host from Python values, then copied to the device."""
-    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
-
-
-def build_meta(
-    step: StepInput, page_size: int, device: torch.device, causal: bool = True
-) -> tuple[torch.Tensor, AttentionMeta]:
-    """Flat input ids and the attention metadata of a step, as device tensors. A step may be
-    empty (a DFlash draft forward that only writes context rows)."""
-    q_lens = [len(t) for t in step.token_ids]
-    kv_lens = [s + n for s, n in zip(step.start, q_lens, strict=True)]
-    positions = [p for s, n in zip(step.start, q_lens, strict=True) for p in range(s, s + n)]
-    slots = [
-        slot
-        for table, s, n in zip(step.page_tables, step.start, q_lens, strict=True)
-        for slot in slot_ids(table, s, n, page_size)
-    ]
-    width = max((len(t) for t in step.page_tables), default=0)
-    table = [t + [0] * (width - len(t)) for t in step.page_tables]
-    cu_q = [0]
-    for n in q_lens:
-        cu_q.append(cu_q[-1] + n)
-    meta = AttentionMeta(
-        positions=device_tensor(positions, torch.long, device),
-        slot_mapping=device_tensor(slots, torch.long, device),
-        cu_q=device_tensor(cu_q, torch.int32, device),
-        kv_lens=device_tensor(kv_lens, torch.int32, device),
-        page_table=device_tensor(table, torch.int32, device).view(len(table), width),
-        page_size=page_size,
-        max_q=max(q_lens, default=0),
-        max_kv=max(kv_lens, default=0),
-        causal=causal,
-    )
-    input_ids = device_tensor([t for ids in step.token_ids for t in ids], torch.long, device)
-    return input_ids, meta
 
 
 class ModelRunner:
     def __init__(
         self,
         model: Qwen3ForCausalLM,
-        backend_factory: type,
+        draft: DFlashDraft | None,
+        backend: AttentionBackend,
         num_pages: int,
         page_size: int,
         device: torch.device,
     ) -> None:
         s = model.shape
-        self.model, self.device, self.page_size = model, device, page_size
-        self.backend_factory = backend_factory
+        self.model, self.draft, self.backend = model, draft, backend
+        self.device, self.page_size, self.num_pages = device, page_size, num_pages
         dtype = model.lm_head.weight.dtype
         self.kv_caches = allocate_kv(
             s.num_layers, num_pages, page_size, s.num_kv_heads, s.head_dim, dtype, device
         )
+        # The draft cache is indexed by the target's page tables: position i of a request
+        # lives in the same slot of both.
+        self.draft_kv = (
+            allocate_kv(
+                draft.shape.num_layers,
+                num_pages,
+                page_size,
+                draft.shape.num_kv_heads,
+                draft.shape.head_dim,
+                dtype,
+                device,
+            )  # fmt: skip
+            if draft is not None
+            else []
+        )
+        self.capture_layers = draft.target_layer_ids if draft is not None else ()
+        self.width = draft.block_size if draft is not None else 1
+        self.buffers: StepBuffers | None = None
+        self.target_graphs: GraphSet | None = None
+        self.draft_graphs: GraphSet | None = None
+        self.graphed_forwards = 0  # replays so far (benchmarks check the graphs were used)
+
+    # -- CUDA graphs --------------------------------------------------------------------------
+
+    def capture_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        """Capture the steady-state forwards for every ladder size up to max_batch_size."""
+        max_pages = -(-(max_model_len + self.width) // self.page_size)
+        self.buffers = StepBuffers(
+            max_batch_size, self.width, max_pages, self.page_size, self.device
+        )
+        max_kv = max_model_len + self.width
+        pool = torch.cuda.graph_pool_handle()
+        sizes = batch_ladder(max_batch_size)
+        self.target_graphs = GraphSet(
+            "target", self._target_all_rows, self.buffers, self.backend, True, max_kv
+        )
+        self.target_graphs.capture(sizes, pool)
+        if self.draft is not None:
+            self.draft_graphs = GraphSet(
+                "draft", self._draft_rows, self.buffers, self.backend, False, max_kv
+            )
+            self.draft_graphs.capture(sizes, pool)
+
+    def _replayable(self, graphs: GraphSet | None, host: HostMeta) -> int | None:
+        """The graph size to replay this forward at, or None to run it eagerly."""
+        if graphs is None or len(host.kv_lens) == 0:
+            return None
+        if not (np.diff(host.cu_q) == self.width).all():
+            return None
+        return graphs.bucket(len(host.kv_lens))
+
+    # -- target -------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(
-        self, step: StepInput, logit_rows: list[int], capture_layers: tuple[int, ...] = ()
+        self, ids: torch.Tensor, host: HostMeta, logit_rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Runs the target over the step's rows; returns float32 logits of `logit_rows` (flat
-        row indices) and the captured layer features of every row (or None)."""
-        input_ids, meta = build_meta(step, self.page_size, self.device)
-        backend: AttentionBackend = self.backend_factory()
-        backend.plan(meta)
+        """Runs the target over the step's rows (ids [T] on the device); returns float32 logits
+        of `logit_rows` (every row when None) and the captured layer features of every row."""
+        rows = len(host.positions)
+        size = self._replayable(self.target_graphs, host)
+        if size is not None and self.target_graphs is not None and self.buffers is not None:
+            self.buffers.load(host, size)
+            self.buffers.ids[:rows].copy_(ids)
+            logits, *features = self.target_graphs.replay(size)
+            self.graphed_forwards += 1
+            logits = logits[:rows] if logit_rows is None else logits[logit_rows]
+            return logits, features[0][:rows] if features else None
+        meta = device_meta(host, self.page_size, self.device)
+        self.backend.plan(meta)
         hidden, features = self.model(
-            input_ids, meta.positions, backend, self.kv_caches, capture_layers
+            ids, meta.positions, self.backend, self.kv_caches, self.capture_layers
         )
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        return self.model.logits(hidden[rows]), features
+        if logit_rows is not None:
+            hidden = hidden[logit_rows]
+        return self.model.logits(hidden), features
+
+    def _target_all_rows(self, meta: AttentionMeta, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hidden, features = self.model(
+            ids, meta.positions, self.backend, self.kv_caches, self.capture_layers
+        )
+        logits = self.model.logits(hidden)
+        return (logits,) if features is None else (logits, features)
+
+    # -- draft --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def write_draft_context(
+        self, features: torch.Tensor, positions: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """Store the draft's context K/V of newly committed tokens (eager: any number of rows)."""
+        assert self.draft is not None
+        if len(positions) == 0:
+            return
+        pos = torch.from_numpy(positions).to(self.device, non_blocking=True)
+        slot = torch.from_numpy(slots).to(self.device, non_blocking=True)
+        self.draft.write_context(features, pos, slot, self.backend, self.draft_kv)
+
+    @torch.inference_mode()
+    def draft_block(self, block_ids: torch.Tensor, host: HostMeta) -> torch.Tensor:
+        """Drafts [R, B-1] for R requests whose blocks (anchor, then masks) are block_ids [R*B],
+        at the positions and slots of `host` (non-causal over context plus block)."""
+        assert self.draft is not None
+        num_req = len(host.kv_lens)
+        size = self._replayable(self.draft_graphs, host)
+        if size is not None and self.draft_graphs is not None and self.buffers is not None:
+            self.buffers.load(host, size)
+            self.buffers.ids[: len(block_ids)].copy_(block_ids)
+            self.graphed_forwards += 1
+            return self.draft_graphs.replay(size)[0][:num_req]
+        meta = device_meta(host, self.page_size, self.device, causal=False)
+        self.backend.plan(meta)
+        return self._draft_rows(meta, block_ids)[0]
+
+    def _draft_rows(self, meta: AttentionMeta, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        assert self.draft is not None
+        return (
+            self.draft.draft_block(self.model, ids, meta.positions, self.backend, self.draft_kv),
+        )

@@ -1,57 +1,64 @@
-"""Qwen3 self-attention over a paged KV cache: per-head q/k RMSNorm, then RoPE, then GQA."""
+"""Qwen3 self-attention over a paged KV cache: q/k/v in one matmul, per-head q/k RMSNorm with
+RoPE, then the backend writes K/V into pages and attends (GQA)."""
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 from torch import nn
 
-from batchrun.layers.attention_meta import AttentionMeta
+from batchrun.attention.base import AttentionBackend
 from batchrun.layers.norm import RMSNorm
+from batchrun.layers.ops import TORCH_OPS
 from batchrun.layers.rotary import RotaryEmbedding
 
 
-class AttentionBackend(Protocol):
-    """Plans once per forward from its AttentionMeta, then serves every layer."""
-
-    name: str
-
-    def plan(self, meta: AttentionMeta) -> None: ...
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """Write k/v rows at the planned slots, then attend the q rows over the cached K/V."""
-        ...
-
-
 class PagedAttention(nn.Module):
+    # Checkpoint tensors packed into one parameter: name -> (packed name, shard index).
+    PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+
     def __init__(
         self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)  # type: ignore[assignment]
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
         self.scale = head_dim**-0.5
+        self.ops = TORCH_OPS
 
-    def project_kv(
+    def qkv(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] normed and rotated, v [T, Hkv, D]."""
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        return self.rotate(q, k, positions, rope) + (v.view(-1, self.num_kv_heads, self.head_dim),)
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        return rope(k, positions), v
+        d, ops = self.head_dim, self.ops
+        q = ops.norm_rope(
+            q.reshape(-1, self.num_heads, d), self.q_norm.weight, self.q_norm.eps,
+            rope.cos, rope.sin, positions,
+        )  # fmt: skip
+        k = ops.norm_rope(
+            k.reshape(-1, self.num_kv_heads, d), self.k_norm.weight, self.k_norm.eps,
+            rope.cos, rope.sin, positions,
+        )  # fmt: skip
+        return q, k
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        backend: AttentionBackend,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        out = backend.attend(q, kv_cache[0], kv_cache[1], self.scale)
+        return self.o_proj(out.reshape(q.shape[0], self.q_size))
 
     def forward(
         self,
@@ -61,8 +68,6 @@ class PagedAttention(nn.Module):
         backend: AttentionBackend,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
-        q = rope(q, positions)
-        k, v = self.project_kv(x, positions, rope)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+        q, k, v = self.qkv(x, positions, rope)
+        backend.write_kv(k, v, kv_cache[0], kv_cache[1])
+        return self.attend(q, backend, kv_cache)

@@ -1,18 +1,23 @@
-"""The SwiGLU feed-forward block of Qwen3."""
+"""The SwiGLU feed-forward block of Qwen3, with gate and up projections in one matmul."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from batchrun.layers.ops import TORCH_OPS
 
 
 class SwiGLU(nn.Module):
+    # Checkpoint tensors packed into one parameter: name -> (packed name, shard index).
+    PACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.gate_up_proj.shard_sizes = (intermediate, intermediate)  # type: ignore[assignment]
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))

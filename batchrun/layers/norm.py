@@ -1,9 +1,11 @@
-"""RMSNorm as Qwen3 computes it: in float32, cast back to the input dtype."""
+"""RMSNorm as Qwen3 computes it: in float32, cast back to the input dtype, then weighted."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from batchrun.layers.ops import TORCH_OPS
 
 
 class RMSNorm(nn.Module):
@@ -11,9 +13,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,7 +1,9 @@
 """The DFlash drafter (dflash.md section 3): a few Qwen3-shaped layers whose block queries see,
 without a mask, the context K/V computed from target features plus the block's own K/V.
 
-It has no embedding and no lm_head: it borrows the target's.
+It has no embedding and no lm_head: it borrows the target's. A draft forward is two calls:
+`write_context` stores the K/V of newly committed tokens (a variable number of rows, run
+eagerly), and `draft_block` drafts a block per request (a fixed shape, captured in CUDA graphs).
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchrun.layers.attention import AttentionBackend
+from batchrun.attention.base import AttentionBackend
+from batchrun.layers.attention import PagedAttention
 from batchrun.layers.norm import RMSNorm
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.qwen3 import LayerWeights, Qwen3ForCausalLM, Qwen3Shape
@@ -27,21 +30,14 @@ class DraftLayer(LayerWeights):
         self,
         x: torch.Tensor,  # block rows
         positions: torch.Tensor,
-        ctx: torch.Tensor,  # context rows: no layernorm, no residual, only this layer's K/V
-        ctx_positions: torch.Tensor,
         rope: RotaryEmbedding,
         backend: AttentionBackend,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         attn = self.self_attn
-        h = self.input_layernorm(x)
-        q = rope(attn.q_norm(attn.q_proj(h).view(-1, attn.num_heads, attn.head_dim)), positions)
-        k_ctx, v_ctx = attn.project_kv(ctx, ctx_positions, rope)
-        k_blk, v_blk = attn.project_kv(h, positions, rope)
-        # Row order matches the planned slot mapping: every context row, then every block row.
-        k, v = torch.cat((k_ctx, k_blk)), torch.cat((v_ctx, v_blk))
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn.scale)
-        x = x + attn.o_proj(out.reshape(x.shape[0], attn.num_heads * attn.head_dim))
+        q, k, v = attn.qkv(self.input_layernorm(x), positions, rope)
+        backend.write_kv(k, v, kv_cache[0], kv_cache[1])
+        x = x + attn.attend(q, backend, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -65,22 +61,54 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(shape) for _ in range(shape.num_layers))
         self.norm = RMSNorm(h, shape.rms_norm_eps)
         self.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta)
+        self.context_kv: torch.Tensor | None = None  # packed by pack_context_kv()
 
-    def forward(
+    def pack_context_kv(self) -> None:
+        """One [layers * 2 * kv_size, H] weight: every layer's context K/V in one matmul."""
+        rows = []
+        for layer in self.layers:
+            attn: PagedAttention = layer.self_attn
+            rows.append(attn.qkv_proj.weight[attn.q_size :])  # k then v
+        self.context_kv = torch.cat(rows).detach()
+
+    def write_context(
+        self,
+        features: torch.Tensor,  # [C, n * H] target features of newly committed tokens
+        positions: torch.Tensor,  # [C]
+        slots: torch.Tensor,  # [C] draft-cache slots
+        backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Context rows feed only each layer's K/V (norm then RoPE): no residual, no MLP."""
+        if features.shape[0] == 0:
+            return
+        if self.context_kv is None:
+            self.pack_context_kv()
+        assert self.context_kv is not None
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        kv = nn.functional.linear(ctx, self.context_kv)
+        kv_size = self.layers[0].self_attn.kv_size
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            attn: PagedAttention = layer.self_attn
+            k = kv[:, 2 * i * kv_size : (2 * i + 1) * kv_size]
+            v = kv[:, (2 * i + 1) * kv_size : (2 * i + 2) * kv_size]
+            k = attn.ops.norm_rope(
+                k.reshape(-1, attn.num_kv_heads, attn.head_dim), attn.k_norm.weight,
+                attn.k_norm.eps, self.rope.cos, self.rope.sin, positions,
+            )  # fmt: skip
+            backend.write_kv(k, v.reshape_as(k), cache[0], cache[1], slots)
+
+    def draft_block(
         self,
         target: Qwen3ForCausalLM,
         block_ids: torch.Tensor,  # [R * B] per drafting request: its anchor, then B-1 masks
         positions: torch.Tensor,  # [R * B] block positions p .. p+B-1 per request
-        features: torch.Tensor,  # [C, n * H] target features of the new context tokens
-        ctx_positions: torch.Tensor,  # [C]
-        backend: AttentionBackend,
+        backend: AttentionBackend,  # planned non-causal over context + block
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """Writes the new context K/V and returns the drafted tokens [R, B-1] (argmax)."""
+        """The drafted tokens [R, B-1] (argmax of rows 1 .. B-1 through the target's head)."""
         x = target.model.embed_tokens(block_ids)
-        ctx = self.hidden_norm(self.fc(features.to(x.dtype)))
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, ctx, ctx_positions, self.rope, backend, cache)
+            x = layer(x, positions, self.rope, backend, cache)
         rows = x.view(x.shape[0] // self.block_size, self.block_size, x.shape[-1])[:, 1:]
-        logits = target.lm_head(self.norm(rows))
-        return logits.argmax(dim=-1)
+        return target.lm_head(self.norm(rows)).argmax(dim=-1)

@@ -85,28 +85,77 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def packed_target(module: nn.Module, name: str) -> tuple[str, int] | None:
+    """(packed parameter name, shard index) of a checkpoint tensor that a layer packs with
+    others (q/k/v, gate/up), else None."""
+    *path, proj, leaf = name.split(".")
+    if not path:
+        return None
+    owner = module.get_submodule(".".join(path)) if path else module
+    packed = getattr(type(owner), "PACKED", {}).get(proj)
+    return (".".join([*path, packed[0], leaf]), packed[1]) if packed else None
+
+
 def load_weights(
     module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], what: str, skip: set[str]
 ) -> None:
-    """Copy checkpoint tensors into the module's parameters, by name, checking every shape."""
+    """Copy checkpoint tensors into the module's parameters, by name, checking every shape;
+    packed parameters take each of their checkpoint tensors as a slice of rows."""
     params = dict(module.named_parameters())
-    missing = set(params)
+    missing = {(name, 0) for name in params}
+    for name in params:
+        shards = getattr(_owner(module, name), "shard_sizes", None)
+        if shards is not None:
+            missing |= {(name, i) for i in range(len(shards))}
     for name, tensor in tensors:
         if name in skip:
             continue
-        param = params.get(name)
+        try:
+            packed = packed_target(module, name)
+        except AttributeError:
+            packed = None
+        target, shard = packed if packed is not None else (name, 0)
+        param = params.get(target)
         if param is None:
             raise JobError(f"{what}: unexpected tensor {name!r} in the checkpoint")
-        if param.shape != tensor.shape:
+        dest = param
+        if packed is not None:
+            sizes = _owner(module, target).shard_sizes
+            start = sum(sizes[:shard])
+            dest = param[start : start + sizes[shard]]
+        if dest.shape != tensor.shape:
             raise JobError(
                 f"{what}: tensor {name!r} has shape {list(tensor.shape)}, "
-                f"expected {list(param.shape)}"
+                f"expected {list(dest.shape)}"
             )
         with torch.no_grad():
-            param.copy_(tensor)
-        missing.discard(name)
+            dest.copy_(tensor)
+        missing.discard((target, shard))
     if missing:
-        raise JobError(f"{what}: checkpoint lacks {sorted(missing)[0]!r} ({len(missing)} missing)")
+        name = sorted(missing)[0][0]
+        raise JobError(f"{what}: checkpoint lacks {name!r} ({len(missing)} missing)")
+
+
+def checkpoint_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters under checkpoint names: packed ones split back into their
+    tensors (views, no copies). The inverse of load_weights."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():
+        sizes = getattr(_owner(module, name), "shard_sizes", None)
+        if sizes is None:
+            out[name] = param
+            continue
+        layer_path, packed, leaf = name.rsplit(".", 2)
+        layer = module.get_submodule(layer_path)
+        shards = sorted((i, n) for n, (p, i) in type(layer).PACKED.items() if p == packed)
+        for (_, shard_name), part in zip(shards, param.split(list(sizes)), strict=True):
+            out[f"{layer_path}.{shard_name}.{leaf}"] = part
+    return out
+
+
+def _owner(module: nn.Module, param_name: str) -> Any:
+    """The submodule holding a parameter (shard_sizes is set on packed nn.Linear modules)."""
+    return module.get_submodule(param_name.rpartition(".")[0])
 
 
 def load_qwen3(

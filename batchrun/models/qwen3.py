@@ -1,7 +1,7 @@
 """Qwen3 causal LM reading and writing its KV cache through pages.
 
-Module names mirror the Hugging Face checkpoint ("model.layers.0.self_attn.q_proj", ...), so
-loading is a plain name-for-name copy.
+Module names mirror the Hugging Face checkpoint ("model.layers.0.self_attn.o_proj", ...), except
+that q/k/v and gate/up are packed into one matmul each (`PACKED` says how the loader fills them).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from batchrun.layers.attention import AttentionBackend, PagedAttention
+from batchrun.attention.base import AttentionBackend
+from batchrun.layers.attention import PagedAttention
 from batchrun.layers.mlp import SwiGLU
 from batchrun.layers.norm import RMSNorm
 from batchrun.layers.rotary import RotaryEmbedding
@@ -50,13 +51,21 @@ class DecoderLayer(LayerWeights):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         rope: RotaryEmbedding,
         backend: AttentionBackend,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the layer's output, as
+        Hugging Face defines it, is their sum."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h = self.self_attn(h, positions, rope, backend, kv_cache)
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3Body(nn.Module):
@@ -88,13 +97,14 @@ class Qwen3ForCausalLM(nn.Module):
         """Returns the residual stream after the last layer [T, H] (before the final norm) and,
         when capture_layers is set, the concatenated outputs of those layers [T, len * H]."""
         x = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rope, backend, kv_caches[i])
+            x, residual = layer(x, residual, positions, self.rope, backend, kv_caches[i])
             if i in capture_layers:
-                captured[i] = x
+                captured[i] = x + residual
         features = torch.cat([captured[i] for i in capture_layers], -1) if capture_layers else None
-        return x, features
+        return x + residual if residual is not None else x, features
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of pre-norm hidden rows."""

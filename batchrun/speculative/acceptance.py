@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class RoundTrace:
@@ -22,11 +24,8 @@ class RoundTrace:
     committed: list[int]  # tokens kept after stop / max_tokens cuts
 
 
-def accepted_count(drafts: list[int], post: list[int]) -> int:
-    """Number of leading drafts d_j (j = 1..B-1) with d_j == post[j-1]."""
-    n = 0
-    for draft, target in zip(drafts, post, strict=False):
-        if draft != target:
-            break
-        n += 1
-    return n
+def accepted_lengths(drafts: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    """On the device: drafts [R, B-1], post [R, B] -> accepted drafts per request [R] (the
+    length of the leading run of d_j == post[j-1])."""
+    matches = (drafts == post[:, :-1]).to(torch.int32)
+    return matches.cumprod(dim=1).sum(dim=1)

@@ -3,7 +3,6 @@ generate() measured in the same run on the same prompts, written as JSON."""
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from dataclasses import replace
@@ -141,8 +140,3 @@ def bench(
         "results": results,
         "ratios": ratios,
     }
-
-
-def write_result(result: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,7 +1,8 @@
 """Reference paged attention in plain torch: runs anywhere, the oracle for the GPU kernels.
 
 Per forward, `plan` turns the metadata into padded gather indices and a mask once; each layer
-then gathers its K/V pages into [R, max_kv] and runs one batched SDPA.
+then gathers its K/V pages into [R, max_kv] and runs one batched SDPA. Planning reads the meta's
+values on the host's schedule, so this backend runs eagerly only (no CUDA graphs).
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchrun.layers.attention_meta import AttentionMeta
+from batchrun.attention.meta import AttentionMeta
 
 
 class TorchAttention:
     name = "torch"
+    graphable = False
 
     def plan(self, meta: AttentionMeta) -> None:
         device = meta.positions.device
@@ -27,7 +29,7 @@ class TorchAttention:
         pages = meta.page_table.long()[:, kv_pos // meta.page_size]
         self.kv_slots = pages * meta.page_size + kv_pos % meta.page_size  # [R, max_kv]
         q_pos = torch.full((num_req, meta.max_q), -1, dtype=torch.long, device=device)
-        q_pos[req_of_row, col_of_row] = meta.positions
+        q_pos[req_of_row, col_of_row] = meta.positions[: req_of_row.numel()]
         visible = kv_pos[None, None, :] < meta.kv_lens.long()[:, None, None]
         if meta.causal:
             visible = visible & (kv_pos[None, None, :] <= q_pos[:, :, None])
@@ -37,30 +39,38 @@ class TorchAttention:
         self.max_q = meta.max_q
         self.slot_mapping = meta.slot_mapping
 
-    def forward(
+    def write_kv(
         self,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
+        k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+        k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
+        slots: torch.Tensor | None = None,
+    ) -> None:
+        slots = self.slot_mapping if slots is None else slots
+        keep = slots >= 0
+        hkv, dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, hkv, dim)[slots[keep]] = k[keep]
+        v_cache.view(-1, hkv, dim)[slots[keep]] = v[keep]
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         num_req = self.mask.shape[0]
-        hq, hkv, dim = q.shape[1], k.shape[1], q.shape[2]
-        k_flat, v_flat = k_cache.view(-1, hkv, dim), v_cache.view(-1, hkv, dim)
-        k_flat[self.slot_mapping] = k
-        v_flat[self.slot_mapping] = v
-        if num_req == 0:  # a write-only forward (DFlash context rows, no block to draft)
-            return q
-        keys = k_flat[self.kv_slots].transpose(1, 2)  # [R, Hkv, max_kv, D]
-        values = v_flat[self.kv_slots].transpose(1, 2)
+        out = torch.zeros_like(q)  # rows of no request (graph padding) stay zero
+        if num_req == 0:
+            return out
+        hq, hkv, dim = q.shape[1], k_cache.shape[2], q.shape[2]
+        keys = k_cache.view(-1, hkv, dim)[self.kv_slots].transpose(1, 2)  # [R, Hkv, max_kv, D]
+        values = v_cache.view(-1, hkv, dim)[self.kv_slots].transpose(1, 2)
         if hq != hkv:
             keys = keys.repeat_interleave(hq // hkv, dim=1)
             values = values.repeat_interleave(hq // hkv, dim=1)
+        rows = self.req_of_row.numel()
         q_pad = q.new_zeros(num_req, self.max_q, hq, dim)
-        q_pad[self.req_of_row, self.col_of_row] = q
-        out = F.scaled_dot_product_attention(
+        q_pad[self.req_of_row, self.col_of_row] = q[:rows]
+        attended = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2), keys, values, attn_mask=self.mask, scale=scale
         )
-        return out.transpose(1, 2)[self.req_of_row, self.col_of_row]
+        out[:rows] = attended.transpose(1, 2)[self.req_of_row, self.col_of_row]
+        return out

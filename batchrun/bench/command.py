@@ -1,0 +1,115 @@
+"""The `batchrun bench` command: end to end on a checkpoint (--target), or the steady-state
+sweep at a real model's shape with random weights (--shape)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+@click.command()
+@click.option("--target", type=click.Path(path_type=Path), help="Target checkpoint (end to end).")
+@click.option("--draft", type=click.Path(path_type=Path), help="DFlash draft (also run).")
+@click.option(
+    "--shape",
+    type=click.Choice(["qwen3-4b", "qwen3-8b", "qwen3-32b"]),
+    help="Sweep steady-state steps at this shape, random weights on the GPU (no checkpoint).",
+)
+@click.option("--num-layers", type=int, help="--shape: override the layer count.")
+@click.option("--hidden-size", type=int, help="--shape: override the hidden size.")
+@click.option("--intermediate-size", type=int, help="--shape: override the MLP width.")
+@click.option("--vocab-size", type=int, help="--shape: override the vocabulary.")
+@click.option("--batch-sizes", default="1,8,32,128,256", show_default=True, help="--shape sweep.")
+@click.option("--contexts", default="512,1024", show_default=True, help="--shape sweep.")
+@click.option("--steps", default=16, show_default=True, help="--shape: timed steps per point.")
+@click.option("--tau", default="3,5,6.5", show_default=True, help="--shape: projected tau.")
+@click.option("--no-draft", is_flag=True, help="--shape: target-only points only.")
+@click.option("--hf-eager/--no-hf-eager", default=True, show_default=True)
+@click.option("--hf-compiled-batches", default="32,128", show_default=True)
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
+@click.option("--num-prompts", default=64, show_default=True, help="--target: prompts.")
+@click.option("--prompt-len", default=128, show_default=True, help="--target: prompt tokens.")
+@click.option("--max-tokens", default=128, show_default=True, help="--target: new tokens.")
+@click.option("--max-batch-size", default=64, show_default=True, help="--target.")
+@click.option("--max-batched-tokens", default=4096, show_default=True, help="--target.")
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--device", default="auto", show_default=True, help="--target.")
+@click.option("--attention-backend", default="auto", show_default=True)
+@click.option("--hf-baseline/--no-hf-baseline", default=True, help="--target: time generate().")
+@click.option("--out", type=click.Path(path_type=Path), help="Write the result JSON here.")
+def bench(out: Path | None, **opts: Any) -> None:
+    """Time the engine against baselines measured in the same run."""
+    if (opts["target"] is None) == (opts["shape"] is None):
+        raise click.UsageError("give exactly one of --target and --shape")
+    result = _sweep(opts) if opts["shape"] else _end_to_end(opts)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    click.echo(json.dumps(result.get("ratios") or result.get("summary"), indent=2))
+
+
+def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:
+    from batchrun.bench.end_to_end import bench as run_bench
+    from batchrun.engine.config import EngineConfig
+
+    config = EngineConfig(
+        target=opts["target"],
+        draft=opts["draft"],
+        dtype=opts["dtype"],
+        device=opts["device"],
+        attention_backend=opts["attention_backend"],
+        cuda_graphs=opts["cuda_graphs"],
+        max_batch_size=opts["max_batch_size"],
+        max_batched_tokens=opts["max_batched_tokens"],
+    )
+    return run_bench(
+        config,
+        num_prompts=opts["num_prompts"],
+        prompt_len=opts["prompt_len"],
+        max_tokens=opts["max_tokens"],
+        hf_baseline=opts["hf_baseline"],
+    )
+
+
+def _sweep(opts: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from batchrun.bench.shapes import shape_from_flags
+    from batchrun.bench.sweep import SweepPlan, run_sweep
+
+    if not torch.cuda.is_available():
+        raise click.UsageError("--shape runs on a CUDA device; none is available")
+    shape = shape_from_flags(
+        opts["shape"],
+        num_layers=opts["num_layers"],
+        hidden_size=opts["hidden_size"],
+        intermediate_size=opts["intermediate_size"],
+        vocab_size=opts["vocab_size"],
+    )
+    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    plan = SweepPlan(
+        shape_name=opts["shape"],
+        shape=shape,
+        batch_sizes=_ints(opts["batch_sizes"]),
+        contexts=_ints(opts["contexts"]),
+        steps=opts["steps"],
+        taus=_floats(opts["tau"]),
+        draft=not opts["no_draft"],
+        hf_eager=opts["hf_eager"],
+        hf_compiled_batches=_ints(opts["hf_compiled_batches"]),
+        dtype=dtype.get(opts["dtype"], torch.float32),
+        attention_backend=opts["attention_backend"],
+        cuda_graphs=opts["cuda_graphs"],
+    )
+    return run_sweep(plan)

@@ -1,0 +1,79 @@
+"""The ceilings a step is held against, measured in the same run: device copy bandwidth and
+matmul rate; and what one step must at least move and compute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchrun.models.qwen3 import Qwen3Shape
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    copy_bytes_per_s: float  # bytes read plus written per second, device to device
+    matmul_flops_per_s: float  # dense matmul in the model's dtype
+
+
+def time_ms(fn: object, warmup: int = 3, repeat: int = 10) -> float:
+    """Median milliseconds of fn() on the GPU, timed with CUDA events after warm-up."""
+    assert callable(fn)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def measure_ceilings(dtype: torch.dtype, device: torch.device) -> Ceilings:
+    n = 1 << 30  # 1 GiB each way: far past the L2
+    buffers = [torch.empty(n, dtype=torch.uint8, device=device).random_() for _ in range(2)]
+    copy_ms = time_ms(lambda: buffers[1].copy_(buffers[0]))
+    buffers.clear()
+    size = 8192
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    mm_ms = time_ms(lambda: a @ b)
+    return Ceilings(
+        copy_bytes_per_s=2 * n / (copy_ms / 1e3),
+        matmul_flops_per_s=2 * size**3 / (mm_ms / 1e3),
+    )
+
+
+def weight_bytes(shape: Qwen3Shape, element: int, layers: int | None = None) -> int:
+    """Bytes of the weights one forward reads (the embedding: only its rows, so not counted)."""
+    s = shape
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    per_layer = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
+    per_layer += 3 * s.hidden_size * s.intermediate_size
+    return element * ((layers or s.num_layers) * per_layer + s.vocab_size * s.hidden_size)
+
+
+def step_floor_ms(
+    shape: Qwen3Shape,
+    element: int,
+    batch: int,
+    context: int,
+    rows_per_request: int,
+    ceilings: Ceilings,
+) -> dict[str, float]:
+    """The least time a target step can take: all weights and the batch's KV read once, or its
+    matmuls at the measured rate, whichever is longer."""
+    s = shape
+    kv_bytes = batch * context * s.num_layers * 2 * s.num_kv_heads * s.head_dim * element
+    moved = weight_bytes(s, element) + kv_bytes
+    flops = 2 * (weight_bytes(s, 1)) * batch * rows_per_request
+    memory_ms = moved / ceilings.copy_bytes_per_s * 1e3
+    compute_ms = flops / ceilings.matmul_flops_per_s * 1e3
+    return {
+        "memory_ms": memory_ms,
+        "compute_ms": compute_ms,
+        "floor_ms": max(memory_ms, compute_ms),
+    }

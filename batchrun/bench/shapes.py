@@ -1,0 +1,95 @@
+"""Real model shapes with random weights, built directly on the device (no checkpoint needed):
+the target, a z-lab-shaped DFlash draft for it, and the same target as a transformers model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
+from batchrun.models.loader import checkpoint_tensors, load_weights
+from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+
+_QWEN3 = dict(
+    vocab_size=151936, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+    max_position_embeddings=40960,
+)  # fmt: skip
+SHAPES = {
+    "qwen3-4b": Qwen3Shape(
+        hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
+        tie_word_embeddings=True, **_QWEN3,  # type: ignore[arg-type]
+    ),
+    "qwen3-8b": Qwen3Shape(
+        hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+        tie_word_embeddings=False, **_QWEN3,  # type: ignore[arg-type]
+    ),
+    "qwen3-32b": Qwen3Shape(
+        hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
+        tie_word_embeddings=False, **_QWEN3,  # type: ignore[arg-type]
+    ),
+}  # fmt: skip
+DRAFT_LAYERS = 5  # z-lab's Qwen3 DFlash drafts: 5 layers, block 16
+DRAFT_BLOCK = 16
+
+
+def shape_from_flags(name: str | None, **flags: Any) -> Qwen3Shape:
+    """A preset, with any flag (hidden_size=..., num_layers=...) overriding it."""
+    base = SHAPES[name] if name else SHAPES["qwen3-8b"]
+    return replace(base, **{k: v for k, v in flags.items() if v is not None})
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+
+def random_target(shape: Qwen3Shape, dtype: torch.dtype, device: torch.device) -> Qwen3ForCausalLM:
+    with torch.device(device):
+        model = Qwen3ForCausalLM(shape).to(dtype)
+    _randomize(model, seed=0)
+    return model.eval()
+
+
+def random_draft(target: Qwen3ForCausalLM, max_positions: int) -> DFlashDraft:
+    s = target.shape
+    draft_shape = replace(s, num_layers=DRAFT_LAYERS)
+    layer_ids = default_target_layer_ids(DRAFT_LAYERS, s.num_layers)
+    device = target.lm_head.weight.device
+    with torch.device(device):
+        draft = DFlashDraft(draft_shape, layer_ids, DRAFT_BLOCK, 0, max_positions)
+    draft.to(target.lm_head.weight.dtype)
+    _randomize(draft, seed=1)
+    return draft.eval()
+
+
+def hf_twin(model: Qwen3ForCausalLM) -> torch.nn.Module:
+    """transformers' Qwen3ForCausalLM holding the same weights (the generate() baseline)."""
+    from transformers import Qwen3Config
+    from transformers import Qwen3ForCausalLM as HFQwen3
+
+    s = model.shape
+    config = Qwen3Config(
+        vocab_size=s.vocab_size, hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size, num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim,
+        rms_norm_eps=s.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
+        max_position_embeddings=s.max_position_embeddings,
+        tie_word_embeddings=s.tie_word_embeddings,
+    )  # fmt: skip
+    dtype = model.lm_head.weight.dtype
+    with torch.device("meta"):
+        hf = HFQwen3(config)
+    hf = hf.to_empty(device=model.lm_head.weight.device).to(dtype=dtype)
+    load_weights(hf, iter(checkpoint_tensors(model).items()), "hf twin", skip=set())
+    # Buffers are not parameters: build the RoPE table for real.
+    rotary = type(hf.model.rotary_emb)
+    hf.model.rotary_emb = rotary(config=config, device=model.lm_head.weight.device)
+    return hf.eval()

@@ -1,0 +1,199 @@
+"""The steady-state sweep of `batchrun bench --shape`: for each batch size and context length,
+the engine's milliseconds per decode step (target-only) and per DFlash round (draft + verify),
+split into draft, target and host time, against the memory roofline and transformers'
+generate() on the same prompts, all measured in one run."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from batchrun.bench.hf_baseline import decode_ms_per_step
+from batchrun.bench.roofline import measure_ceilings, step_floor_ms
+from batchrun.bench.shapes import hf_twin, random_draft, random_target
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import Request, SamplingParams
+from batchrun.models.qwen3 import Qwen3Shape
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    shape_name: str
+    shape: Qwen3Shape
+    batch_sizes: tuple[int, ...]
+    contexts: tuple[int, ...]
+    steps: int  # timed steps per point
+    taus: tuple[float, ...]  # acceptance lengths to project DFlash throughput at
+    draft: bool
+    hf_eager: bool
+    hf_compiled_batches: tuple[int, ...]  # batch sizes to run compiled generate() at
+    dtype: torch.dtype
+    attention_backend: str
+    cuda_graphs: bool
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else 0.0
+
+
+def measure_point(engine: Engine, batch: int, context: int, steps: int) -> dict[str, Any]:
+    """Time `steps` steps of `batch` requests decoding at about `context` tokens of context."""
+    gen = torch.Generator().manual_seed(batch * 7919 + context)
+    vocab = engine.vocab_size
+    prompts = torch.randint(0, vocab, (batch, context), generator=gen).tolist()
+    budget = engine.max_model_len - context - 1
+    reqs = [Request(i, p, SamplingParams(max_tokens=budget)) for i, p in enumerate(prompts)]
+    for req in reqs:
+        engine.add(req)
+    while any(not r.output_ids for r in reqs):  # prefill, in chunks
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    engine.timer.reset(enabled=True)
+    graphed = engine.runner.graphed_forwards
+    before = sum(len(r.output_ids) for r in reqs)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / steps * 1e3
+    committed = sum(len(r.output_ids) for r in reqs) - before
+    timing = engine.timer.reset(enabled=False)
+    engine.abort_all()
+    draft_ms, target_ms = _median(timing["draft_ms"]), _median(timing["target_ms"])
+    return {
+        "batch": batch,
+        "context": context,
+        "ms_per_step": wall_ms,
+        "draft_ms": draft_ms,
+        "target_ms": target_ms,
+        "host_ms": max(0.0, wall_ms - draft_ms - target_ms),
+        "tokens_per_second": committed / steps / wall_ms * 1e3,
+        "graphed_forwards_per_step": (engine.runner.graphed_forwards - graphed) / steps,
+    }
+
+
+def run_sweep(plan: SweepPlan) -> dict[str, Any]:
+    device = torch.device("cuda")
+    ceilings = measure_ceilings(plan.dtype, device)
+    model = random_target(plan.shape, plan.dtype, device)
+    max_batch = max(plan.batch_sizes)
+    max_len = max(plan.contexts) + 4 * plan.steps + 64
+    draft = random_draft(model, plan.shape.max_position_embeddings + 1024) if plan.draft else None
+    width = draft.block_size if draft is not None else 1
+    config = EngineConfig(
+        target=None, dtype=str(plan.dtype).removeprefix("torch."), device="cuda",
+        attention_backend=plan.attention_backend, cuda_graphs=plan.cuda_graphs,
+        max_batch_size=max_batch, max_batched_tokens=max(8192, max_batch * width),
+        max_model_len=max_len,
+    )  # fmt: skip
+    points: list[dict[str, Any]] = []
+    element = model.lm_head.weight.element_size()
+    for with_draft in [False, True] if draft is not None else [False]:
+        engine = Engine.from_models(
+            config, model, draft if with_draft else None, num_pages=_pages(config, max_len, width)
+        )
+        for batch in plan.batch_sizes:
+            for context in plan.contexts:
+                point = measure_point(engine, batch, context, plan.steps)
+                point["mode"] = "dflash" if with_draft else "target_only"
+                floor = step_floor_ms(plan.shape, element, batch, context, 1, ceilings)
+                point["roofline"] = floor
+                if not with_draft:
+                    point["fraction_of_memory_roofline"] = floor["memory_ms"] / point["ms_per_step"]
+                else:
+                    point["tokens_per_second_at_tau"] = {
+                        str(tau): batch * tau / point["ms_per_step"] * 1e3 for tau in plan.taus
+                    }
+                points.append(point)
+                print(_row(point), flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    baselines = _hf_baselines(plan, model) if plan.hf_eager or plan.hf_compiled_batches else []
+    return {
+        "setup": {
+            "shape_name": plan.shape_name,
+            "shape": asdict(plan.shape),
+            "dtype": str(plan.dtype),
+            "attention_backend": plan.attention_backend,
+            "cuda_graphs": plan.cuda_graphs,
+            "steps": plan.steps,
+            "gpu": torch.cuda.get_device_name(device),
+            "torch": torch.__version__,
+        },
+        "ceilings": asdict(ceilings),
+        "points": points,
+        "hf_generate": baselines,
+        "summary": summarize(points, baselines, plan.taus),
+    }
+
+
+def _pages(config: EngineConfig, max_len: int, width: int) -> int:
+    per_request = -(-(max_len + width) // config.page_size) + 1
+    return config.max_batch_size * per_request
+
+
+def _hf_baselines(plan: SweepPlan, model: torch.nn.Module) -> list[dict[str, Any]]:
+    hf = hf_twin(model)  # type: ignore[arg-type]
+    out = []
+    vocab = plan.shape.vocab_size
+    for batch in plan.batch_sizes:
+        for context in plan.contexts:
+            gen = torch.Generator().manual_seed(batch * 7919 + context)
+            ids = torch.randint(0, vocab, (batch, context), generator=gen).cuda()
+            modes = (["eager"] if plan.hf_eager else []) + (
+                ["static_compiled"] if batch in plan.hf_compiled_batches else []
+            )
+            for mode in modes:
+                steps = min(plan.steps, 16)
+                result = decode_ms_per_step(hf, ids, steps, static_cache=mode != "eager")
+                out.append({"batch": batch, "context": context, "mode": mode, **result})
+                print(f"generate() {mode:>15} batch {batch:>4} context {context:>5}: {result}")
+    del hf
+    torch.cuda.empty_cache()
+    return out
+
+
+def summarize(
+    points: list[dict[str, Any]], baselines: list[dict[str, Any]], taus: tuple[float, ...]
+) -> list[dict[str, Any]]:
+    """Per (batch, context): the ratios the issue's targets are stated in."""
+    rows = []
+    plain = {(p["batch"], p["context"]): p for p in points if p["mode"] == "target_only"}
+    spec = {(p["batch"], p["context"]): p for p in points if p["mode"] == "dflash"}
+    for key, p in sorted(plain.items()):
+        row: dict[str, Any] = {
+            "batch": key[0],
+            "context": key[1],
+            "target_only_ms_per_token_step": p["ms_per_step"],
+            "target_only_tokens_per_second": p["tokens_per_second"],
+            "fraction_of_memory_roofline": p["fraction_of_memory_roofline"],
+        }
+        if key in spec:
+            s = spec[key]
+            row["dflash_round_ms"] = s["ms_per_step"]
+            row["dflash_vs_target_only_at_tau"] = {
+                str(t): s["tokens_per_second_at_tau"][str(t)] / p["tokens_per_second"] for t in taus
+            }
+        for b in baselines:
+            if (b["batch"], b["context"]) == key and "tokens_per_second" in b:
+                row[f"vs_generate_{b['mode']}"] = p["tokens_per_second"] / b["tokens_per_second"]
+        rows.append(row)
+    return rows
+
+
+def _row(p: dict[str, Any]) -> str:
+    return (
+        f"{p['mode']:>11} batch {p['batch']:>4} context {p['context']:>5}: "
+        f"{p['ms_per_step']:7.2f} ms/step (draft {p['draft_ms']:.2f}, target "
+        f"{p['target_ms']:.2f}, host {p['host_ms']:.2f}), {p['tokens_per_second']:9.1f} tok/s"
+    )
+
+
+def with_taus(plan: SweepPlan, taus: tuple[float, ...]) -> SweepPlan:
+    return replace(plan, taus=taus)

@@ -1,0 +1,57 @@
+"""The small element-wise ops of a Qwen3 layer, as one swappable set.
+
+`TorchOps` is the reference (plain torch, any device). A model runner on a GPU swaps in the fused
+Triton set (batchrun.kernels.fused_ops) with `use_ops`; both compute the same functions: RMSNorm
+in float32, cast to the input dtype, then scaled by the weight in that dtype (as Qwen3 does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class TorchOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the pre-norm layer's residual step."""
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def norm_rope(
+        self,
+        x: torch.Tensor,  # [T, heads, head_dim]
+        weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,  # [max_positions, head_dim / 2] float32
+        sin: torch.Tensor,
+        positions: torch.Tensor,  # [T]
+    ) -> torch.Tensor:
+        """Per-head RMSNorm, then rotate-half RoPE computed in float32."""
+        x = self.rms_norm(x, weight, eps)
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+TORCH_OPS = TorchOps()
+
+
+def use_ops(module: nn.Module, ops: TorchOps) -> None:
+    """Make every layer under `module` compute with `ops`."""
+    for sub in module.modules():
+        if hasattr(sub, "ops"):
+            sub.ops = ops
