@@ -1,0 +1,519 @@
+"""Paged attention in Triton: one kernel family for prefill/extend, decode, verify and the DFlash
+draft block, plus the K/V page write.
+
+Semantics are those of `TorchAttention` (kernels/torch_attention.py) without the K/V write, which
+is `write_kv` here:
+
+- q [T, Hq, D] holds the packed rows of R requests: request r owns rows cu_q[r]:cu_q[r+1]
+  (cu_q[0] == 0; rows from cu_q[R] to T belong to no request and are never written).
+- k/v caches [num_pages, page_size, Hkv, D]; kv_lens [R] int32 is each request's cached length
+  after this step's writes; page_table [R, max_pages] int32 maps position p of request r to slot
+  page_table[r, p // page_size] * page_size + p % page_size.
+- causal: query row i of request r sits at position kv_lens[r] - q_len[r] + i and sees the cached
+  positions <= it (the engine's `positions` always satisfy this). Non-causal (the DFlash draft
+  block): every row sees all kv_lens[r] positions.
+
+One program serves one (request, block of BLOCK_Q query tokens, kv head, kv split): it loads each
+K/V tile once for all GROUP = Hq // Hkv query heads of its kv head (the tile's rows are query tokens
+x heads of the group) and keeps an online softmax in float32. The grid depends only on host ints
+(R, max_q, Hkv, num_splits), never on device data, so a launch can be captured in a CUDA graph;
+programs past a request's rows exit at once, and requests with q_len 0 write nothing.
+
+Split-KV (num_splits > 1) cuts each program's kv range into num_splits parts that run as separate
+programs, then `_combine_kernel` merges them; it needs a caller-owned workspace (see
+`attention_workspace`) and pays where R * Hkv programs leave most of the GPU idle (small-batch
+decode over long contexts).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "AttentionWorkspace",
+    "attention_workspace",
+    "default_num_splits",
+    "paged_attention",
+    "write_kv",
+]
+
+_LOG2E = 1.4426950408889634
+
+
+def interpreting(t: torch.Tensor) -> bool:
+    """True when Triton runs these kernels in its CPU interpreter (TRITON_INTERPRET=1, or the
+    tensors are on the CPU, which only the interpreter can run)."""
+    return t.device.type == "cpu" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 dots default to TF32 on the GPU; "ieee" keeps float32 results close to torch.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    cu_q_ptr,
+    kv_lens_ptr,
+    page_table_ptr,
+    scale_log2,
+    q_blocks,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_pt,
+    stride_wos,
+    stride_wot,
+    stride_woh,
+    stride_wls,
+    stride_wlt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = pid // q_blocks
+    q_lo = (pid % q_blocks) * BLOCK_Q
+    row_begin = tl.load(cu_q_ptr + req)
+    q_len = tl.load(cu_q_ptr + req + 1) - row_begin
+    if q_lo >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + req)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = q_lo + offs_m // GROUP  # query token of each tile row, within the request
+    head = kv_head * GROUP + offs_m % GROUP  # its query head
+    row_ok = (offs_m // GROUP < BLOCK_Q) & (tok < q_len)
+    rows = (row_begin + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+    q_pos = kv_len - q_len + tok
+    # Causal: the block's last row sees up to its own position; otherwise every row sees all.
+    kv_end = kv_len - q_len + tl.minimum(q_lo + BLOCK_Q, q_len) if CAUSAL else kv_len
+    n_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    kv_lo = split * tiles_per_split * BLOCK_N
+    kv_hi = tl.minimum(kv_lo + tiles_per_split * BLOCK_N, kv_end)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    table = page_table_ptr + req.to(tl.int64) * stride_pt
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + offs_n
+        in_range = pos < kv_hi
+        page = tl.load(table + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
+        slot_in_page = pos % PAGE_SIZE
+        k = tl.load(
+            k_cache_ptr
+            + (page * stride_kp + slot_in_page * stride_ks + kv_head * stride_kh)[:, None]
+            + offs_d[None, :],
+            mask=in_range[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr
+            + (page * stride_vp + slot_in_page * stride_vs + kv_head * stride_vh)[:, None]
+            + offs_d[None, :],
+            mask=in_range[:, None],
+            other=0.0,
+        )
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        visible = in_range[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+    else:
+        # Partial result of this split: normalised output and its log2-sum-exp (-inf if empty).
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(
+            part_out_ptr
+            + split * stride_wos
+            + rows[:, None] * stride_wot
+            + head[:, None] * stride_woh
+            + offs_d[None, :],
+            o,
+            mask=row_ok[:, None],
+        )
+        tl.store(part_lse_ptr + split * stride_wls + rows * stride_wlt + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    cu_q_ptr,
+    num_requests,
+    stride_ot,
+    stride_oh,
+    stride_wos,
+    stride_wot,
+    stride_woh,
+    stride_wls,
+    stride_wlt,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0)
+    if row < tl.load(cu_q_ptr) or row >= tl.load(cu_q_ptr + num_requests):
+        return
+    row64 = row.to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    h_ok = offs_h < NUM_HEADS
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        lse = tl.load(
+            part_lse_ptr + s * stride_wls + row64 * stride_wlt + offs_h,
+            mask=h_ok,
+            other=float("-inf"),
+        )
+        m = tl.maximum(m, lse)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        lse = tl.load(
+            part_lse_ptr + s * stride_wls + row64 * stride_wlt + offs_h,
+            mask=h_ok,
+            other=float("-inf"),
+        )
+        w = tl.math.exp2(lse - m)
+        o = tl.load(
+            part_out_ptr
+            + s * stride_wos
+            + row64 * stride_wot
+            + offs_h[:, None] * stride_woh
+            + offs_d[None, :],
+            mask=h_ok[:, None] & (w[:, None] > 0.0),
+            other=0.0,
+        )
+        total += w
+        acc += w[:, None] * o
+    total = tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + row64 * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+        (acc / total[:, None]).to(out_ptr.dtype.element_ty),
+        mask=h_ok[:, None],
+    )
+
+
+@dataclass(frozen=True)
+class AttentionWorkspace:
+    """Split-KV partials, owned by the caller and reused across launches (and graph replays):
+    out [num_splits, max_tokens, Hq, D] float32, lse [num_splits, max_tokens, Hq] float32."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    @property
+    def num_splits(self) -> int:
+        return self.out.shape[0]
+
+
+def attention_workspace(
+    num_splits: int, max_tokens: int, num_heads: int, head_dim: int, device: torch.device
+) -> AttentionWorkspace:
+    """Allocates a split-KV workspace for up to max_tokens query rows (allocate once, outside
+    graph capture)."""
+    return AttentionWorkspace(
+        out=torch.empty(
+            num_splits, max_tokens, num_heads, head_dim, dtype=torch.float32, device=device
+        ),
+        lse=torch.empty(num_splits, max_tokens, num_heads, dtype=torch.float32, device=device),
+    )
+
+
+def default_num_splits(
+    num_requests: int, num_kv_heads: int, max_kv: int, num_sms: int = 132, max_splits: int = 16
+) -> int:
+    """A split count for a decode-like launch (max_q 1): enough programs to cover the GPU about
+    twice, but no split shorter than 256 kv positions. A host-side heuristic, not tuned on
+    hardware; for a captured graph pass the largest context the graph will see."""
+    programs = max(1, num_requests * num_kv_heads)
+    want = max(1, (2 * num_sms + programs - 1) // programs)
+    by_length = max(1, max_kv // 256)
+    return max(1, min(want, by_length, max_splits))
+
+
+def _blocks(max_q: int, group: int, max_rows: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_M): query tokens per program and tile rows (tokens x group heads, a power
+    of two >= 16 for tl.dot, at most max_rows unless one token's group needs more)."""
+    rows = triton.next_power_of_2(max(1, max_q) * group)
+    block_m = min(max(16, rows), max(max_rows, triton.next_power_of_2(group)))
+    block_q = max(1, min(triton.next_power_of_2(max(1, max_q)), block_m // group))
+    return block_q, block_m
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    max_q: int,
+    out: torch.Tensor | None = None,
+    num_splits: int = 1,
+    workspace: AttentionWorkspace | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Attends the packed query rows over the paged K/V cache (which already holds this step's
+    K/V); writes and returns `out` [T, Hq, D] in q's dtype.
+
+    q [T, Hq, D]; k_cache/v_cache [num_pages, page_size, Hkv, D] (last dim contiguous, same dtype
+    as q); cu_q [R+1] int32; kv_lens [R] int32; page_table [R, max_pages] int32 (entries past a
+    request's pages are never read). max_q is a host int >= every request's q_len (static per
+    captured graph: 1 for decode, B for verify or the draft block). Hq % Hkv == 0; D a power of
+    two >= 16. num_splits > 1 needs a workspace with at least that many splits and T rows.
+    Allocates nothing when `out` is given.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_requests = kv_lens.shape[0]
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim {head_dim} must be a power of two >= 16")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q and the caches need a contiguous last dimension")
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_requests == 0 or max_q <= 0:
+        return out
+    group = num_heads // num_kv_heads
+    wide = q.element_size() >= 4 or head_dim > 128  # float32 tiles take twice the registers
+    block_q, block_m = _blocks(max_q, group, 64 if wide else 128)
+    q_blocks = triton.cdiv(max_q, block_q)
+    if block_n is None:
+        block_n = 32 if wide else 64
+    interp = interpreting(q)
+    if num_splits > 1:
+        if workspace is None or workspace.num_splits < num_splits:
+            raise ValueError(f"num_splits={num_splits} needs a workspace of as many splits")
+        if workspace.out.shape[1] < num_tokens:
+            raise ValueError("the workspace has fewer rows than q")
+        part_out, part_lse = workspace.out, workspace.lse
+    else:
+        part_out, part_lse = out, out  # unused
+    if num_warps is None:
+        num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
+    if num_stages is None:
+        num_stages = 2
+    grid = (num_requests * q_blocks, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_lse,
+        cu_q,
+        kv_lens,
+        page_table,
+        scale * _LOG2E,
+        q_blocks,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        page_table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        CAUSAL=causal,
+        NUM_SPLITS=num_splits,
+        DOT_F32=interp or q.dtype == torch.float32,
+        PRECISION=_dot_precision(torch.float32 if interp else q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _combine_kernel[(num_tokens,)](
+            out,
+            part_out,
+            part_lse,
+            cu_q,
+            num_requests,
+            out.stride(0),
+            out.stride(1),
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_H=triton.next_power_of_2(num_heads),
+            num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcp,
+    stride_kcs,
+    stride_kch,
+    stride_vcp,
+    stride_vcs,
+    stride_vch,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_h < NUM_HEADS)[:, None]
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(
+        k_cache_ptr
+        + page * stride_kcp
+        + off * stride_kcs
+        + offs_h[:, None] * stride_kch
+        + offs_d[None, :],
+        k.to(k_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        v_cache_ptr
+        + page * stride_vcp
+        + off * stride_vcs
+        + offs_h[:, None] * stride_vch
+        + offs_d[None, :],
+        v.to(v_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Stores rows k, v [T, Hkv, D] into the caches [num_pages, page_size, Hkv, D] at
+    slot_mapping [T] int64 (slot = page * page_size + offset); rows with a negative slot are
+    padding and write nothing. D is a power of two; last dims contiguous."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim {head_dim} must be a power of two")
+    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("k, v and the caches need a contiguous last dimension")
+    _write_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        num_warps=4,
+    )

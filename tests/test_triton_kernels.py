@@ -1,0 +1,513 @@
+"""The Triton kernels against the torch layers and TorchAttention.
+
+Without CUDA they run on the CPU in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
+imported) at tiny shapes; with CUDA every test runs on the GPU, and the cases marked `gpu` add
+real shapes (head_dim 128, 32/8 heads, bfloat16, page size 16, contexts to 2048).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from batchrun.kernels.torch_attention import TorchAttention  # noqa: E402
+from batchrun.kernels.triton_attention import (  # noqa: E402
+    attention_workspace,
+    default_num_splits,
+    paged_attention,
+    write_kv,
+)
+from batchrun.kernels.triton_ops import (  # noqa: E402
+    fused_add_rms_norm_,
+    qk_rms_norm_rope_,
+    rms_norm,
+    rms_norm_rope_,
+    silu_and_mul,
+)
+from batchrun.layers.attention_meta import AttentionMeta  # noqa: E402
+from batchrun.layers.norm import RMSNorm  # noqa: E402
+from batchrun.layers.rotary import RotaryEmbedding  # noqa: E402
+
+# The interpreter turns loop bounds loaded from memory into ints the way numpy 2.4 refuses
+# (numpy<2.4 is pinned in the test extra); quiet its deprecation notice.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
+)
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+gpu = pytest.mark.gpu
+# Triton 3.6's interpreter casts float32 to bfloat16 by truncation, not round-to-nearest-even:
+# the ops whose bfloat16 results must match torch to the ulp are checked on the GPU only.
+# (Attention in bfloat16 still runs here: its tolerance covers one truncated ulp.)
+BF16_OPS = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(not CUDA, reason="the interpreter truncates float32 -> bfloat16"),
+    id="bfloat16",
+)
+# Output tolerances (atol = rtol) against a float32 reference on the same inputs.
+ATTN_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype).to(DEVICE)
+
+
+@dataclass
+class Batch:
+    """R requests' paged caches and metadata; kernel tables pad with a bogus page id that must
+    never be read, the reference's pad with 0 (it gathers whole rows)."""
+
+    q_lens: list[int]
+    kv_lens: list[int]
+    page_size: int
+    num_pages: int
+    tables: list[list[int]]
+
+    @property
+    def cu_q(self) -> list[int]:
+        out = [0]
+        for n in self.q_lens:
+            out.append(out[-1] + n)
+        return out
+
+    def table(self, pad: int) -> torch.Tensor:
+        width = max(1, max(len(t) for t in self.tables))
+        rows = [t + [pad] * (width - len(t)) for t in self.tables]
+        return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+
+    def slots(self) -> list[int]:
+        """The cache slot of every query row (its own K/V), in row order."""
+        out = []
+        for q_len, kv_len, table in zip(self.q_lens, self.kv_lens, self.tables, strict=True):
+            for p in range(kv_len - q_len, kv_len):
+                out.append(table[p // self.page_size] * self.page_size + p % self.page_size)
+        return out
+
+    def meta(self, causal: bool, slot_mapping: torch.Tensor) -> AttentionMeta:
+        positions = [p for n, kv in zip(self.q_lens, self.kv_lens, strict=True) for p in
+                     range(kv - n, kv)]  # fmt: skip
+        return AttentionMeta(
+            positions=torch.tensor(positions, dtype=torch.long, device=DEVICE),
+            slot_mapping=slot_mapping,
+            cu_q=torch.tensor(self.cu_q, dtype=torch.int32, device=DEVICE),
+            kv_lens=torch.tensor(self.kv_lens, dtype=torch.int32, device=DEVICE),
+            page_table=self.table(0),
+            page_size=self.page_size,
+            max_q=max(self.q_lens),
+            max_kv=max(self.kv_lens),
+            causal=causal,
+        )
+
+
+def make_batch(q_lens: list[int], ctx: list[int], page_size: int, seed: int) -> Batch:
+    """Request r has ctx[r] cached positions before its q_lens[r] new rows; its pages are drawn
+    from a shuffled pool (plus spare pages), so they are neither contiguous nor ordered."""
+    kv_lens = [c + n for c, n in zip(ctx, q_lens, strict=True)]
+    need = [(kv + page_size - 1) // page_size for kv in kv_lens]
+    num_pages = sum(need) + 3
+    perm = torch.randperm(num_pages, generator=_gen(seed)).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    return Batch(list(q_lens), kv_lens, page_size, num_pages, tables)
+
+
+def reference_attention(
+    batch: Batch,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """TorchAttention in float32 over the same (already written) cache."""
+    backend = TorchAttention()
+    no_rows = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    backend.plan(batch.meta(causal, no_rows))
+    empty = k_cache.new_zeros(0, k_cache.shape[2], k_cache.shape[3]).float()
+    return backend.forward(q.float(), empty, empty, k_cache.float(), v_cache.float(), scale)
+
+
+def run_attention_case(
+    q_lens: list[int],
+    ctx: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    causal: bool,
+    num_splits: int = 1,
+    block_n: int | None = None,
+    extra_rows: int = 0,
+    seed: int = 0,
+) -> None:
+    batch = make_batch(q_lens, ctx, page_size, seed)
+    shape = (batch.num_pages, page_size, num_kv_heads, head_dim)
+    k_cache = _randn(*shape, dtype=dtype, seed=seed + 1)
+    v_cache = _randn(*shape, dtype=dtype, seed=seed + 2)
+    num_rows = sum(q_lens)
+    q = _randn(num_rows + extra_rows, num_heads, head_dim, dtype=dtype, seed=seed + 3)
+    scale = head_dim**-0.5
+    sentinel = 7.0
+    out = torch.full_like(q, sentinel)
+    workspace = None
+    if num_splits > 1:
+        workspace = attention_workspace(
+            num_splits, q.shape[0], num_heads, head_dim, torch.device(DEVICE)
+        )
+        workspace.out.fill_(float("nan"))  # unwritten partials must never be read
+        workspace.lse.fill_(float("nan"))
+    cu_q = torch.tensor(batch.cu_q, dtype=torch.int32, device=DEVICE)
+    kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int32, device=DEVICE)
+    paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        cu_q,
+        kv_lens,
+        batch.table(pad=10**8),
+        scale=scale,
+        causal=causal,
+        max_q=max(q_lens),
+        out=out,
+        num_splits=num_splits,
+        workspace=workspace,
+        block_n=block_n,
+    )
+    want = reference_attention(batch, q[:num_rows], k_cache, v_cache, scale, causal)
+    tol = ATTN_TOL[dtype]
+    torch.testing.assert_close(out[:num_rows].float(), want, atol=tol, rtol=tol)
+    assert bool((out[num_rows:] == sentinel).all()), "rows owned by no request were written"
+
+
+# Mixed q lengths in one batch, with a padding request (q_len 0) and cached prefixes that span
+# several pages.
+MIXED_Q = [0, 1, 3, 16, 40]
+MIXED_CTX = [5, 37, 0, 20, 9]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_attention_mixed_lengths(group: int, causal: bool) -> None:
+    run_attention_case(MIXED_Q, MIXED_CTX, 2 * group, 2, 16, 16, torch.float32, causal)
+
+
+@pytest.mark.parametrize(("page_size", "block_n"), [(16, 16), (16, 32), (32, 16), (8, 64)])
+def test_attention_tiles_and_pages(page_size: int, block_n: int) -> None:
+    run_attention_case(
+        [3, 0, 9], [30, 4, 50], 4, 2, 32, page_size, torch.float32, True, block_n=block_n
+    )
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_decode(num_splits: int) -> None:
+    """Decode rows (q_len 1) and padding requests (q_len 0, kv_len 0), with spare rows past
+    cu_q[R] that no request owns."""
+    run_attention_case(
+        [1, 0, 1, 1, 0],
+        [70, 0, 1, 33, 0],
+        8,
+        2,
+        32,
+        16,
+        torch.float32,
+        True,
+        num_splits=num_splits,
+        block_n=16,
+        extra_rows=2,
+    )
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["verify", "draft_block"])
+def test_attention_blocks_of_rows(causal: bool) -> None:
+    """Verify (causal, B rows per request) and the DFlash draft block (non-causal over context
+    plus block), split or not."""
+    for num_splits in (1, 2):
+        run_attention_case(
+            [4, 4, 0, 4], [21, 3, 0, 40], 4, 1, 16, 16, torch.float32, causal, num_splits
+        )
+
+
+def test_attention_splits_mixed() -> None:
+    run_attention_case(MIXED_Q, MIXED_CTX, 4, 2, 16, 16, torch.float32, True, num_splits=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_half(dtype: torch.dtype) -> None:
+    run_attention_case(MIXED_Q, MIXED_CTX, 4, 2, 16, 16, dtype, True)
+
+
+def test_write_kv_then_attend_matches_torch_backend() -> None:
+    """write_kv + paged_attention do what TorchAttention.forward does (write, then attend)."""
+    batch = make_batch([2, 0, 5, 1], [14, 3, 17, 0], 16, seed=5)
+    hq, hkv, dim = 4, 2, 16
+    shape = (batch.num_pages, 16, hkv, dim)
+    k_cache = _randn(*shape, dtype=torch.float32, seed=6)
+    v_cache = _randn(*shape, dtype=torch.float32, seed=7)
+    rows = sum(batch.q_lens)
+    q = _randn(rows, hq, dim, dtype=torch.float32, seed=8)
+    k = _randn(rows, hkv, dim, dtype=torch.float32, seed=9)
+    v = _randn(rows, hkv, dim, dtype=torch.float32, seed=10)
+    slots = torch.tensor(batch.slots(), dtype=torch.long, device=DEVICE)
+    backend = TorchAttention()
+    backend.plan(batch.meta(True, slots))
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    want = backend.forward(q, k, v, ref_k, ref_v, dim**-0.5)
+
+    write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    got = paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        torch.tensor(batch.cu_q, dtype=torch.int32, device=DEVICE),
+        torch.tensor(batch.kv_lens, dtype=torch.int32, device=DEVICE),
+        batch.table(pad=0),
+        scale=dim**-0.5,
+        causal=True,
+        max_q=max(batch.q_lens),
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def run_write_kv_case(
+    num_rows: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype
+) -> None:
+    num_pages = (2 * num_rows) // page_size + 2
+    slots = torch.randperm(num_pages * page_size, generator=_gen(1))[:num_rows]
+    slots[::3] = -1  # padding rows
+    slots = slots.to(DEVICE)
+    k = _randn(num_rows, num_kv_heads, head_dim, dtype=dtype, seed=2)
+    v = _randn(num_rows, num_kv_heads, head_dim, dtype=dtype, seed=3)
+    k_cache = _randn(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, seed=4)
+    v_cache = _randn(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, seed=5)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    ref_k.view(-1, num_kv_heads, head_dim)[slots[keep]] = k[keep]
+    ref_v.view(-1, num_kv_heads, head_dim)[slots[keep]] = v[keep]
+    write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k)
+    assert torch.equal(v_cache, ref_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads", [1, 3])
+def test_write_kv(num_kv_heads: int, dtype: torch.dtype) -> None:
+    run_write_kv_case(11, num_kv_heads, 16, 16, dtype)
+
+
+def test_write_kv_strided_rows() -> None:
+    """k and v as views of one fused projection [T, (Hq + 2 Hkv) * D]."""
+    hq, hkv, dim = 4, 2, 16
+    qkv = _randn(6, (hq + 2 * hkv) * dim, dtype=torch.float32, seed=1)
+    k = qkv[:, hq * dim : (hq + hkv) * dim].view(6, hkv, dim)
+    v = qkv[:, (hq + hkv) * dim :].view(6, hkv, dim)
+    k_cache = torch.zeros(2, 8, hkv, dim, device=DEVICE)
+    v_cache = torch.zeros(2, 8, hkv, dim, device=DEVICE)
+    slots = torch.tensor([9, -1, 0, 15, 3, -1], device=DEVICE)
+    write_kv(k, v, k_cache, v_cache, slots)
+    keep = slots >= 0
+    assert torch.equal(k_cache.view(-1, hkv, dim)[slots[keep]], k[keep])
+    assert torch.equal(v_cache.view(-1, hkv, dim)[slots[keep]], v[keep])
+    assert int((k_cache.view(-1, hkv, dim).abs().sum((1, 2)) > 0).sum()) == 4
+
+
+def test_default_num_splits() -> None:
+    assert default_num_splits(1, 8, 4096) == 16
+    assert default_num_splits(1, 8, 512) == 2
+    assert default_num_splits(256, 8, 4096) == 1
+    assert default_num_splits(4, 8, 100) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm, residual add + RMSNorm, q/k norm + RoPE, SiLU-and-mul
+
+# Half precision: the kernel's float32 sum of squares is ordered differently from torch's, which
+# can move a value across a rounding boundary: at most one ulp of the dtype.
+OPS_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+
+
+def _norm(dim: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.5 * torch.randn(dim, generator=_gen(seed)))
+    return norm.to(DEVICE, dtype)
+
+
+def run_rms_norm_case(rows: int, dim: int, dtype: torch.dtype) -> None:
+    norm = _norm(dim, dtype, 0)
+    x = _randn(rows, dim, dtype=dtype, seed=1, scale=3.0)
+    with torch.no_grad():
+        want = norm(x)
+    got = rms_norm(x, norm.weight, norm.eps)
+    tol = OPS_TOL[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+    residual = _randn(rows, dim, dtype=dtype, seed=2, scale=3.0)
+    with torch.no_grad():
+        want_res = residual + x
+        want_out = norm(want_res)
+    x2, res2 = x.clone(), residual.clone()
+    out = fused_add_rms_norm_(x2, res2, norm.weight, norm.eps)
+    assert out.data_ptr() == x2.data_ptr()
+    assert torch.equal(res2, want_res)
+    torch.testing.assert_close(x2, want_out, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16_OPS, torch.float16])
+@pytest.mark.parametrize("dim", [64, 48])
+def test_rms_norm(dim: int, dtype: torch.dtype) -> None:
+    run_rms_norm_case(5, dim, dtype)
+
+
+def run_qk_norm_rope_case(
+    rows: int, hq: int, hkv: int, dim: int, dtype: torch.dtype, max_pos: int = 64
+) -> None:
+    """q/k as views of one fused projection, as PagedAttention computes them."""
+    q_norm, k_norm = _norm(dim, dtype, 1), _norm(dim, dtype, 2)
+    rope = RotaryEmbedding(dim, max_pos, 1_000_000.0).to(DEVICE)
+    qkv = _randn(rows, (hq + 2 * hkv) * dim, dtype=dtype, seed=3, scale=2.0)
+    q = qkv[:, : hq * dim].view(rows, hq, dim)
+    k = qkv[:, hq * dim : (hq + hkv) * dim].view(rows, hkv, dim)
+    positions = torch.randint(0, max_pos, (rows,), generator=_gen(4)).to(DEVICE)
+    with torch.no_grad():
+        want_q = rope(q_norm(q), positions)
+        want_k = rope(k_norm(k), positions)
+    v_before = qkv[:, (hq + hkv) * dim :].clone()
+    qk_rms_norm_rope_(q, k, q_norm.weight, k_norm.weight, rope.cos, rope.sin, positions, 1e-6)
+    tol = OPS_TOL[dtype]
+    torch.testing.assert_close(q, want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, want_k, atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, (hq + hkv) * dim :], v_before)
+
+    k2 = qkv.new_empty(rows, hkv, dim).copy_(_randn(rows, hkv, dim, dtype=dtype, seed=5))
+    with torch.no_grad():
+        want_k2 = rope(k_norm(k2), positions)
+    rms_norm_rope_(k2, k_norm.weight, rope.cos, rope.sin, positions, 1e-6)
+    torch.testing.assert_close(k2, want_k2, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16_OPS, torch.float16])
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (6, 3)])
+def test_qk_norm_rope(hq: int, hkv: int, dtype: torch.dtype) -> None:
+    run_qk_norm_rope_case(5, hq, hkv, 16, dtype)
+
+
+def run_silu_case(rows: int, inter: int, dtype: torch.dtype) -> None:
+    gate_up = _randn(rows, 2 * inter, dtype=dtype, seed=1, scale=3.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up  # the torch path, in the input dtype
+    exact = (F.silu(gate.double()) * up.double()).to(dtype)
+    got = silu_and_mul(gate_up)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    else:
+        # One rounding here against two in torch: within an ulp of torch, and closer to exact.
+        tol = OPS_TOL[dtype]
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        assert (got.double() - exact.double()).abs().max() <= (
+            (want.double() - exact.double()).abs().max()
+        )
+    out = torch.full((rows, inter), 3.0, dtype=dtype, device=DEVICE)
+    assert silu_and_mul(gate_up, out=out) is out and torch.equal(out, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16_OPS, torch.float16])
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    run_silu_case(4, 40, dtype)
+
+
+def test_empty_inputs() -> None:
+    """Zero rows launch nothing and touch nothing."""
+    q = torch.zeros(0, 4, 16, device=DEVICE)
+    cache = torch.zeros(2, 16, 2, 16, device=DEVICE)
+    cu_q = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    no_req = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    table = torch.zeros(0, 1, dtype=torch.int32, device=DEVICE)
+    out = paged_attention(
+        q, cache, cache, cu_q, no_req, table, scale=0.25, causal=True, max_q=1, out=q
+    )
+    assert out.shape == (0, 4, 16)
+    write_kv(
+        cache[0, :0], cache[0, :0], cache, cache, torch.zeros(0, dtype=torch.long, device=DEVICE)
+    )
+    x = torch.zeros(0, 8, device=DEVICE)
+    assert rms_norm(x, torch.ones(8, device=DEVICE), 1e-6).numel() == 0
+    assert silu_and_mul(x).shape == (0, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real shapes (Qwen3-8B: 32 query heads, 8 kv heads, head_dim 128), on the GPU only.
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_gpu_attention_mixed(causal: bool, dtype: torch.dtype) -> None:
+    run_attention_case(
+        [0, 1, 3, 16, 40, 300, 17],
+        [0, 2047, 600, 1500, 9, 700, 2000],
+        32,
+        8,
+        128,
+        16,
+        dtype,
+        causal,
+    )
+
+
+@gpu
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_gpu_attention_decode(batch: int, num_splits: int) -> None:
+    ctx = torch.randint(1, 2048, (batch,), generator=_gen(batch)).tolist()
+    q_lens = [1] * batch
+    q_lens[batch // 2] = 0  # a padding request
+    run_attention_case(
+        q_lens, ctx, 32, 8, 128, 16, torch.bfloat16, True, num_splits=num_splits, extra_rows=3
+    )
+
+
+@gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["verify", "draft_block"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_gpu_attention_blocks(causal: bool, num_splits: int) -> None:
+    ctx = torch.randint(0, 2032, (32,), generator=_gen(7)).tolist()
+    q_lens = [16] * 32
+    q_lens[3] = 0
+    run_attention_case(q_lens, ctx, 32, 8, 128, 16, torch.bfloat16, causal, num_splits)
+
+
+@gpu
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_gpu_attention_group_ratios(group: int) -> None:
+    run_attention_case(MIXED_Q, [2000, 37, 1000, 20, 9], 8 * group, 8, 64, 16, torch.float16, True)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_write_kv(dtype: torch.dtype) -> None:
+    run_write_kv_case(4096, 8, 128, 16, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_ops(dtype: torch.dtype) -> None:
+    run_rms_norm_case(512, 4096, dtype)
+    run_qk_norm_rope_case(512, 32, 8, 128, dtype, max_pos=4096)
+    run_silu_case(512, 12288, dtype)
