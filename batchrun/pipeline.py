@@ -96,7 +96,11 @@ def run_job(job: JobSpec, engine: EngineLike | None = None) -> dict[str, Any]:
     """Run the job (or its shard) to the end; returns its stats.json content."""
     clock = RunClock()
     opened = open_job(job)
-    engine = engine if engine is not None else build_engine(job)
+    if engine is None:
+        from batchrun.preflight import preflight  # needs transformers, as the engine does
+
+        preflight(job, opened.prompt)  # what validate checks, before any weights load
+        engine = build_engine(job)
     clock.engine_ready()  # tokens/s counts generation only, not start-up and model loading
     builder = RequestBuilder(
         job,
