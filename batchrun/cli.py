@@ -2,29 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 import batchrun
 from batchrun.bench.command import bench
 from batchrun.errors import JobError
-from batchrun.io.prompts import OVERRIDE_COLUMNS
-from batchrun.job import load_job
-from batchrun.pipeline import open_job, run_job
+from batchrun.io.prompts import DEFAULT_PROMPT_COLUMNS, OVERRIDE_COLUMNS, PromptKind
+from batchrun.job import JobSpec, load_job
+from batchrun.pipeline import OpenedJob, open_job, run_job
+
+if TYPE_CHECKING:
+    from batchrun.preflight import Preflight
 
 
 class _Group(click.Group):
-    """Reports a JobError as one line on stderr and exit code 2, without a traceback."""
+    """Reports a JobError or a bad flag as one line on stderr and exit code 2, without a
+    traceback or a usage block."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except JobError as exc:
-            message = " ".join(str(exc).split()) or type(exc).__name__
-            click.echo(f"batchrun: error: {message}", err=True)
-            ctx.exit(2)
+            _fail(ctx, str(exc) or type(exc).__name__)
+        except click.UsageError as exc:
+            command = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            _fail(ctx, f"{exc.format_message()} (see '{command} --help')")
+
+
+def _fail(ctx: click.Context, message: str) -> None:
+    click.echo(f"batchrun: error: {' '.join(message.split())}", err=True)
+    ctx.exit(2)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -43,22 +54,26 @@ _RUN_OPTIONS = [
     click.option("--messages-column", help="Chat messages column."),
     click.option("--token-ids-column", help="Prompt token ids column."),
     click.option("--id-column", help="Column naming rows in logs."),
-    click.option("--max-tokens", type=int),
-    click.option("--temperature", type=float),
-    click.option("--top-p", type=float),
-    click.option("--top-k", type=int, help="0 = off."),
-    click.option("--seed", type=int),
+    click.option("--max-tokens", type=int, help="Maximum tokens generated per row."),
+    click.option("--temperature", type=float, help="Sampling temperature; 0 is greedy."),
+    click.option("--top-p", type=float, help="Nucleus sampling mass; 1 keeps every token."),
+    click.option("--top-k", type=int, help="Top-k cutoff; 0 = off."),
+    click.option("--seed", type=int, help="Job seed; each row gets its own from it."),
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
     click.option("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
     click.option("--dtype", help="auto, float32, bfloat16 or float16."),
     click.option("--device", help="auto, cpu or cuda."),
     click.option("--attention-backend", help="auto, torch, triton or flashinfer."),
-    click.option("--cuda-graphs/--no-cuda-graphs", default=None),
+    click.option(
+        "--cuda-graphs/--no-cuda-graphs", default=None, help="CUDA graphs (no effect yet)."
+    ),
     click.option("--max-batch-size", type=int, help="Requests in flight."),
     click.option("--max-batched-tokens", type=int, help="Tokens per forward pass."),
     click.option("--shard", help='Run the rows with row_index % N == I, as "I/N".'),
     click.option("--overwrite", is_flag=True, default=None, help="Replace earlier output."),
-    click.option("--quiet", is_flag=True, default=None, help="No progress bar."),
+    click.option(
+        "--quiet", is_flag=True, default=None, help="No progress bar (the summary still prints)."
+    ),
     click.option("--rows-per-part", type=int, help="Rows per part file."),
     click.option("--part-seconds", type=float, help="Commit a part at least this often."),
 ]
@@ -70,48 +85,110 @@ def _run_options(command: Any) -> Any:
     return command
 
 
-@cli.command()
-@click.argument("job_file", required=False, type=click.Path(path_type=Path))
-@_run_options
-def run(job_file: Path | None, **flags: Any) -> None:
-    """Run a job: JOB_FILE (TOML), overridden by flags."""
+# What an unset job key means, for --help (the other defaults are JobSpec's own).
+_UNSET_MEANS = {
+    "draft": "none",
+    "prompt_column": f"{DEFAULT_PROMPT_COLUMNS[PromptKind.TEXT]}, if the input has it",
+    "messages_column": f"{DEFAULT_PROMPT_COLUMNS[PromptKind.MESSAGES]}, if the input has it",
+    "token_ids_column": f"{DEFAULT_PROMPT_COLUMNS[PromptKind.TOKEN_IDS]}, if the input has it",
+    "id_column": "none; rows are named by row_index",
+    "shard": "none; every row",
+}
+
+
+def _default_text(field: dataclasses.Field[Any]) -> str:
+    if field.default is dataclasses.MISSING:
+        return "[required, here or in the job file]"
+    default = field.default
+    if default is None:
+        text = _UNSET_MEANS[field.name]
+    elif isinstance(default, bool):
+        text = "on" if default else "off"
+    elif isinstance(default, tuple):
+        text = ", ".join(map(str, default)) or "none"
+    else:
+        text = str(default)
+    return f"[default: {text}]"
+
+
+def _help_states_job_defaults(command: click.Command) -> click.Command:
+    """Append JobSpec's default to each job flag's help. Flags default to None (unset, so a
+    job file's value stands), so click's show_default has nothing to show."""
+    fields = {field.name: field for field in dataclasses.fields(JobSpec)}
+    for param in command.params:
+        if isinstance(param, click.Option) and param.name in fields:
+            param.help = f"{param.help or ''}  {_default_text(fields[param.name])}".strip()
+    return command
+
+
+def _job(job_file: Path | None, flags: dict[str, Any]) -> JobSpec:
     # An unrepeated multi-value flag arrives as () and means "not set".
     overrides = {
         key: (value or None) if isinstance(value, tuple) else value for key, value in flags.items()
     }
-    job = load_job(job_file, overrides)
-    stats = run_job(job)
-    if not job.quiet:
-        click.echo(
-            f"batchrun: {stats['rows']} rows ({stats['ok_rows']} ok, "
-            f"{stats['error_rows']} errors), {stats['completion_tokens']} completion tokens "
-            f"-> {job.output}",
-            err=True,
-        )
+    return load_job(job_file, overrides)
 
 
+@_help_states_job_defaults
 @cli.command()
-@click.argument("job_file", type=click.Path(path_type=Path))
-def validate(job_file: Path) -> None:
-    """Check JOB_FILE and its input's columns; runs nothing."""
-    job = load_job(job_file)
+@click.argument("job_file", required=False, type=click.Path(path_type=Path))
+@_run_options
+def run(job_file: Path | None, **flags: Any) -> None:
+    """Run a job: JOB_FILE (TOML), overridden by flags. Prints a summary line when done."""
+    job = _job(job_file, flags)
+    stats = run_job(job)
+    click.echo(
+        f"batchrun: {stats['rows']} rows ({stats['ok_rows']} ok, "
+        f"{stats['error_rows']} errors), {stats['completion_tokens']} completion tokens "
+        f"-> {job.output}"
+    )
+
+
+@_help_states_job_defaults
+@cli.command()
+@click.argument("job_file", required=False, type=click.Path(path_type=Path))
+@_run_options
+def validate(job_file: Path | None, **flags: Any) -> None:
+    """Make every start-up check of `run` (JOB_FILE, flags, input columns, output directory,
+    model configs, tokenizer, draft fit, device) without loading weights; runs nothing."""
+    from batchrun.preflight import preflight  # needs transformers, as `run` does
+
+    job = _job(job_file, flags)
     opened = open_job(job)
+    found = preflight(job, opened.prompt)
+    lines = [f"job file: {job_file}"] if job_file is not None else []
+    click.echo("\n".join([*lines, *_input_lines(opened), *_model_lines(job, found), "ok"]))
+
+
+def _input_lines(opened: OpenedJob) -> list[str]:
     source = opened.source
     overrides = [c for c in source.schema.names if c in OVERRIDE_COLUMNS]
     done = int(opened.out.done_mask(source.total_rows).sum()) if opened.out.all_parts() else 0
-    lines = [
-        f"job file: {job_file}",
+    return [
         f"input: {len(source.files)} file(s), {source.total_rows} rows",
         f"prompt column: {opened.prompt.name} ({opened.prompt.kind.value})",
         f"id column: {opened.id_column or '(none; row_index)'}",
         f"per-row overrides: {', '.join(overrides) or '(none)'}",
         f"pass-through columns: {', '.join(source.schema.names)}",
-        f"target: {job.target}",
-        f"draft: {job.draft or 'none'}",
-        f"output: {job.output} ({done} of {source.total_rows} rows committed)",
-        "ok",
+        f"output: {opened.job.output} ({done} of {source.total_rows} rows committed)",
     ]
-    click.echo("\n".join(lines))
+
+
+def _model_lines(job: JobSpec, found: Preflight) -> list[str]:
+    t, draft = found.target, found.draft
+    template = "a chat template" if found.tokenizer.chat_template else "no chat template"
+    return [
+        f"target: {job.target} ({t.num_layers} layers, hidden size {t.hidden_size}, "
+        f"vocab {t.vocab_size}, context {t.max_position_embeddings}; "
+        f"tokenizer: {len(found.tokenizer)} tokens, {template})",
+        f"draft: {job.draft} ({draft.shape.num_layers} layers, block size {draft.block_size}, "
+        f"target layers {list(draft.target_layer_ids)}, mask id {draft.mask_token_id})"
+        if draft is not None
+        else "draft: none",
+        f"device: {found.device}, dtype: {str(found.dtype).removeprefix('torch.')}, "
+        f"attention backend: {found.attention_backend}",
+        f"batch: {job.max_batch_size} requests, {job.max_batched_tokens} tokens per forward",
+    ]
 
 
 @cli.command()

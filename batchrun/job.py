@@ -63,6 +63,10 @@ class JobSpec:
         object.__setattr__(self, "part_seconds", float(self.part_seconds))
         if self.shard is not None:
             parse_shard(self.shard)
+        # The schema lets NaN and inf through; hold the defaults to the check every row gets.
+        problem = self.default_params().problem()
+        if problem is not None:
+            raise JobError(f"job sampling default: {problem}")
 
     def to_dict(self) -> dict[str, Any]:
         """The job as job-file keys (None values left out, tuples as lists)."""
@@ -114,8 +118,10 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def validate_job_dict(data: Mapping[str, Any]) -> None:
     """Raise JobError, naming the key, for the first way `data` breaks the job schema."""
+    # Repeatable flags arrive as tuples; JSON Schema arrays are lists.
+    data = {key: list(v) if isinstance(v, tuple) else v for key, v in data.items()}
     validator = jsonschema.Draft202012Validator(job_schema())
-    error = jsonschema.exceptions.best_match(validator.iter_errors(dict(data)))
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
     if error is None:
         return
     if error.validator == "additionalProperties":

@@ -28,7 +28,7 @@ from batchrun.io.prompts import (
 )
 from batchrun.io.reader import InputSource, RowSelection, iter_batches, open_input
 from batchrun.job import JobSpec
-from batchrun.stats import STATS_COLUMNS, StatsAccumulator
+from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -94,9 +94,14 @@ def build_engine(job: JobSpec) -> EngineLike:
 
 def run_job(job: JobSpec, engine: EngineLike | None = None) -> dict[str, Any]:
     """Run the job (or its shard) to the end; returns its stats.json content."""
-    started = time.monotonic()
+    clock = RunClock()
     opened = open_job(job)
-    engine = engine if engine is not None else build_engine(job)
+    if engine is None:
+        from batchrun.preflight import preflight  # needs transformers, as the engine does
+
+        preflight(job, opened.prompt)  # what validate checks, before any weights load
+        engine = build_engine(job)
+    clock.engine_ready()  # tokens/s counts generation only, not start-up and model loading
     builder = RequestBuilder(
         job,
         opened.prompt,
@@ -106,16 +111,16 @@ def run_job(job: JobSpec, engine: EngineLike | None = None) -> dict[str, Any]:
         engine.vocab_size,
     )
     opened.out.prepare(opened.fingerprint, job.overwrite)
-    return _Run(opened, engine, builder, started).execute()
+    return _Run(opened, engine, builder, clock).execute()
 
 
 class _Run:
     def __init__(
-        self, opened: OpenedJob, engine: EngineLike, builder: RequestBuilder, started: float
+        self, opened: OpenedJob, engine: EngineLike, builder: RequestBuilder, clock: RunClock
     ) -> None:
         self.job, self.out, self.engine, self.builder = opened.job, opened.out, engine, builder
         self.opened = opened
-        self.started = started
+        self.clock = clock
         total = opened.source.total_rows
         self.selection = RowSelection(self.out.done_mask(total), self.job.shard_spec)
         shard = self.job.shard_spec
@@ -235,7 +240,7 @@ class _Run:
         return self.stats.to_dict(
             info=self.engine.info(),
             block_size=self.engine.block_size,
-            wall_seconds=time.monotonic() - self.started,
+            timing=self.clock.timing(),
             run_completion_tokens=self.run_tokens,
             extra={"input_rows": self.job_rows, "shard": self.job.shard},
         )
@@ -254,11 +259,11 @@ class _Run:
         totals = StatsAccumulator()
         for part in self.out.all_parts():
             totals.add(pq.read_table(part, columns=STATS_COLUMNS))
-        walls = [self.out.read_json(path)["wall_seconds"] for path in self.out.shard_stats_paths()]
+        shards = [Timing.of(self.out.read_json(path)) for path in self.out.shard_stats_paths()]
         stats = totals.to_dict(
             info=self.engine.info(),
             block_size=self.engine.block_size,
-            wall_seconds=max(walls, default=0.0),  # shards run side by side
+            timing=Timing.longest(shards),  # shards run side by side
             run_completion_tokens=totals.completion_tokens,
             extra={"input_rows": self.opened.source.total_rows, "shard": None},
         )

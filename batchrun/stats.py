@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import platform
+import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,46 @@ STATS_COLUMNS = [
     "spec_accept_hist",
     "error",
 ]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds of a run: wall covers all of it, load the start-up before the engine was ready
+    (checks and model loading), generation the rest."""
+
+    wall_seconds: float
+    load_seconds: float
+    generation_seconds: float
+
+    @classmethod
+    def of(cls, stats: dict[str, Any]) -> Timing:
+        """The timing recorded in a stats.json."""
+        return cls(stats["wall_seconds"], stats["load_seconds"], stats["generation_seconds"])
+
+    @classmethod
+    def longest(cls, timings: list[Timing]) -> Timing:
+        """Of runs side by side (shards): each figure's maximum."""
+        return cls(
+            max((t.wall_seconds for t in timings), default=0.0),
+            max((t.load_seconds for t in timings), default=0.0),
+            max((t.generation_seconds for t in timings), default=0.0),
+        )
+
+
+class RunClock:
+    """Times one run from its start; `engine_ready()` ends loading and starts generation."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.ready: float | None = None
+
+    def engine_ready(self) -> None:
+        self.ready = time.monotonic()
+
+    def timing(self) -> Timing:
+        now = time.monotonic()
+        ready = self.ready if self.ready is not None else now
+        return Timing(now - self.started, ready - self.started, now - ready)
 
 
 def per_position_acceptance(hist: np.ndarray) -> list[float] | None:
@@ -81,11 +123,11 @@ class StatsAccumulator:
         *,
         info: dict[str, Any],
         block_size: int | None,
-        wall_seconds: float,
+        timing: Timing,
         run_completion_tokens: int,
         extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """stats.json. Throughput counts this run's tokens over this run's wall time."""
+        """stats.json. Throughput counts this run's tokens over this run's generation time."""
         uses_draft = block_size is not None or self.hist is not None
         tau = self.spec_tokens / self.spec_rounds if uses_draft and self.spec_rounds else None
         return {
@@ -94,9 +136,13 @@ class StatsAccumulator:
             "error_rows": self.error_rows,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "wall_seconds": round(wall_seconds, 3),
+            "wall_seconds": round(timing.wall_seconds, 3),
+            "load_seconds": round(timing.load_seconds, 3),
+            "generation_seconds": round(timing.generation_seconds, 3),
             "output_tokens_per_second": (
-                round(run_completion_tokens / wall_seconds, 2) if wall_seconds > 0 else None
+                round(run_completion_tokens / timing.generation_seconds, 2)
+                if timing.generation_seconds > 0
+                else None
             ),
             "spec_rounds": self.spec_rounds,
             "acceptance_length": tau,

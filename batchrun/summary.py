@@ -19,7 +19,12 @@ def summarize(out_dir: Path, top_errors: int = 5) -> str:
     parts = sorted(out_dir.glob(PART_PATTERN))
     if not parts:
         raise JobError(f"no part files in {str(out_dir)!r}")
-    frame = pl.scan_parquet(parts).select(STATS_COLUMNS).collect()
+    frame = (
+        pl.scan_parquet(parts)
+        .select(STATS_COLUMNS)
+        .with_columns(pl.col(pl.Int32).cast(pl.Int64))  # polars sums int32 in int32: it wraps
+        .collect()
+    )
     ok = frame.filter(pl.col("finish_reason") != "error")
     lines = [
         f"output: {out_dir} ({len(parts)} parts"

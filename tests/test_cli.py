@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -11,13 +12,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner, Result
 
+from batchrun import pipeline
 from batchrun.cli import cli
+from batchrun.io.output_schema import OutputRow, build_table, output_schema
+from batchrun.job import JobSpec
+from batchrun.stats import StatsAccumulator
 from batchrun.tools.tiny_draft import make_tiny_draft
 
 REPO = Path(__file__).resolve().parent.parent
@@ -231,3 +237,111 @@ def test_kill_9_and_rerun_gives_every_row_once(tmp_path: Path, tiny_model: Path)
         assert resumed.column(column).equals(expected.column(column)), column
     assert (out / "_SUCCESS").exists()
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_repeatable_flags_work_on_the_command_line(tmp_path: Path, tiny_model: Path) -> None:
+    write_prompts(tmp_path / "in", PROMPTS[:3])
+    job = str(write_job(tmp_path, tiny_model))
+    result = invoke("run", job, "--stop", "foo", "--stop", "\n", "--stop-token-ids", "5")
+    assert result.exit_code == 0, result.output
+    assert read_output(tmp_path / "out").num_rows == 3
+
+
+def test_the_run_summary_goes_to_stdout_also_when_quiet(tmp_path: Path, tiny_model: Path) -> None:
+    write_prompts(tmp_path / "in", PROMPTS)
+    result = invoke("run", str(write_job(tmp_path, tiny_model)), "--quiet")  # quiet in both
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("batchrun: 13 rows (11 ok, 2 errors), ")
+    assert f"-> {tmp_path / 'out'}" in result.stdout
+    assert result.stderr == ""  # no progress bar, no per-row error lines
+
+
+def test_tokens_per_second_times_generation_only(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    build = pipeline.build_engine
+    load_time = 1.0
+
+    def slow_build(job: JobSpec) -> pipeline.EngineLike:
+        time.sleep(load_time)  # a model that takes a while to load
+        return build(job)
+
+    monkeypatch.setattr(pipeline, "build_engine", slow_build)
+    write_prompts(tmp_path / "in", PROMPTS)
+    assert invoke("run", str(write_job(tmp_path, tiny_model))).exit_code == 0
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["load_seconds"] >= load_time
+    assert stats["generation_seconds"] == pytest.approx(
+        stats["wall_seconds"] - stats["load_seconds"], abs=0.002
+    )
+    assert stats["output_tokens_per_second"] == pytest.approx(
+        stats["completion_tokens"] / stats["generation_seconds"], rel=0.01
+    )
+
+
+def write_part(path: Path, rows: list[dict[str, object]]) -> None:
+    """A part with the output schema (no input columns) holding the given output rows."""
+    path.mkdir(parents=True, exist_ok=True)
+    schema = output_schema(pa.schema([]))
+    output_rows = [OutputRow(**row) for row in rows]  # type: ignore[arg-type]
+    pq.write_table(build_table(schema, [], output_rows), path / "part-000000.parquet")
+
+
+def test_stats_totals_do_not_wrap_past_2_to_the_31(tmp_path: Path) -> None:
+    big = 2**31 - 10  # int32 in the part; three of them overflow an int32 sum
+    rows = [
+        {
+            "row_index": i,
+            "completion": "x",
+            "completion_token_ids": [1],
+            "finish_reason": "length",
+            "prompt_tokens": big,
+            "completion_tokens": big,
+            "spec_rounds": big // 2,
+            "spec_accept_hist": [0, big // 2],
+            "acceptance_length": 2.0,
+            "error": None,
+        }
+        for i in range(3)
+    ]
+    write_part(tmp_path / "out", rows)
+    result = invoke("stats", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    assert f"prompt tokens: {3 * big}, completion tokens: {3 * big}" in result.output
+    tau = (3 * big - 3) / (3 * (big // 2))
+    assert f"{3 * (big // 2)} rounds, acceptance length (tau) {tau:.3f}" in result.output
+    totals = StatsAccumulator()  # stats.json's totals, summed by pyarrow
+    totals.add(pq.read_table(tmp_path / "out" / "part-000000.parquet"))
+    assert (totals.prompt_tokens, totals.completion_tokens) == (3 * big, 3 * big)
+    assert totals.spec_rounds == 3 * (big // 2) and totals.spec_tokens == 3 * big - 3
+
+
+def test_run_help_states_every_default(tmp_path: Path) -> None:
+    result = invoke("run", "--help")
+    assert result.exit_code == 0
+    defaults = {f.name: f.default for f in dataclasses.fields(JobSpec)}
+    for param in cli.commands["run"].params:
+        if not isinstance(param, click.Option) or param.name == "help":
+            continue
+        assert param.help and ("[default: " in param.help or "[required" in param.help), param.name
+        default = defaults[str(param.name)]
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            assert f"[default: {default}]" in param.help, param.name
+    text = " ".join(result.output.split())  # click wraps long lines
+    assert "--max-tokens INTEGER" in text and "[default: 256]" in text
+    assert "--quiet" in text and "summary" in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-tokens", "many"], "'many' is not a valid integer"),
+        (["--seed", "-1"], "job key 'seed'"),
+        (["--stpo", "x"], "No such option '--stpo'"),
+    ],
+)
+def test_a_bad_flag_is_one_line(
+    tmp_path: Path, tiny_model: Path, flags: list[str], message: str
+) -> None:
+    write_prompts(tmp_path / "in", PROMPTS[:2])
+    assert_one_line_error(invoke("run", str(write_job(tmp_path, tiny_model)), *flags), message)

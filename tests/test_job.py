@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,28 @@ def test_engine_config_and_default_params() -> None:
     )
     assert job.default_params(row_index=5).seed == row_seed(7, 5)
     assert job.shard_spec == (1, 4)
+
+
+def test_repeated_flags_arrive_as_tuples_and_load(tmp_path: Path) -> None:
+    # click hands a repeatable flag over as a tuple; the schema's arrays must accept it.
+    job = load_job(write_job(tmp_path, BASE), {"stop": ("foo", "bar"), "stop_token_ids": (5,)})
+    assert (job.stop, job.stop_token_ids) == (("foo", "bar"), (5,))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("temperature = nan\n", "temperature must be a finite number"),
+        ("temperature = inf\n", "temperature must be a finite number"),
+        ("top_p = nan\n", "top_p must be in"),
+    ],
+)
+def test_sampling_defaults_the_engine_refuses_are_refused_at_load(
+    tmp_path: Path, extra: str, message: str
+) -> None:
+    # The schema lets NaN and inf through; the job is held to the engine's own check.
+    with pytest.raises(JobError, match=message) as info:
+        load_job(write_job(tmp_path, BASE + extra))
+    assert "\n" not in str(info.value)
+    with pytest.raises(JobError, match=message):
+        JobSpec(input="a", output="b", target="c", **tomllib.loads(extra))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchrun.errors import JobError
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -19,3 +21,13 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: sized from free memory (GPU) or a fixed budget (CPU)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+
+def check_batch_budget(max_batched_tokens: int, width: int) -> None:
+    """Refuse a token budget below one decode step of `width` rows (the draft's block size, or
+    1): no request could ever be scheduled to verify, and the job would never end."""
+    if max_batched_tokens < width:
+        raise JobError(
+            f"max_batched_tokens {max_batched_tokens} is below {width}, the tokens of one "
+            "verify block (the draft's block size); the job could never finish"
+        )
