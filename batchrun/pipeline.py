@@ -42,7 +42,9 @@ MAX_LOGGED_ERRORS = 10
 class EngineLike(Protocol):
     """What the pipeline needs of an engine (batchrun.engine.engine.Engine, or a test fake)."""
 
-    tokenizer: PreTrainedTokenizerBase
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
+
     max_model_len: int  # prompt + output tokens must fit
     vocab_size: int  # valid token ids: 0 <= id < vocab_size
     block_size: int | None  # DFlash block size; None without a draft

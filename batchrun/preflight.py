@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchrun.engine.config import check_batch_budget
-from batchrun.engine.loading import attention_backend, load_tokenizer, resolve_device
+from batchrun.engine.loading import backend_name, load_tokenizer, resolve_device
 from batchrun.errors import JobError
 from batchrun.io.prompts import PromptColumn, PromptKind
 from batchrun.models.dflash_loader import DraftSpec, check_draft
@@ -48,7 +48,7 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     input's prompt column, also that the tokenizer can render it. Raises JobError."""
     config = job.engine_config()
     device = resolve_device(config.device)
-    backend = attention_backend(config.attention_backend)
+    backend = backend_name(config.attention_backend, device)
     target_config = read_config(config.target, "target model")
     target = qwen3_shape(target_config)
     dtype = resolve_dtype(config.dtype, target_config, device)
@@ -60,4 +60,4 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
             f"prompt column {prompt.name!r} holds chat messages, "
             "but the target's tokenizer has no chat template"
         )
-    return Preflight(device, dtype, backend.name, target, tokenizer, draft)
+    return Preflight(device, dtype, backend, target, tokenizer, draft)

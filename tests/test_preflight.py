@@ -123,7 +123,10 @@ BAD_JOBS: dict[str, tuple[Breaker, str]] = {
     "temperature-nan": (flags("--temperature", "nan"), "temperature must be a finite number"),
     "temperature-inf": (flags("--temperature", "inf"), "temperature must be a finite number"),
     "no-cuda": (no_cuda, "no CUDA device"),
-    "attention-backend": (flags("--attention-backend", "triton"), "'triton' is not available"),
+    "attention-backend": (
+        flags("--attention-backend", "flashinfer"),
+        "'flashinfer' is not available",
+    ),
     "draft-hidden-size": (draft_flags(extra_config={"hidden_size": 48}), "hidden_size 48"),
     "draft-vocab": (draft_flags(extra_config={"vocab_size": 7}), "vocab_size 7"),
     "draft-layer-ids": (draft_flags(target_layer_ids=[0, 99]), "target_layer_ids"),

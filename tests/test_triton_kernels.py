@@ -19,7 +19,8 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from batchrun.kernels.torch_attention import TorchAttention  # noqa: E402
+from batchrun.attention.meta import AttentionMeta  # noqa: E402
+from batchrun.attention.torch_backend import TorchAttention  # noqa: E402
 from batchrun.kernels.triton_attention import (  # noqa: E402
     attention_workspace,
     default_num_splits,
@@ -33,8 +34,8 @@ from batchrun.kernels.triton_ops import (  # noqa: E402
     rms_norm_rope_,
     silu_and_mul,
 )
-from batchrun.layers.attention_meta import AttentionMeta  # noqa: E402
 from batchrun.layers.norm import RMSNorm  # noqa: E402
+from batchrun.layers.ops import TORCH_OPS  # noqa: E402
 from batchrun.layers.rotary import RotaryEmbedding  # noqa: E402
 
 # The interpreter turns loop bounds loaded from memory into ints the way numpy 2.4 refuses
@@ -138,8 +139,7 @@ def reference_attention(
     backend = TorchAttention()
     no_rows = torch.zeros(0, dtype=torch.long, device=DEVICE)
     backend.plan(batch.meta(causal, no_rows))
-    empty = k_cache.new_zeros(0, k_cache.shape[2], k_cache.shape[3]).float()
-    return backend.forward(q.float(), empty, empty, k_cache.float(), v_cache.float(), scale)
+    return backend.attend(q.float(), k_cache.float(), v_cache.float(), scale)
 
 
 def run_attention_case(
@@ -267,7 +267,8 @@ def test_write_kv_then_attend_matches_torch_backend() -> None:
     backend = TorchAttention()
     backend.plan(batch.meta(True, slots))
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    want = backend.forward(q, k, v, ref_k, ref_v, dim**-0.5)
+    backend.write_kv(k, v, ref_k, ref_v)
+    want = backend.attend(q, ref_k, ref_v, dim**-0.5)
 
     write_kv(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
@@ -386,8 +387,8 @@ def run_qk_norm_rope_case(
     k = qkv[:, hq * dim : (hq + hkv) * dim].view(rows, hkv, dim)
     positions = torch.randint(0, max_pos, (rows,), generator=_gen(4)).to(DEVICE)
     with torch.no_grad():
-        want_q = rope(q_norm(q), positions)
-        want_k = rope(k_norm(k), positions)
+        want_q = TORCH_OPS.norm_rope(q, q_norm.weight, 1e-6, rope.cos, rope.sin, positions)
+        want_k = TORCH_OPS.norm_rope(k, k_norm.weight, 1e-6, rope.cos, rope.sin, positions)
     v_before = qkv[:, (hq + hkv) * dim :].clone()
     qk_rms_norm_rope_(q, k, q_norm.weight, k_norm.weight, rope.cos, rope.sin, positions, 1e-6)
     tol = OPS_TOL[dtype]
@@ -397,7 +398,7 @@ def run_qk_norm_rope_case(
 
     k2 = qkv.new_empty(rows, hkv, dim).copy_(_randn(rows, hkv, dim, dtype=dtype, seed=5))
     with torch.no_grad():
-        want_k2 = rope(k_norm(k2), positions)
+        want_k2 = TORCH_OPS.norm_rope(k2, k_norm.weight, 1e-6, rope.cos, rope.sin, positions)
     rms_norm_rope_(k2, k_norm.weight, rope.cos, rope.sin, positions, 1e-6)
     torch.testing.assert_close(k2, want_k2, atol=tol, rtol=tol)
 

@@ -87,7 +87,8 @@ def hf_twin(model: Qwen3ForCausalLM) -> torch.nn.Module:
     dtype = model.lm_head.weight.dtype
     with torch.device("meta"):
         hf = HFQwen3(config)
-    hf = hf.to_empty(device=model.lm_head.weight.device).to(dtype=dtype)
+    hf = hf.to_empty(device=model.lm_head.weight.device)
+    hf = hf.to(dtype)  # type: ignore[arg-type]
     load_weights(hf, iter(checkpoint_tensors(model).items()), "hf twin", skip=set())
     # Buffers are not parameters: build the RoPE table for real.
     rotary = type(hf.model.rotary_emb)

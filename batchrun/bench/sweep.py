@@ -6,7 +6,8 @@ generate() on the same prompts, all measured in one run."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,7 +88,8 @@ def run_sweep(plan: SweepPlan) -> dict[str, Any]:
     draft = random_draft(model, plan.shape.max_position_embeddings + 1024) if plan.draft else None
     width = draft.block_size if draft is not None else 1
     config = EngineConfig(
-        target=None, dtype=str(plan.dtype).removeprefix("torch."), device="cuda",
+        target=Path(f"random-{plan.shape_name}"), device="cuda",
+        dtype=str(plan.dtype).removeprefix("torch."),
         attention_backend=plan.attention_backend, cuda_graphs=plan.cuda_graphs,
         max_batch_size=max_batch, max_batched_tokens=max(8192, max_batch * width),
         max_model_len=max_len,
@@ -193,7 +195,3 @@ def _row(p: dict[str, Any]) -> str:
         f"{p['ms_per_step']:7.2f} ms/step (draft {p['draft_ms']:.2f}, target "
         f"{p['target_ms']:.2f}, host {p['host_ms']:.2f}), {p['tokens_per_second']:9.1f} tok/s"
     )
-
-
-def with_taus(plan: SweepPlan, taus: tuple[float, ...]) -> SweepPlan:
-    return replace(plan, taus=taus)

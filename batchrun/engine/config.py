@@ -10,7 +10,7 @@ from batchrun.errors import JobError
 
 @dataclass(frozen=True)
 class EngineConfig:
-    target: Path | None  # None: models built in memory (`batchrun bench --shape`)
+    target: Path
     draft: Path | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda

@@ -10,6 +10,7 @@ Graphs are captured largest first into one memory pool, as their outputs are nev
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -107,7 +108,7 @@ class GraphSet:
         self.causal, self.max_kv = causal, max_kv
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Outputs]] = {}
 
-    def capture(self, sizes: list[int], pool: object) -> None:
+    def capture(self, sizes: list[int], pool: Any) -> None:
         for size in sorted(sizes, reverse=True):
             self.buffers.clear(size)
             meta = self.buffers.meta(size, self.causal, self.max_kv)

@@ -25,7 +25,7 @@ from batchrun.engine.loading import (
 )
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.page_pool import PagePool
-from batchrun.engine.request import Request
+from batchrun.engine.request import Request, SamplingParams
 from batchrun.engine.sampler import SamplingBatch, sample
 from batchrun.engine.scheduler import Scheduled, Scheduler
 from batchrun.engine.step_timer import StepTimer
@@ -83,7 +83,7 @@ class Engine:
         self.config = config
         self.model, self.draft = model, draft
         self.device = model.lm_head.weight.device
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         shape = model.shape
         self.vocab_size = shape.vocab_size
         self.block_size = draft.block_size if draft else None
@@ -117,6 +117,12 @@ class Engine:
         self.round_trace: list[RoundTrace] | None = None  # set to a list to record rounds
         self._backend_name = backend.name
         self._dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        if self._tokenizer is None:
+            raise JobError("this engine was built without a tokenizer")
+        return self._tokenizer
 
     def _default_num_pages(self) -> int:
         s, cfg = self.model.shape, self.config
@@ -317,7 +323,8 @@ class Engine:
         return int(not req.output_ids and req.num_cached + it.num_new == len(req.prompt_ids))
 
     def _sampling_batch(self, batch: list[Scheduled], samples: list[int]) -> SamplingBatch:
-        params, steps = [], []
+        params: list[SamplingParams] = []
+        steps: list[int] = []
         for it, k in zip(batch, samples, strict=True):
             params += [it.req.params] * k
             steps += range(len(it.req.output_ids), len(it.req.output_ids) + k)

@@ -24,6 +24,26 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def backend_name(name: str, device: torch.device) -> str:
+    """The backend `name` resolves to on `device`; JobError if it cannot run here. `auto` is
+    Triton on a GPU and the torch reference on a CPU (where `triton` runs under Triton's
+    interpreter, for tests)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        if device.type == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            raise JobError("attention backend 'triton' needs the triton package") from None
+    elif name != "torch":
+        raise JobError(
+            f"attention backend {name!r} is not available in this build; use 'triton' or 'torch'"
+        )
+    return name
+
+
 def attention_backend(
     name: str,
     device: torch.device,
@@ -32,25 +52,13 @@ def attention_backend(
     num_kv_heads: int,
     head_dim: int,
 ) -> tuple[AttentionBackend, TorchOps]:
-    """The attention backend and the layers' small ops: `auto` is Triton on a GPU and the torch
-    reference on a CPU (where `triton` runs under Triton's interpreter, for tests)."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
+    """The attention backend and the layers' small ops that go with it."""
+    if backend_name(name, device) == "torch":
         return TorchAttention(), TORCH_OPS
-    if name == "triton":
-        if device.type == "cpu":
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
-        try:
-            from batchrun.attention.triton_backend import TritonAttention
-            from batchrun.layers.triton_ops import TritonOps
-        except ImportError as exc:
-            raise JobError(f"attention backend 'triton' needs triton ({exc})") from None
-        backend = TritonAttention(max_decode_rows, num_heads, num_kv_heads, head_dim)
-        return backend, TritonOps()
-    raise JobError(
-        f"attention backend {name!r} is not available in this build; use 'triton' or 'torch'"
-    )
+    from batchrun.attention.triton_backend import TritonAttention
+    from batchrun.layers.triton_ops import TritonOps
+
+    return TritonAttention(max_decode_rows, num_heads, num_kv_heads, head_dim), TritonOps()
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

@@ -54,4 +54,4 @@ def use_ops(module: nn.Module, ops: TorchOps) -> None:
     """Make every layer under `module` compute with `ops`."""
     for sub in module.modules():
         if hasattr(sub, "ops"):
-            sub.ops = ops
+            setattr(sub, "ops", ops)  # noqa: B010 (a plain attribute, not a submodule)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from batchrun.kernels import triton_ops as kernels
+import batchrun.kernels.triton_ops as kernels
 from batchrun.layers.ops import TorchOps
 
 

@@ -8,6 +8,8 @@ eagerly), and `draft_block` drafts a block per request (a fixed shape, captured 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -67,7 +69,7 @@ class DFlashDraft(nn.Module):
         """One [layers * 2 * kv_size, H] weight: every layer's context K/V in one matmul."""
         rows = []
         for layer in self.layers:
-            attn: PagedAttention = layer.self_attn
+            attn = cast(PagedAttention, layer.self_attn)
             rows.append(attn.qkv_proj.weight[attn.q_size :])  # k then v
         self.context_kv = torch.cat(rows).detach()
 
@@ -87,9 +89,9 @@ class DFlashDraft(nn.Module):
         assert self.context_kv is not None
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         kv = nn.functional.linear(ctx, self.context_kv)
-        kv_size = self.layers[0].self_attn.kv_size
+        kv_size = self.shape.num_kv_heads * self.shape.head_dim
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            attn: PagedAttention = layer.self_attn
+            attn = cast(PagedAttention, layer.self_attn)
             k = kv[:, 2 * i * kv_size : (2 * i + 1) * kv_size]
             v = kv[:, (2 * i + 1) * kv_size : (2 * i + 2) * kv_size]
             k = attn.ops.norm_rope(

@@ -118,7 +118,7 @@ def load_weights(
         param = params.get(target)
         if param is None:
             raise JobError(f"{what}: unexpected tensor {name!r} in the checkpoint")
-        dest = param
+        dest: torch.Tensor = param
         if packed is not None:
             sizes = _owner(module, target).shard_sizes
             start = sum(sizes[:shard])
@@ -147,7 +147,8 @@ def checkpoint_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
             continue
         layer_path, packed, leaf = name.rsplit(".", 2)
         layer = module.get_submodule(layer_path)
-        shards = sorted((i, n) for n, (p, i) in type(layer).PACKED.items() if p == packed)
+        packing: dict[str, tuple[str, int]] = getattr(type(layer), "PACKED")  # noqa: B009
+        shards = sorted((i, n) for n, (p, i) in packing.items() if p == packed)
         for (_, shard_name), part in zip(shards, param.split(list(sizes)), strict=True):
             out[f"{layer_path}.{shard_name}.{leaf}"] = part
     return out
