@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -9,8 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from batchrun.tools.bpe import build_tokenizer
-from batchrun.tools.tiny import make_tiny_model
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU only in Triton's interpreter, chosen when triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from batchrun.tools.bpe import build_tokenizer  # noqa: E402
+from batchrun.tools.tiny import make_tiny_model  # noqa: E402
 
 TOKENIZER_VOCAB = 1024
 # A smaller corpus than the default keeps the session's one training run around a second.

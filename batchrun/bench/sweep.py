@@ -55,7 +55,7 @@ def measure_point(engine: Engine, batch: int, context: int, steps: int) -> dict[
     for _ in range(2):
         engine.step()
     engine.timer.reset(enabled=True)
-    graphed = engine.runner.graphed_forwards
+    graphed = engine.runner.replays.total()
     before = sum(len(r.output_ids) for r in reqs)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -75,7 +75,7 @@ def measure_point(engine: Engine, batch: int, context: int, steps: int) -> dict[
         "target_ms": target_ms,
         "host_ms": max(0.0, wall_ms - draft_ms - target_ms),
         "tokens_per_second": committed / steps / wall_ms * 1e3,
-        "graphed_forwards_per_step": (engine.runner.graphed_forwards - graphed) / steps,
+        "graphed_forwards_per_step": (engine.runner.replays.total() - graphed) / steps,
     }
 
 

@@ -8,6 +8,8 @@ any other forward (prefill chunks mixed in) runs the same modules eagerly.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
 
@@ -55,7 +57,7 @@ class ModelRunner:
         self.buffers: StepBuffers | None = None
         self.target_graphs: GraphSet | None = None
         self.draft_graphs: GraphSet | None = None
-        self.graphed_forwards = 0  # replays so far (benchmarks check the graphs were used)
+        self.replays: Counter[tuple[str, int]] = Counter()  # (graph set, batch size) -> replays
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
@@ -100,7 +102,7 @@ class ModelRunner:
             self.buffers.load(host, size)
             self.buffers.ids[:rows].copy_(ids)
             logits, *features = self.target_graphs.replay(size)
-            self.graphed_forwards += 1
+            self.replays["target", size] += 1
             logits = logits[:rows] if logit_rows is None else logits[logit_rows]
             return logits, features[0][:rows] if features else None
         meta = device_meta(host, self.page_size, self.device)
@@ -143,7 +145,7 @@ class ModelRunner:
         if size is not None and self.draft_graphs is not None and self.buffers is not None:
             self.buffers.load(host, size)
             self.buffers.ids[: len(block_ids)].copy_(block_ids)
-            self.graphed_forwards += 1
+            self.replays["draft", size] += 1
             return self.draft_graphs.replay(size)[0][:num_req]
         meta = device_meta(host, self.page_size, self.device, causal=False)
         self.backend.plan(meta)

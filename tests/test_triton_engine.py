@@ -1,0 +1,126 @@
+"""The Triton attention backend and fused ops against the torch reference, through the whole
+engine: on a CPU under Triton's interpreter (eager), on a GPU also with CUDA graphs. Target-only
+and with a DFlash draft, with preemption, sampled rows and mixed acceptance lengths."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dflash_reference import one_thread
+from dflash_train import trained_draft_beside
+
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import Request, SamplingParams
+
+TARGET_SHAPE = {"num_layers": 4, "vocab_size": 1088, "tie_word_embeddings": False}
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def target(make_model: Any) -> Path:
+    return make_model(**TARGET_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def trained(target: Path) -> Path:
+    return trained_draft_beside(target)
+
+
+def jobs(count: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
+    """Mixed prompt lengths and budgets; every third row sampled, the rest greedy."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        length = int(torch.randint(1, 40, (1,), generator=gen))
+        prompt = torch.randint(3, 1000, (length,), generator=gen).tolist()
+        sampled = i % 3 == 2
+        params = SamplingParams(
+            max_tokens=int(torch.randint(1, 40, (1,), generator=gen)),
+            temperature=0.8 if sampled else 0.0,
+            top_k=20 if sampled else 0,
+            seed=i,
+        )
+        out.append((prompt, params))
+    return out
+
+
+def run(
+    target: Path, draft: Path | None, work: list[tuple[list[int], SamplingParams]], **config: Any
+) -> tuple[Engine, list[Request]]:
+    settings: dict[str, Any] = {
+        "device": DEVICE, "dtype": "float32", "max_batch_size": 8, "max_batched_tokens": 96,
+        "num_pages": 80, "page_size": 4,
+    }  # fmt: skip
+    engine = Engine(EngineConfig(target=target, draft=draft, **(settings | config)))
+    for i, (prompt, params) in enumerate(work):
+        engine.add(Request(row_index=i, prompt_ids=list(prompt), params=params))
+    finished: list[Request] = []
+    while engine.num_unfinished:
+        finished += engine.step()
+    return engine, sorted(finished, key=lambda r: r.row_index)
+
+
+def assert_same(a: list[Request], b: list[Request]) -> None:
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+    assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
+    assert [r.spec_hist for r in a] == [r.spec_hist for r in b]
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "dflash"])
+def test_triton_matches_torch_with_preemption(
+    target: Path, trained: Path, with_draft: bool
+) -> None:
+    draft = trained if with_draft else None
+    work = jobs(10, seed=1)
+    small_pool = {"num_pages": 30, "cuda_graphs": False}  # forces preemptions
+    ref_engine, ref = run(target, draft, work, attention_backend="torch", **small_pool)
+    engine, got = run(target, draft, work, attention_backend="triton", **small_pool)
+    assert engine.info()["attention_backend"] == "triton"
+    assert ref_engine.num_preemptions > 0 and engine.num_preemptions > 0
+    assert_same(ref, got)
+    if with_draft:  # the trained draft accepts runs of many lengths
+        lengths = {k for r in got if r.spec_hist for k, n in enumerate(r.spec_hist, 1) if n}
+        assert len(lengths) >= 3, lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "dflash"])
+def test_graphs_replay_like_eager_at_every_ladder_size(
+    target: Path, trained: Path, with_draft: bool
+) -> None:
+    """float32: CUDA graphs (padded up to each ladder size as the batch drains) give exactly the
+    outputs of eager Triton and of the torch reference."""
+    draft = trained if with_draft else None
+    work = jobs(48, seed=2)
+    config = {"max_batch_size": 32, "max_batched_tokens": 32 * 16, "num_pages": 1024}
+    _, ref = run(target, draft, work, attention_backend="torch", cuda_graphs=False, **config)
+    _, eager = run(target, draft, work, attention_backend="triton", cuda_graphs=False, **config)
+    engine, graphed = run(target, draft, work, attention_backend="triton", **config)
+    sizes = {size for (_, size) in engine.runner.replays}
+    assert len(sizes) >= 5, sizes  # replays at many ladder sizes, most of them padded
+    assert_same(ref, eager)
+    assert_same(ref, graphed)
+
+
+@pytest.mark.gpu
+def test_bfloat16_rows_mostly_identical(target: Path, trained: Path) -> None:
+    """bfloat16 rounds differently in fused kernels: at least 99% of rows identical."""
+    work = [(p, SamplingParams(max_tokens=32)) for p, _ in jobs(200, seed=3)]
+    config = {"max_batch_size": 64, "max_batched_tokens": 64 * 16, "num_pages": 4096}
+    _, ref = run(target, trained, work, dtype="bfloat16", attention_backend="torch",
+                 cuda_graphs=False, **config)  # fmt: skip
+    _, got = run(target, trained, work, dtype="bfloat16", attention_backend="triton", **config)
+    same = sum(a.output_ids == b.output_ids for a, b in zip(ref, got, strict=True))
+    assert same >= 0.99 * len(work), f"{same} of {len(work)} rows identical"
