@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from batchrun.engine.request import Request
 from batchrun.errors import JobError
+from batchrun.io.cells import row_values
 from batchrun.io.output_schema import OutputRow, build_table, error_row, finished_row, output_schema
 from batchrun.io.progress import STATS_FILE, OutputDir, job_fingerprint
 from batchrun.io.progress_bar import ProgressBar
@@ -175,7 +176,7 @@ class _Run:
         if self.opened.id_column is not None and self.opened.id_column not in columns:
             columns = [*columns, self.opened.id_column]
         for batch in iter_batches(self.opened.source, self.selection):
-            values = batch.batch.select(columns).to_pylist()
+            values = row_values(batch.batch, columns)  # a bad cell spoils only its own row
             for i, row_index in enumerate(batch.row_indices.tolist()):
                 yield row_index, batch.batch.slice(i, 1), values[i]
 

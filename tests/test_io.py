@@ -248,7 +248,7 @@ def test_text_chat_and_token_id_rows(tokenizer: PreTrainedTokenizerBase) -> None
         (
             {"prompt_token_ids": pa.list_(pa.int64())},
             {"prompt_token_ids": list(range(64))},
-            "prompt has 64 tokens",
+            "prompt is too long: 64 tokens",
         ),
     ],
 )

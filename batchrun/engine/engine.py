@@ -336,6 +336,7 @@ class Engine:
             temperature=tensor([p.temperature for p in params], torch.float32),
             top_p=tensor([p.top_p for p in params], torch.float32),
             top_k=tensor([p.top_k for p in params], torch.long),
-            seed=tensor([p.seed for p in params], torch.long),
+            # Seeds are in [0, 2^64): the same 64 bits as a two's-complement int64.
+            seed=tensor([p.seed - (p.seed >> 63 << 64) for p in params], torch.long),
             step=tensor(steps, torch.long),
         )

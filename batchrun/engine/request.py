@@ -6,6 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -20,22 +21,40 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def problem(self) -> str | None:
-        """Why these parameters cannot run, or None."""
+        """Why these parameters cannot run, or None. The engine samples in float32, so the
+        float rules hold for the float32 values too; a seed is used modulo 2^64."""
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             return f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            return f"temperature must be a finite number >= 0, got {self.temperature!r}"
-        if not (0 < self.top_p <= 1):
-            return f"top_p must be in (0, 1], got {self.top_p!r}"
+        temperature = _float32(self.temperature)
+        if not (self.temperature >= 0 and math.isfinite(temperature)):
+            return f"temperature must be a finite number >= 0, got {_show(self.temperature)}"
+        if not (0 < self.top_p <= 1 and _float32(self.top_p) > 0):
+            return f"top_p must be in (0, 1], got {_show(self.top_p)}"
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             return f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
-        if not isinstance(self.seed, int):
-            return f"seed must be an integer, got {self.seed!r}"
+        if not (isinstance(self.seed, int) and SEED_MIN <= self.seed < SEED_END):
+            return f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}"
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             return "stop must be a list of non-empty strings"
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             return "stop_token_ids must be a list of non-negative integers"
         return None
+
+
+SEED_MIN, SEED_END = -(1 << 63), 1 << 64  # a seed's range; the engine uses it modulo 2^64
+
+
+def _float32(value: float) -> float:
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
+def _show(value: float) -> str:
+    """The value, with its float32 where that is what breaks the rule (0 or inf)."""
+    single = _float32(value)
+    if (single == 0 and value != 0) or (math.isinf(single) and not math.isinf(value)):
+        return f"{value!r} ({single:g} in float32)"
+    return repr(value)
 
 
 class Status(enum.Enum):

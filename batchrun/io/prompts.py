@@ -1,7 +1,8 @@
 """Input rows to engine requests: find the prompt column, tokenize, apply per-row overrides.
 
 A row that cannot become a request yields an error string instead; it becomes an error row in
-the output, and the job goes on.
+the output, and the job goes on. No cell can do more: whatever its type or content, and whatever
+the tokenizer raises on it, the worst it makes is its own row's error.
 """
 
 from __future__ import annotations
@@ -16,6 +17,15 @@ import pyarrow as pa
 
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.errors import JobError
+from batchrun.io.cells import BadCell
+from batchrun.io.overrides import (
+    OVERRIDE_COLUMNS,
+    BadOverride,
+    check_job_sampling,
+    convert_override,
+    for_engine,
+)
+from batchrun.io.prompt_bound import longest_token_chars, min_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -39,10 +49,6 @@ _KIND_FLAGS = {
     PromptKind.MESSAGES: "messages_column",
     PromptKind.TOKEN_IDS: "token_ids_column",
 }
-# Optional input columns whose non-null cells override the job's sampling defaults.
-OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
-_INT_OVERRIDES = ("max_tokens", "top_k", "seed")
-_FLOAT_OVERRIDES = ("temperature", "top_p")
 
 
 @dataclass(frozen=True)
@@ -139,12 +145,14 @@ class RequestBuilder:
                 f"prompt column {prompt.name!r} holds chat messages, "
                 "but the target's tokenizer has no chat template"
             )
+        check_job_sampling(job)
         self.job = job
         self.prompt = prompt
         self.overrides = tuple(name for name in OVERRIDE_COLUMNS if name in schema.names)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.longest_token = longest_token_chars(tokenizer)  # for the bound before tokenizing
 
     @property
     def columns(self) -> list[str]:
@@ -159,37 +167,57 @@ class RequestBuilder:
         if isinstance(prompt_ids, str):
             return prompt_ids
         if len(prompt_ids) >= self.max_model_len:
-            return (
-                f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}"
-            )
+            return self._too_long(f"{len(prompt_ids)} tokens")
         return Request(row_index=row_index, prompt_ids=prompt_ids, params=params)
+
+    def _too_long(self, tokens: str) -> str:
+        return f"prompt is too long: {tokens}; the model's context is {self.max_model_len}"
+
+    def _too_many_chars(self, chars: int) -> str | None:
+        """The error for a text that cannot fit whatever its tokens, else None (tokenize it)."""
+        at_least = min_tokens(chars, self.longest_token)
+        if at_least < self.max_model_len:
+            return None
+        return self._too_long(f"at least {at_least} tokens ({chars} characters)")
 
     def _params(self, row_index: int, values: Mapping[str, Any]) -> SamplingParams | str:
         try:
             changes = {
-                name: _convert_override(name, values[name])
+                name: convert_override(name, values[name])
                 for name in self.overrides
                 if values[name] is not None
             }
-        except _BadCell as exc:
+        except BadOverride as exc:
             return str(exc)
         params = dataclasses.replace(self.job.default_params(row_index), **changes)
-        return params.problem() or params
+        return params.problem() or for_engine(params, self.vocab_size)
 
     def _prompt_ids(self, value: Any) -> list[int] | str:
         name = self.prompt.name
         if value is None:
             return f"{name} is null"
+        if isinstance(value, BadCell):
+            return f"{name} {value.reason}"
         if len(value) == 0:
             return f"{name} is empty"
         if self.prompt.kind is PromptKind.TOKEN_IDS:
             return self._check_token_ids(value)
         if self.prompt.kind is PromptKind.MESSAGES:
             return self._render_chat(value)
-        ids = list(self.tokenizer.encode(value))
+        too_long = self._too_many_chars(len(value))
+        if too_long is not None:
+            return too_long
+        try:
+            ids = list(self.tokenizer.encode(value))
+        except BaseException as exc:
+            if not _is_row_failure(exc):
+                raise
+            return f"tokenization failed: {exc}"
         return ids or f"{name} is empty after tokenization"
 
     def _check_token_ids(self, ids: list[Any]) -> list[int] | str:
+        if len(ids) >= self.max_model_len:  # before looking at each of maybe millions of ids
+            return self._too_long(f"{len(ids)} tokens")
         for token in ids:
             if token is None:
                 return f"{self.prompt.name} holds a null token id"
@@ -205,13 +233,18 @@ class RequestBuilder:
                 and isinstance(message.get("content"), str)
             ):
                 return f"malformed chat row: message {number} needs a string role and content"
+        too_long = self._too_many_chars(sum(len(message["content"]) for message in messages))
+        if too_long is not None:
+            return too_long
         # Extra struct fields of other rows come back as None; templates expect them absent.
         cleaned = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             rendered: Any = self.tokenizer.apply_chat_template(
                 cleaned, add_generation_prompt=True, tokenize=True, return_dict=False
             )
-        except Exception as exc:  # a template error is a row error, whatever its type
+        except BaseException as exc:  # a template error is a row error, whatever its type
+            if not _is_row_failure(exc):
+                raise
             return f"chat template failed: {exc}"
         if isinstance(rendered, Mapping):
             rendered = rendered["input_ids"]
@@ -219,37 +252,7 @@ class RequestBuilder:
         return ids or f"{self.prompt.name} renders to no tokens"
 
 
-class _BadCell(ValueError):
-    """An override cell of the wrong type; the message is the row's error."""
-
-
-def _convert_override(name: str, value: Any) -> Any:
-    """The cell as the type SamplingParams wants; _BadCell when it has the wrong type."""
-    if name in _INT_OVERRIDES:
-        number = _as_int(value)
-        if number is None:
-            raise _BadCell(f"{name} must be an integer, got {value!r}")
-        return number
-    if name in _FLOAT_OVERRIDES:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise _BadCell(f"{name} must be a number, got {value!r}")
-    if name == "stop":
-        if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return tuple(value)
-        raise _BadCell(f"stop must be a list of strings, got {value!r}")
-    ids = [_as_int(token) for token in value] if isinstance(value, list) else [None]
-    if any(token is None for token in ids):
-        raise _BadCell(f"stop_token_ids must be a list of integers, got {value!r}")
-    return tuple(ids)
-
-
-def _as_int(value: Any) -> int | None:
-    # Integral floats are accepted: pandas stores an int column with nulls as float64.
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
+def _is_row_failure(exc: BaseException) -> bool:
+    """An exception that fails one row: any Exception, or the PanicException (a BaseException)
+    that a Rust tokenizer raises when it panics; interrupts and exits still stop the job."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"

@@ -101,6 +101,12 @@ def open_input(spec: str) -> InputSource:
             file_schema = parquet.schema_arrow.remove_metadata()
         except (OSError, pa.ArrowException) as exc:
             raise JobError(f"cannot read input file {str(path)!r}: {exc}") from exc
+        duplicated = _duplicated_name(file_schema)
+        if duplicated is not None:
+            raise JobError(
+                f"input file {str(path)!r} has the column {duplicated!r} more than once; "
+                "batchrun needs distinct column names"
+            )
         if schema is None:
             schema = file_schema
         elif not file_schema.equals(schema):
@@ -113,6 +119,15 @@ def open_input(spec: str) -> InputSource:
         first_row += sum(rows)
     assert schema is not None  # resolve_input_paths never returns an empty list
     return InputSource(files=tuple(files), schema=schema)
+
+
+def _duplicated_name(schema: pa.Schema) -> str | None:
+    seen: set[str] = set()
+    for name in schema.names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
 
 
 def _describe(schema: pa.Schema) -> str:

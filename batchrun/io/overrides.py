@@ -1,0 +1,86 @@
+"""Sampling parameters of one row: override cells to typed values, then what the engine runs.
+
+The rules are SamplingParams.problem's, for a row's cells and the job's keys alike; what passes
+them is normalised here into values the engine's tensors hold: a seed modulo 2^64, a top_k past
+the vocabulary off, a temperature below GREEDY_BELOW greedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from batchrun.engine.request import SamplingParams
+from batchrun.errors import JobError
+from batchrun.io.cells import BadCell
+
+if TYPE_CHECKING:
+    from batchrun.job import JobSpec
+
+# Optional input columns whose non-null cells override the job's sampling defaults.
+OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
+_INT_OVERRIDES = ("max_tokens", "top_k", "seed")
+_FLOAT_OVERRIDES = ("temperature", "top_p")
+# As in vLLM: below this, 1/T overflows float32 logits (or T is 0 or subnormal in float32).
+GREEDY_BELOW = 1e-5
+
+
+class BadOverride(ValueError):
+    """An override cell of the wrong type; the message is the row's error."""
+
+
+def check_job_sampling(job: JobSpec) -> None:
+    """Refuse, before any row, job-level sampling keys that every row would fail on."""
+    problem = job.default_params().problem()
+    if problem is not None:
+        raise JobError(f"job: {problem}")
+
+
+def for_engine(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """Valid params (problem() is None) as the engine runs them; the same samples they mean."""
+    return dataclasses.replace(
+        params,
+        temperature=0.0 if params.temperature < GREEDY_BELOW else params.temperature,
+        top_k=0 if params.top_k >= vocab_size else params.top_k,
+        seed=params.seed % (1 << 64),
+    )
+
+
+def convert_override(name: str, value: Any) -> Any:
+    """The cell as the type SamplingParams wants; BadOverride when it has the wrong type."""
+    if isinstance(value, BadCell):
+        raise BadOverride(f"{name} {value.reason}")
+    if name in _INT_OVERRIDES:
+        number = _as_int(value)
+        if number is None:
+            raise BadOverride(f"{name} must be an integer, got {_show(value)}")
+        return number
+    if name in _FLOAT_OVERRIDES:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise BadOverride(f"{name} must be a number, got {_show(value)}")
+    if name == "stop":
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return tuple(value)
+        raise BadOverride(f"stop must be a list of strings, got {_show(value)}")
+    ids = [_as_int(token) for token in value] if isinstance(value, list) else [None]
+    if any(token is None for token in ids):
+        raise BadOverride(f"stop_token_ids must be a list of integers, got {_show(value)}")
+    return tuple(ids)
+
+
+def _show(value: Any, limit: int = 100) -> str:
+    """repr for an error message, cut short: a cell can be megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _as_int(value: Any) -> int | None:
+    # Integral floats are accepted: pandas stores an int column with nulls as float64.
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
