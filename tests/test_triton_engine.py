@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from dflash_reference import one_thread
-from dflash_train import trained_draft_beside
+from dflash_train import trained_draft_beside, training_prompts
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
@@ -38,16 +38,19 @@ def trained(target: Path) -> Path:
     return trained_draft_beside(target)
 
 
-def jobs(count: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
-    """Mixed prompt lengths and budgets; every third row sampled, the rest greedy."""
+def jobs(count: int, seed: int, max_tokens: int = 40) -> list[tuple[list[int], SamplingParams]]:
+    """The trained draft's prompts (so it accepts runs of every length) then random ones, mixed
+    budgets; every third row sampled, the rest greedy."""
     gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(count):
+    prompts = training_prompts(seed=0)
+    while len(prompts) < count:
         length = int(torch.randint(1, 40, (1,), generator=gen))
-        prompt = torch.randint(3, 1000, (length,), generator=gen).tolist()
+        prompts.append(torch.randint(3, 1000, (length,), generator=gen).tolist())
+    out = []
+    for i, prompt in enumerate(prompts[:count]):
         sampled = i % 3 == 2
         params = SamplingParams(
-            max_tokens=int(torch.randint(1, 40, (1,), generator=gen)),
+            max_tokens=int(torch.randint(1, max_tokens, (1,), generator=gen)),
             temperature=0.8 if sampled else 0.0,
             top_k=20 if sampled else 0,
             seed=i,
@@ -83,8 +86,8 @@ def test_triton_matches_torch_with_preemption(
     target: Path, trained: Path, with_draft: bool
 ) -> None:
     draft = trained if with_draft else None
-    work = jobs(10, seed=1)
-    small_pool = {"num_pages": 30, "cuda_graphs": False}  # forces preemptions
+    work = jobs(8, seed=1, max_tokens=32)
+    small_pool = {"num_pages": 16, "cuda_graphs": False}  # forces preemptions
     ref_engine, ref = run(target, draft, work, attention_backend="torch", **small_pool)
     engine, got = run(target, draft, work, attention_backend="triton", **small_pool)
     assert engine.info()["attention_backend"] == "triton"

@@ -11,11 +11,10 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from batchrun.engine.request import SamplingParams
-from batchrun.errors import JobError
 from batchrun.io.cells import BadCell
 
 if TYPE_CHECKING:
-    from batchrun.job import JobSpec
+    pass
 
 # Optional input columns whose non-null cells override the job's sampling defaults.
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
@@ -27,13 +26,6 @@ GREEDY_BELOW = 1e-5
 
 class BadOverride(ValueError):
     """An override cell of the wrong type; the message is the row's error."""
-
-
-def check_job_sampling(job: JobSpec) -> None:
-    """Refuse, before any row, job-level sampling keys that every row would fail on."""
-    problem = job.default_params().problem()
-    if problem is not None:
-        raise JobError(f"job: {problem}")
 
 
 def for_engine(params: SamplingParams, vocab_size: int) -> SamplingParams:

@@ -21,7 +21,6 @@ from batchrun.io.cells import BadCell
 from batchrun.io.overrides import (
     OVERRIDE_COLUMNS,
     BadOverride,
-    check_job_sampling,
     convert_override,
     for_engine,
 )
@@ -145,7 +144,6 @@ class RequestBuilder:
                 f"prompt column {prompt.name!r} holds chat messages, "
                 "but the target's tokenizer has no chat template"
             )
-        check_job_sampling(job)
         self.job = job
         self.prompt = prompt
         self.overrides = tuple(name for name in OVERRIDE_COLUMNS if name in schema.names)
