@@ -9,6 +9,8 @@ are. Decode forwards over long contexts split each request's K/V range across pr
 from __future__ import annotations
 
 import torch
+
+from batchrun.attention.meta import AttentionMeta
 from batchrun.kernels.triton_attention import (
     AttentionWorkspace,
     attention_workspace,
@@ -16,8 +18,6 @@ from batchrun.kernels.triton_attention import (
     paged_attention,
     write_kv,
 )
-
-from batchrun.attention.meta import AttentionMeta
 
 MAX_SPLITS = 16
 
@@ -50,8 +50,10 @@ class TritonAttention:
         v_cache: torch.Tensor,
         slots: torch.Tensor | None = None,
     ) -> None:
-        assert self.meta is not None, "plan() first"
-        write_kv(k, v, k_cache, v_cache, self.meta.slot_mapping if slots is None else slots)
+        if slots is None:
+            assert self.meta is not None, "plan() first"
+            slots = self.meta.slot_mapping
+        write_kv(k, v, k_cache, v_cache, slots)
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from batchrun.attention.base import AttentionBackend
@@ -47,6 +48,25 @@ class StepBuffers:
         self.kv_lens = pair((max_requests,), torch.int32)
         self.page_table = pair((max_requests, max_pages), torch.int32)
         self.ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        # The DFlash draft's new context rows, at most `width` per request: padding rows sit at
+        # position 0 and slot -1 (nothing written).
+        self.ctx_positions = pair((rows,), torch.int64)
+        self.ctx_slots = pair((rows,), torch.int64)
+        self.ctx_features: torch.Tensor | None = None  # [rows, layers * H], made by the runner
+
+    def load_context(
+        self, features: torch.Tensor, positions: np.ndarray, slots: np.ndarray, rows: int
+    ) -> None:
+        """The draft's new context rows, padded up to `rows` (those of the captured size)."""
+        assert self.ctx_features is not None
+        n = len(positions)
+        pos, slot = self.ctx_positions[0].numpy(), self.ctx_slots[0].numpy()
+        pos[:n], pos[n:rows] = positions, 0
+        slot[:n], slot[n:rows] = slots, -1
+        for staged, device in (self.ctx_positions, self.ctx_slots):
+            device[:rows].copy_(staged[:rows], non_blocking=True)
+        if n:
+            self.ctx_features[:n].copy_(features)
 
     def meta(self, num_requests: int, causal: bool, max_kv: int) -> AttentionMeta:
         rows = num_requests * self.width
@@ -65,6 +85,9 @@ class StepBuffers:
     def clear(self, num_requests: int) -> None:
         """Every request padding: zero rows, nothing written (the state graphs are captured in)."""
         self._load(HostMeta.empty(), num_requests)
+        if self.ctx_features is not None:
+            empty = np.zeros(0, dtype=np.int64)
+            self.load_context(self.ctx_features[:0], empty, empty, num_requests * self.width)
 
     def load(self, host: HostMeta, num_requests: int) -> None:
         """The step's metadata, padded up to num_requests."""

@@ -8,6 +8,7 @@ and acceptance run on the device; one small copy per step brings back what was c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from batchrun.models.dflash_loader import load_dflash
 from batchrun.models.loader import load_qwen3
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.speculative.acceptance import RoundTrace, accepted_lengths
-from batchrun.speculative.drafter import ContextRows, draft_blocks, write_context
+from batchrun.speculative.drafter import Blocks, ContextRows, propose
 
 CPU_KV_BUDGET_BYTES = 2 << 30
 ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their tokens are cut
@@ -188,18 +189,19 @@ class Engine:
         post_all, acc_all = host_out[: len(tokens)], host_out[len(tokens) :]
         drafts_host = drafts.tolist() if drafts is not None and self.round_trace is not None else []
 
-        finished, row, pos, dec = [], 0, 0, 0
+        committed = self._committed_features(batch, acc_all, features)
+        finished, pos, dec = [], 0, 0
         for it, k in zip(batch, samples, strict=True):
-            req, n = it.req, it.num_new
-            feats = features[row : row + n] if features is not None else None
+            req = it.req
+            feats = next(committed) if committed is not None else None
             post = post_all[pos : pos + k]
-            row, pos = row + n, pos + k
+            pos += k
             if it.decoding:
                 acc = acc_all[dec] if drafts is not None else 0
                 self._commit_round(req, post, acc, feats, drafts_host[dec] if drafts_host else [])
                 dec += 1
             else:
-                req.num_cached += n
+                req.num_cached += it.num_new
                 if feats is not None:
                     req.pending_features.append(feats)
                 if post:  # the first token, sampled from the prompt's last row
@@ -210,6 +212,26 @@ class Engine:
             else:
                 self.pool.shrink(req.pages, req.num_cached)  # release KV past the committed tokens
         return finished
+
+    def _committed_features(
+        self, batch: list[Scheduled], accepted: list[int], features: torch.Tensor | None
+    ) -> Iterator[torch.Tensor] | None:
+        """Per item, the target features of the rows it commits (a prefill chunk: all; a
+        verify: the anchor and the accepted drafts), gathered in one copy: the draft's next
+        forward reads them, and a graph's outputs are overwritten by the next replay."""
+        if features is None:
+            return None
+        counts, index, row, dec = [], [], 0, 0
+        for it in batch:
+            keep = it.num_new
+            if it.decoding:
+                keep = 1 + (accepted[dec] if accepted else 0)
+                dec += 1
+            index.append(np.arange(row, row + keep))
+            counts.append(keep)
+            row += it.num_new
+        rows = torch.from_numpy(np.concatenate(index)).to(self.device, non_blocking=True)
+        return iter(features.index_select(0, rows).split(counts))
 
     def _propose(self, batch: list[Scheduled], decoding: list[Request]) -> torch.Tensor | None:
         """Write the draft context of newly committed tokens, then draft a block for every
@@ -224,17 +246,14 @@ class Engine:
                 context.append(ContextRows(rows, req.draft_cached, req.pages))
                 req.draft_cached += rows.shape[0]
                 req.pending_features.clear()
-        write_context(self.runner, context)
-        if not decoding:
-            return None
         for req in decoding:
             assert req.draft_cached == req.num_cached, "draft context must end at the anchor"
-        anchors = torch.tensor([r.output_ids[-1] for r in decoding], dtype=torch.long)
-        starts = np.array([r.num_cached for r in decoding], dtype=np.int64)
-        return draft_blocks(
-            self.runner, anchors.to(self.device, non_blocking=True), starts,
-            [r.pages for r in decoding], self.block_size, self.draft.mask_token_id,
-        )  # fmt: skip
+        blocks = Blocks(
+            anchors=[r.output_ids[-1] for r in decoding],
+            starts=[r.num_cached for r in decoding],
+            page_tables=[r.pages for r in decoding],
+        )
+        return propose(self.runner, context, blocks, self.block_size, self.draft.mask_token_id)
 
     def _target_rows(
         self, batch: list[Scheduled], drafts: torch.Tensor | None, samples: list[int]
@@ -305,7 +324,7 @@ class Engine:
         kept = self.stopper.commit(req, post[: acc + 1])
         req.num_cached = p + acc + 1  # anchor .. d_acc now hold target KV; the bonus is next
         if feats is not None:
-            req.pending_features.append(feats[: acc + 1])
+            req.pending_features.append(feats)
         if req.spec_hist is not None:
             req.spec_rounds += 1
             req.spec_hist[kept - 1] += 1

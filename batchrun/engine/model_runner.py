@@ -75,6 +75,11 @@ class ModelRunner:
         )
         self.target_graphs.capture(sizes, pool)
         if self.draft is not None:
+            width = self.model.shape.hidden_size * len(self.capture_layers)
+            self.buffers.ctx_features = torch.zeros(
+                max_batch_size * self.width, width, dtype=self.model.lm_head.weight.dtype,
+                device=self.device,
+            )  # fmt: skip
             self.draft_graphs = GraphSet(
                 "draft", self._draft_rows, self.buffers, self.backend, False, max_kv
             )
@@ -124,6 +129,41 @@ class ModelRunner:
     # -- draft --------------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def draft_forward(
+        self,
+        features: torch.Tensor,
+        ctx_positions: np.ndarray,
+        ctx_slots: np.ndarray,
+        block_ids: torch.Tensor,
+        host: HostMeta,
+    ) -> torch.Tensor:
+        """One draft forward: store the context K/V of newly committed tokens (features [C,
+        layers * H] at ctx_positions / ctx_slots), then draft [R, B-1] for R requests whose
+        blocks (anchor, then masks) are block_ids [R*B] at the positions and slots of `host`
+        (non-causal over context plus block). Both parts replay from one graph when the
+        context rows fit the graph (at most B per request, as in every steady-state step)."""
+        assert self.draft is not None
+        num_req = len(host.kv_lens)
+        size = self._replayable(self.draft_graphs, host)
+        if size is None or self.draft_graphs is None or self.buffers is None:
+            self.write_draft_context(features, ctx_positions, ctx_slots)
+            meta = device_meta(host, self.page_size, self.device, causal=False)
+            self.backend.plan(meta)
+            return self.draft.draft_block(
+                self.model, block_ids, meta.positions, self.backend, self.draft_kv
+            )
+        ctx_rows = size * self.width
+        if len(ctx_positions) > ctx_rows:  # after a prefill: more context than the graph holds
+            self.write_draft_context(features, ctx_positions, ctx_slots)
+            ctx_positions = ctx_slots = np.zeros(0, dtype=np.int64)
+        self.buffers.load(host, size)
+        self.buffers.load_context(features, ctx_positions, ctx_slots, ctx_rows)
+        self.buffers.ids[: len(block_ids)].copy_(block_ids)
+        self.replays["draft", size] += 1
+        # A copy: graph outputs live in the pool that the target's graphs reuse.
+        return self.draft_graphs.replay(size)[0][:num_req].clone()
+
+    @torch.inference_mode()
     def write_draft_context(
         self, features: torch.Tensor, positions: np.ndarray, slots: np.ndarray
     ) -> None:
@@ -135,24 +175,16 @@ class ModelRunner:
         slot = torch.from_numpy(slots).to(self.device, non_blocking=True)
         self.draft.write_context(features, pos, slot, self.backend, self.draft_kv)
 
-    @torch.inference_mode()
-    def draft_block(self, block_ids: torch.Tensor, host: HostMeta) -> torch.Tensor:
-        """Drafts [R, B-1] for R requests whose blocks (anchor, then masks) are block_ids [R*B],
-        at the positions and slots of `host` (non-causal over context plus block)."""
-        assert self.draft is not None
-        num_req = len(host.kv_lens)
-        size = self._replayable(self.draft_graphs, host)
-        if size is not None and self.draft_graphs is not None and self.buffers is not None:
-            self.buffers.load(host, size)
-            self.buffers.ids[: len(block_ids)].copy_(block_ids)
-            self.replays["draft", size] += 1
-            return self.draft_graphs.replay(size)[0][:num_req]
-        meta = device_meta(host, self.page_size, self.device, causal=False)
-        self.backend.plan(meta)
-        return self._draft_rows(meta, block_ids)[0]
-
     def _draft_rows(self, meta: AttentionMeta, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        assert self.draft is not None
-        return (
-            self.draft.draft_block(self.model, ids, meta.positions, self.backend, self.draft_kv),
+        """The captured draft forward: the padded context rows, then the blocks."""
+        assert self.draft is not None and self.buffers is not None
+        rows = ids.shape[0]
+        assert self.buffers.ctx_features is not None
+        self.draft.write_context(
+            self.buffers.ctx_features[:rows], self.buffers.ctx_positions[1][:rows],
+            self.buffers.ctx_slots[1][:rows], self.backend, self.draft_kv,
+        )  # fmt: skip
+        drafts = self.draft.draft_block(
+            self.model, ids, meta.positions, self.backend, self.draft_kv
         )
+        return (drafts,)

@@ -40,16 +40,12 @@ class PagedAttention(nn.Module):
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        d, ops = self.head_dim, self.ops
-        q = ops.norm_rope(
-            q.reshape(-1, self.num_heads, d), self.q_norm.weight, self.q_norm.eps,
+        d = self.head_dim
+        return self.ops.qk_norm_rope(
+            q.reshape(-1, self.num_heads, d), k.reshape(-1, self.num_kv_heads, d),
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
             rope.cos, rope.sin, positions,
         )  # fmt: skip
-        k = ops.norm_rope(
-            k.reshape(-1, self.num_kv_heads, d), self.k_norm.weight, self.k_norm.eps,
-            rope.cos, rope.sin, positions,
-        )  # fmt: skip
-        return q, k
 
     def attend(
         self,

@@ -36,5 +36,19 @@ class TritonOps(TorchOps):
         kernels.rms_norm_rope_(x, weight, cos, sin, positions, eps)
         return x
 
+    def qk_norm_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kernels.qk_rms_norm_rope_(q, k, q_weight, k_weight, cos, sin, positions, eps)
+        return q, k
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_and_mul(gate_up)

@@ -1,5 +1,6 @@
-"""DFlash drafting for a step: gather every request's newly committed target features into the
-draft's context cache, then draft one block (anchor + B-1 masks) per request about to verify.
+"""DFlash drafting for a step: every request's newly committed target features go into the
+draft's context cache, then one block (anchor + B-1 masks) is drafted per request about to
+verify, in one draft forward.
 
 It works on plain arrays and a runner that owns the models, KV pools and graphs (DraftRunner):
 nothing here imports the engine.
@@ -24,7 +25,14 @@ class DraftRunner(Protocol):
         self, features: torch.Tensor, positions: np.ndarray, slots: np.ndarray
     ) -> None: ...
 
-    def draft_block(self, block_ids: torch.Tensor, host: HostMeta) -> torch.Tensor: ...
+    def draft_forward(
+        self,
+        features: torch.Tensor,
+        ctx_positions: np.ndarray,
+        ctx_slots: np.ndarray,
+        block_ids: torch.Tensor,
+        host: HostMeta,
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -36,35 +44,50 @@ class ContextRows:
     pages: list[int]
 
 
-def write_context(runner: DraftRunner, rows: list[ContextRows]) -> None:
-    """Store the draft K/V of every request's new context rows, in one eager forward."""
-    if not rows:
-        return
+@dataclass
+class Blocks:
+    """The requests to draft for: each one's newest token (the anchor) and its position."""
+
+    anchors: list[int]
+    starts: list[int]  # the anchor's position (= tokens with target K/V)
+    page_tables: list[list[int]]
+
+
+def propose(
+    runner: DraftRunner,
+    context: list[ContextRows],
+    blocks: Blocks,
+    block_size: int,
+    mask_token_id: int,
+) -> torch.Tensor | None:
+    """Store the context rows' draft K/V; return the drafts [R, B-1] of every block (each
+    sees its request's whole draft context and itself), or None when there is no block."""
+    features, positions, slots = _context_arrays(runner, context)
+    if not blocks.anchors:
+        runner.write_draft_context(features, positions, slots)
+        return None
+    num_req = len(blocks.anchors)
+    block = torch.full((num_req, block_size), mask_token_id, dtype=torch.long)
+    block[:, 0] = torch.tensor(blocks.anchors, dtype=torch.long)
+    widths = np.full(num_req, block_size, dtype=np.int64)
+    host = host_meta(np.array(blocks.starts), widths, blocks.page_tables, runner.page_size)
+    block_ids = block.view(-1).to(runner.device, non_blocking=True)
+    return runner.draft_forward(features, positions, slots, block_ids, host)
+
+
+def _context_arrays(
+    runner: DraftRunner, context: list[ContextRows]
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """The rows' features (one tensor), positions and draft-cache slots."""
+    if not context:
+        empty = np.zeros(0, dtype=np.int64)
+        return torch.zeros(0, device=runner.device), empty, empty
     size = runner.page_size
     positions, slots = [], []
-    for r in rows:
+    for r in context:
         pos = np.arange(r.start, r.start + r.features.shape[0], dtype=np.int64)
         table = np.asarray(r.pages, dtype=np.int64)
         positions.append(pos)
         slots.append(table[pos // size] * size + pos % size)
-    features = torch.cat([r.features for r in rows])
-    runner.write_draft_context(features, np.concatenate(positions), np.concatenate(slots))
-
-
-def draft_blocks(
-    runner: DraftRunner,
-    anchors: torch.Tensor,  # [R] int64 on the device: each request's newest token
-    starts: np.ndarray,  # [R] the anchor's position (= tokens with target K/V)
-    page_tables: list[list[int]],
-    block_size: int,
-    mask_token_id: int,
-) -> torch.Tensor:
-    """Drafts [R, B-1]: each block sees the request's whole draft context and itself."""
-    num_req = anchors.shape[0]
-    block = torch.full(
-        (num_req, block_size), mask_token_id, dtype=torch.long, device=anchors.device
-    )
-    block[:, 0] = anchors
-    widths = np.full(num_req, block_size, dtype=np.int64)
-    host = host_meta(starts, widths, page_tables, runner.page_size)
-    return runner.draft_block(block.view(-1), host)
+    features = torch.cat([r.features for r in context])
+    return features, np.concatenate(positions), np.concatenate(slots)

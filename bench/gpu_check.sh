@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call: the GPU tests, then `batchrun bench --shape`, logs and JSON under $OUT.
+# Run through the device tool from the repository root, carrying .whl (jsonschema and its
+# dependencies, which the GPU image lacks):
+#   bash bench/gpu_check.sh                 # tests, then the default sweep
+#   TESTS=0 BENCH_ARGS="--batch-sizes 1,32" bash bench/gpu_check.sh
+set -uo pipefail
+OUT=${OUT:-bench/results/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+if [ "${TESTS:-1}" = 1 ]; then
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -x \
+        ${TEST_FILES:-tests/test_triton_kernels.py tests/test_triton_engine.py} 2>&1 \
+        | tail -n 60 | tee "$OUT/gpu-tests.log"
+fi
+if [ "${BENCH:-1}" = 1 ]; then
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-400}" python3 -m batchrun.cli bench --shape "${SHAPE:-qwen3-8b}" \
+        ${BENCH_ARGS:-} --out "$OUT/bench-${SHAPE:-qwen3-8b}.json" 2>&1 | tee "$OUT/bench.log"
+fi
