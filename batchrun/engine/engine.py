@@ -201,7 +201,14 @@ class Engine:
         return SamplingBatch(
             temperature=tensor([p.temperature for p in params], torch.float32),
             top_p=tensor([p.top_p for p in params], torch.float32),
-            top_k=tensor([p.top_k for p in params], torch.long),
-            seed=tensor([p.seed for p in params], torch.long),
+            # A top_k of the vocabulary or more keeps every token, as 0 does.
+            top_k=tensor([p.top_k if p.top_k < self.vocab_size else 0 for p in params], torch.long),
+            seed=tensor([as_int64(p.seed) for p in params], torch.long),
             step=tensor([step for _, step in sampled], torch.long),
         )
+
+
+def as_int64(value: int) -> int:
+    """A 64-bit seed (any integer, taken mod 2^64) as the int64 with the same bits."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
