@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchrun.errors import JobError
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -19,3 +21,16 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: sized from free memory (GPU) or a fixed budget (CPU)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+
+def check_batch_budget(max_batched_tokens: int, width: int) -> None:
+    """Refuses a token budget that cannot hold one decode/verify step of `width` rows (1, or
+    the draft's block size B): the scheduler could never run a request past its prefill."""
+    if max_batched_tokens >= width:
+        return
+    if width == 1:
+        raise JobError(f"max_batched_tokens must be at least 1, got {max_batched_tokens}")
+    raise JobError(
+        f"max_batched_tokens {max_batched_tokens} is below the draft's block size {width}: "
+        f"each verify step feeds {width} tokens per request"
+    )

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from batchrun.engine.config import EngineConfig
+from batchrun.engine.config import EngineConfig, check_batch_budget
 from batchrun.engine.loading import attention_backend, eos_token_ids, load_tokenizer, resolve_device
 from batchrun.engine.model_runner import ModelRunner, StepInput, device_tensor
 from batchrun.engine.page_pool import PagePool
@@ -48,6 +48,7 @@ class Engine:
         self.vocab_size = shape.vocab_size
         self.block_size = self.draft.block_size if self.draft else None
         width = self.block_size or 1
+        check_batch_budget(config.max_batched_tokens, width)  # before the KV pools are allocated
 
         num_pages = config.num_pages or self._default_num_pages()
         capacity = num_pages * config.page_size
