@@ -6,6 +6,10 @@ and runs a chi-square test against the reference. The same draws are also tested
 subtly wrong references (top-k or top-p off by one token, temperature applied after top-p, top-p on
 the mass before top-k, a 10% temperature error), which must be rejected: that shows the bound
 is tight enough to catch such bugs, not only loose enough to pass a correct sampler.
+
+The noise generator is checked against Philox-4x32-10's known answers and for using all 64 bits
+of seed and token index; the sampler's temporaries are measured, op by op, to stay within its
+memory budget.
 """
 
 from __future__ import annotations
