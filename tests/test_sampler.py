@@ -6,15 +6,28 @@ and runs a chi-square test against the reference. The same draws are also tested
 subtly wrong references (top-k or top-p off by one token, temperature applied after top-p, top-p on
 the mass before top-k, a 10% temperature error), which must be rejected: that shows the bound
 is tight enough to catch such bugs, not only loose enough to pass a correct sampler.
+
+The noise generator is checked against Philox-4x32-10's known answers and for using all 64 bits
+of seed and token index; the sampler's temporaries are measured, op by op, to stay within its
+memory budget.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from batchrun.engine import sampler
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.engine import Engine
+from batchrun.engine.philox import MASK32, philox4x32_10, philox_uniform
+from batchrun.engine.request import Request, SamplingParams
 from batchrun.engine.sampler import SamplingBatch, sample
 
 N = 40_000
@@ -205,3 +218,171 @@ def test_a_nucleus_of_one_token_is_the_argmax(params: Params) -> None:
     seeds = torch.arange(n, dtype=torch.int64)
     tokens = draw(params, seeds=seeds, steps=seeds)
     assert (tokens == LOGITS.argmax()).all()
+
+
+# Random123's known-answer vectors for Philox-4x32-10: (counter, key, output), 32-bit words.
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((MASK32,) * 4, (MASK32,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
+
+
+@pytest.mark.parametrize("counter,key,want", PHILOX_KAT)
+def test_philox_matches_the_known_answers(
+    counter: tuple[int, ...], key: tuple[int, ...], want: tuple[int, ...]
+) -> None:
+    def words(values: tuple[int, ...]) -> list[torch.Tensor]:
+        return [torch.tensor([v], dtype=torch.int64) for v in values]
+
+    c0, c1, c2, c3 = words(counter)
+    k0, k1 = words(key)
+    got = philox4x32_10((c0, c1, c2, c3), (k0, k1))
+    assert tuple(int(w) for w in got) == want
+
+
+def int64(value: int) -> int:
+    """A 64-bit unsigned value as the int64 the sampler holds (two's complement)."""
+    return value - 2**64 if value >= 2**63 else value
+
+
+def test_the_noise_uses_every_bit_of_the_seed_and_of_the_token_index() -> None:
+    ids = torch.arange(4096)
+    base_seed, base_step = 0x0123_4567_89AB_CDEF, 77
+    variants = [
+        (base_seed ^ 1 << 40, base_step),
+        (base_seed ^ 1 << 63, base_step),
+        (base_seed, base_step + 2**32),
+        (base_seed, base_step + 2**63),
+    ]
+    seeds = torch.tensor([int64(base_seed)] + [int64(s) for s, _ in variants])
+    steps = torch.tensor([int64(base_step)] + [int64(t) for _, t in variants])
+    u = philox_uniform(seeds, steps, ids)
+    assert u.dtype == torch.float32 and bool(((u > 0) & (u < 1)).all())
+    assert len(u.unique()) > 0.99 * u.numel()
+    for row in range(1, len(variants) + 1):
+        assert float((u[row] == u[0]).float().mean()) < 0.01, variants[row - 1]
+    # Sampled tokens too: token indices 2^32 apart do not repeat each other's draws.
+    n = 400
+    steps = torch.arange(n, dtype=torch.int64)
+    near = draw(Params(), seeds=torch.full((n,), 5), steps=steps)
+    far = draw(Params(), seeds=torch.full((n,), 5), steps=steps + 2**32)
+    assert (near != far).float().mean() > 0.5
+
+
+def test_unfiltered_draws_match_filters_that_keep_everything() -> None:
+    """top_k >= vocab (even 2^62) keeps every token: the same draws as no filter."""
+    n = 300
+    seeds, steps = torch.arange(n, dtype=torch.int64), torch.arange(n, dtype=torch.int64) * 3
+    plain = draw(Params(), seeds=seeds, steps=steps)
+    for top_k in (VOCAB, 2**62):
+        assert torch.equal(draw(Params(top_k=top_k), seeds=seeds, steps=steps), plain)
+
+
+def test_a_top_p_of_zero_in_float32_keeps_the_most_probable_token() -> None:
+    n = 200
+    seeds = torch.arange(n, dtype=torch.int64)
+    tokens = draw(Params(top_p=5e-324), seeds=seeds, steps=seeds)
+    assert (tokens == LOGITS.argmax()).all()
+
+
+class PeakBytes(TorchDispatchMode):
+    """Peak bytes of the tensor storages that operations inside the mode allocate, counted while
+    a tensor on them is alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, list[int]] = {}  # storage pointer -> [bytes, live tensors]
+        self.now = self.peak = 0
+
+    def _drop(self, key: int) -> None:
+        entry = self.refs[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or id(t) in inputs:
+                continue  # in-place results are counted where they were made
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self.refs:
+                self.refs[key] = [storage.nbytes(), 0]
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+            self.refs[key][1] += 1
+            weakref.finalize(t, self._drop, key)
+        return out
+
+
+@pytest.mark.parametrize(
+    "params",
+    [Params(0.7), Params(0.7, top_k=40), Params(0.7, top_p=0.9), Params(0.7, 0.999, top_k=0)],
+    ids=["plain", "top-k", "top-p", "top-p-wide"],
+)
+def test_sampling_temporaries_stay_a_few_bytes_per_logit(
+    params: Params, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the per-chunk floor lowered to a small batch's scale, the sampler's temporaries peak
+    at the batch budget: BATCH_BYTES_PER_LOGIT bytes per logit of the batch, where building the
+    noise of the whole batch at once takes over 60. Greedy rows among them still take the argmax."""
+    monkeypatch.setattr(sampler, "CHUNK_BYTES", 1 << 20)
+    rows, vocab = 96, 8192
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    batch = SamplingBatch(
+        temperature=torch.full((rows,), params.temperature).index_fill_(
+            0, torch.arange(0, rows, 8), 0
+        ),
+        top_p=torch.full((rows,), params.top_p),
+        top_k=torch.full((rows,), params.top_k, dtype=torch.int64),
+        seed=torch.arange(rows, dtype=torch.int64),
+        step=torch.zeros(rows, dtype=torch.int64),
+    )
+    budget = sampler.BATCH_BYTES_PER_LOGIT * rows * vocab
+    assert budget > sampler.CHUNK_BYTES
+    with PeakBytes() as memory:
+        tokens = sample(logits, batch)
+    assert memory.peak <= budget + 64 * rows  # and a few per-row vectors
+    greedy = batch.temperature == 0
+    assert torch.equal(tokens[greedy], logits[greedy].argmax(-1))
+    assert (tokens[~greedy] != logits[~greedy].argmax(-1)).any()
+
+
+def run_sampled(model: Path, params: list[SamplingParams]) -> list[list[int]]:
+    engine = Engine(
+        EngineConfig(target=model, device="cpu", dtype="float32", attention_backend="torch")
+    )
+    requests = [Request(i, [5, 6, 7], p) for i, p in enumerate(params)]
+    for req in requests:
+        engine.add(req)
+    while engine.num_unfinished:
+        engine.step()
+    return [r.output_ids for r in requests]
+
+
+def test_the_engine_samples_with_any_64_bit_seed_and_any_top_k(tiny_model: Path) -> None:
+    """Seeds in [2^63, 2^64) and a top_k past int64 reach the sampler (greedy rows among them)."""
+    base = SamplingParams(max_tokens=12, temperature=1.5)
+    out = run_sampled(
+        tiny_model,
+        [
+            replace(base, seed=2**64 - 1, top_k=2**64 - 1),
+            replace(base, seed=2**64 - 1),
+            replace(base, seed=2**63 + 5),
+            replace(base, seed=5),
+            replace(base, temperature=0.0, seed=2**64 - 1, top_k=2**64 - 1),
+            replace(base, temperature=0.0),
+        ],
+    )
+    assert out[0] == out[1]  # a top_k past the vocabulary keeps every token
+    assert out[2] != out[3]  # bit 63 of the seed changes the draws
+    assert out[4] == out[5]  # greedy ignores both

@@ -24,10 +24,13 @@ class EngineConfig:
 
 
 def check_batch_budget(max_batched_tokens: int, width: int) -> None:
-    """Refuse a token budget below one decode step of `width` rows (the draft's block size, or
-    1): no request could ever be scheduled to verify, and the job would never end."""
-    if max_batched_tokens < width:
-        raise JobError(
-            f"max_batched_tokens {max_batched_tokens} is below {width}, the tokens of one "
-            "verify block (the draft's block size); the job could never finish"
-        )
+    """Refuses a token budget that cannot hold one decode/verify step of `width` rows (1, or
+    the draft's block size B): the scheduler could never run a request past its prefill."""
+    if max_batched_tokens >= width:
+        return
+    if width == 1:
+        raise JobError(f"max_batched_tokens must be at least 1, got {max_batched_tokens}")
+    raise JobError(
+        f"max_batched_tokens {max_batched_tokens} is below the draft's block size {width}: "
+        f"each verify step feeds {width} tokens per request"
+    )

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from batchrun.attention.meta import host_meta
-from batchrun.engine.config import EngineConfig
+from batchrun.engine.config import EngineConfig, check_batch_budget
 from batchrun.engine.loading import (
     attention_backend,
     eos_token_ids,
@@ -89,6 +89,7 @@ class Engine:
         self.vocab_size = shape.vocab_size
         self.block_size = draft.block_size if draft else None
         width = self.block_size or 1
+        check_batch_budget(config.max_batched_tokens, width)  # before the KV pools are allocated
 
         num_pages = num_pages or self._default_num_pages()
         capacity = num_pages * config.page_size
@@ -354,8 +355,14 @@ class Engine:
         return SamplingBatch(
             temperature=tensor([p.temperature for p in params], torch.float32),
             top_p=tensor([p.top_p for p in params], torch.float32),
-            top_k=tensor([p.top_k for p in params], torch.long),
-            # Seeds are in [0, 2^64): the same 64 bits as a two's-complement int64.
-            seed=tensor([p.seed - (p.seed >> 63 << 64) for p in params], torch.long),
+            # A top_k of the vocabulary or more keeps every token, as 0 does.
+            top_k=tensor([p.top_k if p.top_k < self.vocab_size else 0 for p in params], torch.long),
+            seed=tensor([as_int64(p.seed) for p in params], torch.long),
             step=tensor(steps, torch.long),
         )
+
+
+def as_int64(value: int) -> int:
+    """A 64-bit seed (any integer, taken mod 2^64) as the int64 with the same bits."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from batchrun.engine.stop_scan import StopScan
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -80,6 +82,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     draft_cached: int = 0  # leading tokens whose draft context KV is written
     pending_features: list[torch.Tensor] = field(default_factory=list)
+    stop_scan: StopScan | None = None  # stop-string search state, made on the first token
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """tokens[start:end] without building the whole list."""

@@ -1,9 +1,14 @@
 """Continuous batching: which requests run in the next forward, and how many tokens each feeds.
 
-Every step packs, under one token budget, the running requests' decode (1 token) or verify
-(B tokens) rows, chunks of prompts still being prefilled, and newly admitted requests. When the
-page pool runs dry, the most recently admitted request is preempted: its pages are freed and it
-is recomputed later from its tokens, which changes no output (sampling is keyed by position).
+Every step gives each running request past its prefill its decode (1 row) or verify (B rows)
+step first; prefill chunks of running requests take what is left of the token budget, then new
+requests are admitted in arrival order. At most max_batched_tokens // width requests run, so the
+decode/verify rows always fit. Prefill chunks and admissions leave a reserve of free pages, the
+pages of one decode/verify step for every request scheduled in the pass, so that taking pages
+now does not preempt a request in the next step. When the pool still runs dry, the most recently
+admitted request not yet scheduled in this pass is preempted: its pages are freed and it is
+recomputed later from its tokens, which changes no output (sampling is keyed by position). A
+request preempted in a pass waits at least until the next one.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from batchrun.engine.page_pool import PagePool
+from batchrun.engine.config import check_batch_budget
+from batchrun.engine.page_pool import PagePool, pages_for
 from batchrun.engine.request import Request, Status
 
 
@@ -32,13 +38,18 @@ class Scheduler:
     def __init__(
         self, pool: PagePool, max_batch_size: int, max_batched_tokens: int, decode_width: int
     ) -> None:
+        check_batch_budget(max_batched_tokens, decode_width)
         self.pool = pool
-        self.max_batch_size = max_batch_size
         self.max_batched_tokens = max_batched_tokens
         self.decode_width = decode_width  # 1, or the draft's block size B
+        self.max_running = min(max_batch_size, max_batched_tokens // decode_width)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Pages kept free per request scheduled in a pass: its growth in the next step.
+        self._step_pages = pages_for(decode_width, pool.page_size)
+        self._planned: set[Request] = set()  # requests scheduled in this pass
+        self._preempted: set[Request] = set()  # requests preempted in this pass
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -48,40 +59,59 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> list[Scheduled]:
-        budget = self.max_batched_tokens
+        self._planned, self._preempted = set(), set()
+        width = self.decode_width
         batch: list[Scheduled] = []
+        for req in list(self.running):  # oldest first; preempting the newest if pages run out
+            decoding = req.status is Status.RUNNING and req.num_cached == prefill_len(req)
+            if decoding and self._grow_or_preempt(req, width):
+                batch.append(self._plan(req, width, decoding=True))
+        budget = self.max_batched_tokens - width * len(batch)
         for req in list(self.running):
-            if req.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
-            item = self._plan(req, budget)
-            if item is None:
+            if budget <= 0:
+                break
+            if req in self._planned or req.status is not Status.RUNNING:
                 continue
-            if not self._grow_or_preempt(req, item.num_new):
-                continue
-            batch.append(item)
-            budget -= item.num_new
-        while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
+            n = self._chunk(req, budget, self._step_pages * len(batch))
+            if n <= 0 and not batch:  # nothing else can run: the oldest request goes on
+                n = min(prefill_len(req) - req.num_cached, budget)
+                n = n if self._grow_or_preempt(req, n) else 0
+            if n > 0:
+                batch.append(self._plan(req, n, decoding=False))
+                budget -= n
+        while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]
-            item = self._plan(req, budget)
-            if item is None or not self.pool.grow(req.pages, req.num_cached + item.num_new):
+            if req in self._preempted:
+                break
+            n = self._chunk(req, budget, self._step_pages * len(batch))
+            if n <= 0:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            batch.append(item)
-            budget -= item.num_new
+            batch.append(self._plan(req, n, decoding=False))
+            budget -= n
         return batch
 
-    def _plan(self, req: Request, budget: int) -> Scheduled | None:
+    def _plan(self, req: Request, n: int, *, decoding: bool) -> Scheduled:
+        self._planned.add(req)
+        return Scheduled(req, n, decoding)
+
+    def _chunk(self, req: Request, budget: int, reserve: int) -> int:
+        """The prefill chunk the request takes now (as much of its prefill as the budget
+        allows), its pages grown for it, if that leaves `reserve` pages free and, when the
+        chunk completes the prefill, room for the request's first decode step; else 0."""
         remaining = prefill_len(req) - req.num_cached
-        if remaining > 0:
-            return Scheduled(req, min(remaining, budget), decoding=False) if budget > 0 else None
-        width = self.decode_width
-        return Scheduled(req, width, decoding=True) if budget >= width else None
+        n = min(remaining, budget)
+        end = req.num_cached + n + (self.decode_width if n == remaining else 0)
+        if self.pool.extra_pages(req.pages, end) > self.pool.num_free - reserve:
+            return 0
+        self.pool.grow(req.pages, req.num_cached + n)
+        return n
 
     def _grow_or_preempt(self, req: Request, num_new: int) -> bool:
         while not self.pool.grow(req.pages, req.num_cached + num_new):
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if r not in self._planned)
             self.preempt(victim)
             if victim is req:
                 return False
@@ -95,6 +125,7 @@ class Scheduler:
         req.pending_features.clear()
         req.status = Status.WAITING
         self.waiting.appendleft(req)
+        self._preempted.add(req)
         self.num_preemptions += 1
 
     def finish(self, req: Request) -> None:

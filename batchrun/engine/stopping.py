@@ -1,17 +1,31 @@
-"""Commit sampled tokens to a request, cutting at the first stop condition, and decode text."""
+"""Commit sampled tokens to a request, cutting at the first stop condition, and decode text.
+
+Stop strings are searched incrementally (stop_scan.py); the completion is decoded once, when the
+request finishes: its ids with special tokens skipped, cut at the first stop string."""
 
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
 from batchrun.engine.request import Request
+from batchrun.engine.stop_scan import StopScan
+
+
+def skipped_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Special ids that decoding with skip_special_tokens drops (each one checked)."""
+    special = set(tokenizer.all_special_ids)
+    special |= {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return frozenset(i for i in special if tokenizer.decode([i], skip_special_tokens=True) == "")
 
 
 class Stopper:
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int], max_model_len: int
+        self, tokenizer: PreTrainedTokenizerBase | None, eos_ids: set[int], max_model_len: int
     ) -> None:
+        """Without a tokenizer (engines built for benchmarks) there is no text: no stop strings
+        and no completion."""
         self.tokenizer, self.eos_ids, self.max_model_len = tokenizer, eos_ids, max_model_len
+        self.skipped = skipped_ids(tokenizer) if tokenizer is not None else frozenset()
 
     def commit(self, req: Request, tokens: list[int]) -> int:
         """Append tokens in order until one finishes the request; returns how many were kept.
@@ -19,7 +33,7 @@ class Stopper:
         p = req.params
         for n, token in enumerate(tokens, start=1):
             req.output_ids.append(token)
-            if token in self.eos_ids or token in p.stop_token_ids or self._stop_string(req):
+            if token in self.eos_ids or token in p.stop_token_ids or self._stop_string(req, token):
                 req.finish_reason = "stop"
             elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 req.finish_reason = "length"
@@ -28,17 +42,20 @@ class Stopper:
                 return n
         return len(tokens)
 
-    def _stop_string(self, req: Request) -> bool:
-        stops = req.params.stop
-        if not stops:
+    def _stop_string(self, req: Request, token: int) -> bool:
+        if not req.params.stop or token in self.skipped:
             return False
-        # The newest token can only complete a stop string that ends in it: decode a tail wide
-        # enough to hold the longest one even when tokens are single bytes.
-        window = 4 * max(len(s) for s in stops) + 4
-        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=True)
-        return any(s in tail for s in stops)
+        if req.stop_scan is None:
+            req.stop_scan = StopScan(req.params.stop)
+        return req.stop_scan.push(token, self._decode)
 
-    def decode(self, req: Request) -> str:
+    def _decode(self, ids: list[int]) -> str:
+        assert self.tokenizer is not None, "stop strings need a tokenizer"
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def decode(self, req: Request) -> str | None:
+        if self.tokenizer is None:
+            return None
         ids = req.output_ids
         last = ids[-1] if ids else None
         if last is not None and (last in self.eos_ids or last in req.params.stop_token_ids):

@@ -1,0 +1,213 @@
+"""The scheduler on its own, stepped by a model-free stand-in for the engine, and the engine on a
+tiny checkpoint: every decoding request gets its decode/verify rows every step, a token budget
+below the verify width is refused, a request preempted in a pass is not re-admitted in it, and
+admission leaves room for the running requests' next step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchrun.cli import cli
+from batchrun.engine.config import EngineConfig, check_batch_budget
+from batchrun.engine.engine import Engine
+from batchrun.engine.page_pool import PagePool
+from batchrun.engine.request import Request, SamplingParams
+from batchrun.engine.scheduler import Scheduled, Scheduler, prefill_len
+from batchrun.errors import JobError
+from batchrun.tools.tiny_draft import make_tiny_draft
+
+# Prompt lengths and max_tokens of the engine's preemption test (tests/test_engine_oracle.py).
+PROMPTS = [1, 2, 5, 9, 16, 23, 37, 50, 9, 30]
+MAX_TOKENS = [20, 12, 24, 16, 20, 8, 20, 16, 20, 18]
+
+
+@dataclass
+class Trace:
+    """What a simulated job did: preemptions per pass and the steps' batches."""
+
+    preempted: list[list[Request]] = field(default_factory=list)
+    batches: list[list[Scheduled]] = field(default_factory=list)
+    decoding_before: list[list[Request]] = field(default_factory=list)
+
+
+def simulate(
+    prompts: list[int],
+    max_tokens: list[int],
+    *,
+    num_pages: int,
+    page_size: int = 4,
+    max_batch_size: int = 8,
+    max_batched_tokens: int = 64,
+    width: int = 1,
+    accepted: Callable[[Request, int], int] = lambda req, step: 1,
+) -> tuple[Scheduler, Trace]:
+    """Steps the scheduler as the engine does, with a stand-in model: a verify round commits
+    `accepted(req, step)` tokens, capped by max_tokens; the KV past them is released."""
+    pool = PagePool(num_pages, page_size)
+    scheduler = Scheduler(pool, max_batch_size, max_batched_tokens, decode_width=width)
+    for i, (n, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+        scheduler.add(Request(i, [3] * n, SamplingParams(max_tokens=m)))
+    trace = Trace()
+    preempt = scheduler.preempt
+
+    def record(req: Request) -> None:
+        trace.preempted[-1].append(req)
+        preempt(req)
+
+    scheduler.preempt = record  # type: ignore[method-assign]
+    for step in range(10_000):
+        if not scheduler.num_unfinished:
+            break
+        trace.decoding_before.append(
+            [r for r in scheduler.running if r.num_cached == prefill_len(r)]
+        )
+        trace.preempted.append([])
+        batch = scheduler.schedule()
+        trace.batches.append(batch)
+        for it in batch:
+            req = it.req
+            if it.decoding:
+                k = min(accepted(req, step), it.num_new)
+                req.output_ids += [7] * min(k, req.params.max_tokens - len(req.output_ids))
+                req.num_cached += k
+            else:
+                req.num_cached += it.num_new
+                if not req.output_ids and req.num_cached == len(req.prompt_ids):
+                    req.output_ids.append(7)  # the first token, from the prompt's last row
+            if len(req.output_ids) >= req.params.max_tokens:
+                scheduler.finish(req)
+            else:
+                pool.shrink(req.pages, req.num_cached)
+    assert not scheduler.num_unfinished, "the job did not finish"
+    assert pool.num_free == num_pages
+    return scheduler, trace
+
+
+@pytest.mark.parametrize("max_batched_tokens", [64, 7])
+def test_a_request_preempted_in_a_pass_is_not_readmitted_in_it(max_batched_tokens: int) -> None:
+    _, trace = simulate(PROMPTS, MAX_TOKENS, num_pages=20, max_batched_tokens=max_batched_tokens)
+    assert any(trace.preempted)
+    for victims, batch in zip(trace.preempted, trace.batches, strict=True):
+        assert not {id(r) for r in victims} & {id(it.req) for it in batch}
+
+
+@pytest.mark.parametrize("max_batched_tokens,most", [(64, 3), (7, 3)])
+def test_admission_keeps_a_reserve_so_fewer_requests_are_preempted(
+    max_batched_tokens: int, most: int
+) -> None:
+    """The engine's preemption scenario (20 pages of 4 tokens; about 300 needed) took 6 and 15
+    preemptions when requests were admitted into the pages the running ones grow into next, and
+    victims were re-admitted in the pass that preempted them."""
+    scheduler, _ = simulate(
+        PROMPTS, MAX_TOKENS, num_pages=20, max_batched_tokens=max_batched_tokens
+    )
+    assert 0 < scheduler.num_preemptions <= most
+
+
+def test_every_decoding_request_verifies_every_step() -> None:
+    """Block size 4, 10 tokens a forward, 8 requests allowed: 2 run at once, and each of them
+    feeds its 4 verify rows in every step, prefill chunks taking what is left."""
+    width = 4
+    _, trace = simulate(
+        [3, 9, 14, 2, 6, 21, 5, 8],
+        [9, 5, 12, 7, 3, 10, 6, 4],
+        num_pages=64,
+        max_batched_tokens=10,
+        width=width,
+        accepted=lambda req, step: 1 + (req.row_index + step) % width,
+    )
+    for decoding, batch in zip(trace.decoding_before, trace.batches, strict=True):
+        verified = [it.req for it in batch if it.decoding]
+        assert {id(r) for r in verified} == {id(r) for r in decoding}
+        assert all(it.num_new == width for it in batch if it.decoding)
+        assert len({id(it.req) for it in batch}) <= 10 // width
+        assert sum(it.num_new for it in batch) <= 10
+
+
+def test_a_budget_below_the_verify_width_is_refused() -> None:
+    with pytest.raises(JobError, match="max_batched_tokens 15 .* block size 16"):
+        check_batch_budget(15, 16)
+    check_batch_budget(16, 16)
+    check_batch_budget(1, 1)
+    with pytest.raises(JobError):
+        Scheduler(PagePool(8, 4), 4, 3, decode_width=4)
+
+
+def engine(target: Path, draft: Path | None, **settings: Any) -> Engine:
+    return Engine(
+        EngineConfig(
+            target=target,
+            draft=draft,
+            device="cpu",
+            dtype="float32",
+            attention_backend="torch",
+            page_size=4,
+            **settings,
+        )
+    )
+
+
+def run_to_end(e: Engine, prompts: list[list[int]], max_tokens: list[int]) -> list[Request]:
+    requests = [
+        Request(i, p, SamplingParams(max_tokens=m))
+        for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
+    ]
+    for req in requests:
+        e.add(req)
+    for _ in range(10_000):
+        if not e.num_unfinished:
+            break
+        e.step()
+    assert not e.num_unfinished
+    return requests
+
+
+def test_the_engine_runs_with_a_budget_of_one_verify_block(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """max_batched_tokens = B runs to the end (one request verifies at a time, the output is
+    the target's own); B - 1 is refused at construction and, in one line, by `batchrun run`."""
+    block = 4
+    draft = make_tiny_draft(tmp_path / "draft", tiny_model, block_size=block)
+    prompts = [[5 + i, 9, 11 + i] for i in range(4)]
+    max_tokens = [9, 4, 12, 7]
+    plain = run_to_end(engine(tiny_model, None, num_pages=64), prompts, max_tokens)
+    narrow = run_to_end(
+        engine(tiny_model, draft, num_pages=64, max_batched_tokens=block), prompts, max_tokens
+    )
+    assert [r.output_ids for r in narrow] == [r.output_ids for r in plain]
+    with pytest.raises(JobError, match=f"max_batched_tokens {block - 1}"):
+        engine(tiny_model, draft, max_batched_tokens=block - 1)
+
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"prompt": ["def f(x):"]}), tmp_path / "in" / "0.parquet")
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'input = "in"\noutput = "out"\ntarget = "{tiny_model}"\ndraft = "{draft}"\n'
+        f"quiet = true\nmax_batched_tokens = {block - 1}\n"
+    )
+    result = CliRunner().invoke(cli, ["run", str(job)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and f"max_batched_tokens {block - 1}" in lines[0], result.stderr
+
+
+def test_fewer_preemptions_and_the_same_outputs_in_the_engine(make_model: Any) -> None:
+    """The oracle test's preemption scenario on the engine (6 preemptions before with 64 tokens a
+    forward): outputs equal those of a pool large enough to preempt nothing."""
+    model = make_model(num_kv_heads=4, tie_word_embeddings=False, num_shards=2)
+    prompts = [[(7 * i + j) % 900 + 3 for j in range(n)] for i, n in enumerate(PROMPTS)]
+    roomy = run_to_end(engine(model, None, num_pages=256), prompts, MAX_TOKENS)
+    for chunk, most in ((64, 3), (7, 9)):
+        tight = engine(model, None, num_pages=20, max_batched_tokens=chunk)
+        requests = run_to_end(tight, prompts, MAX_TOKENS)
+        assert [r.output_ids for r in requests] == [r.output_ids for r in roomy]
+        assert 0 < tight.num_preemptions <= most, chunk
