@@ -69,6 +69,9 @@ _RUN_OPTIONS = [
     ),
     click.option("--max-batch-size", type=int, help="Requests in flight."),
     click.option("--max-batched-tokens", type=int, help="Tokens per forward pass."),
+    click.option(
+        "--gpu-memory-fraction", type=float, help="GPU memory batchrun may use (KV pools last)."
+    ),
     click.option("--shard", help='Run the rows with row_index % N == I, as "I/N".'),
     click.option("--overwrite", is_flag=True, default=None, help="Replace earlier output."),
     click.option(

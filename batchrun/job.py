@@ -44,6 +44,7 @@ class JobSpec:
     cuda_graphs: bool = True
     max_batch_size: int = 64
     max_batched_tokens: int = 2048
+    gpu_memory_fraction: float = 0.9
     shard: str | None = None  # "I/N"
     overwrite: bool = False
     quiet: bool = False
@@ -61,6 +62,7 @@ class JobSpec:
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "part_seconds", float(self.part_seconds))
+        object.__setattr__(self, "gpu_memory_fraction", float(self.gpu_memory_fraction))
         if self.shard is not None:
             parse_shard(self.shard)
         # The schema lets NaN and inf through; hold the defaults to the check every row gets.
@@ -92,6 +94,7 @@ class JobSpec:
             cuda_graphs=self.cuda_graphs,
             max_batch_size=self.max_batch_size,
             max_batched_tokens=self.max_batched_tokens,
+            gpu_memory_fraction=self.gpu_memory_fraction,
         )
 
     def default_params(self, row_index: int | None = None) -> SamplingParams:

@@ -103,6 +103,14 @@ def job_schema() -> dict[str, Any]:
         "max_batched_tokens": _integer(
             "Tokens per forward pass (prefill chunks + decode).", 2048, 1
         ),
+        "gpu_memory_fraction": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "maximum": 1,
+            "default": 0.9,
+            "description": "Fraction of the GPU's memory batchrun may use: the KV pools get "
+            "what is left of it after weights, CUDA graphs and activations.",
+        },
         "shard": {
             "type": "string",
             "pattern": "^[0-9]+/[0-9]+$",

@@ -20,3 +20,6 @@ if [ "${BENCH:-1}" = 1 ]; then
     timeout "${BENCH_TIMEOUT:-400}" python3 -m batchrun.cli bench --shape "${SHAPE:-qwen3-8b}" \
         ${BENCH_ARGS:-} --out "$OUT/bench-${SHAPE:-qwen3-8b}.json" 2>&1 | tee "$OUT/bench.log"
 fi
+if [ -f "$OUT/bench-${SHAPE:-qwen3-8b}.json" ]; then
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('\n\n'.join(k + '\n' + v for k, v in d.get('profiles', {}).items()))" "$OUT/bench-${SHAPE:-qwen3-8b}.json" > "$OUT/profile.txt"
+fi

@@ -121,7 +121,7 @@ def test_float_checks_hold_for_the_float32_value(
     result = builder.build(0, {"prompt": "x", name: value})
     assert isinstance(result, str) and result.startswith(error), result
     # The job's own key is refused at start-up: by this rule, or by the schema where it can.
-    with pytest.raises(JobError, match=rf"job(: {name} must be| key '{name}')"):
+    with pytest.raises(JobError, match=rf"job( sampling default: {name} must be| key .{name}.)"):
         builder_for(tokenizer, {"prompt": pa.string()}, **{name: value})
 
 

@@ -274,9 +274,10 @@ def test_tokens_per_second_times_generation_only(
     assert stats["generation_seconds"] == pytest.approx(
         stats["wall_seconds"] - stats["load_seconds"], abs=0.002
     )
-    assert stats["output_tokens_per_second"] == pytest.approx(
-        stats["completion_tokens"] / stats["generation_seconds"], rel=0.01
-    )
+    # generation_seconds is rounded to the millisecond: tokens/s lies within that rounding.
+    tokens, seconds = stats["completion_tokens"], stats["generation_seconds"]
+    low, high = tokens / (seconds + 0.0006), tokens / max(seconds - 0.0006, 1e-9)
+    assert low <= stats["output_tokens_per_second"] <= high
 
 
 def write_part(path: Path, rows: list[dict[str, object]]) -> None:

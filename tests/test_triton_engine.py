@@ -19,6 +19,8 @@ from batchrun.engine.request import Request, SamplingParams
 
 TARGET_SHAPE = {"num_layers": 4, "vocab_size": 1088, "tie_word_embeddings": False}
 CUDA = torch.cuda.is_available()
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "batchrun" / "demo"
 DEVICE = "cuda" if CUDA else "cpu"
 
 
@@ -118,12 +120,26 @@ def test_graphs_replay_like_eager_at_every_ladder_size(
 
 
 @pytest.mark.gpu
-def test_bfloat16_rows_mostly_identical(target: Path, trained: Path) -> None:
-    """bfloat16 rounds differently in fused kernels: at least 99% of rows identical."""
-    work = [(p, SamplingParams(max_tokens=32)) for p, _ in jobs(200, seed=3)]
+@pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "dflash"])
+def test_bfloat16_rows_mostly_identical(with_draft: bool) -> None:
+    """bfloat16 rounds differently in fused kernels and graph-sized matmuls, which can flip a
+    near-tie: on the trained demo pair (a real model's margins, unlike random weights) at least
+    99% of 192 rows are identical between the torch reference and Triton with graphs."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO / "target"))
+    texts = pq.read_table(REPO / "jobs" / "demo" / "prompts.parquet").column("prompt")
+    work = []
+    for text in texts.to_pylist():
+        ids = tokenizer.encode(text)
+        for cut in (4, 3, 2, 1):  # four prefixes of every prompt
+            work.append((ids[: max(1, len(ids) * cut // 4)], SamplingParams(max_tokens=48)))
+    draft = DEMO / "draft" if with_draft else None
     config = {"max_batch_size": 64, "max_batched_tokens": 64 * 16, "num_pages": 4096}
-    _, ref = run(target, trained, work, dtype="bfloat16", attention_backend="torch",
+    _, ref = run(DEMO / "target", draft, work, dtype="bfloat16", attention_backend="torch",
                  cuda_graphs=False, **config)  # fmt: skip
-    _, got = run(target, trained, work, dtype="bfloat16", attention_backend="triton", **config)
+    _, got = run(DEMO / "target", draft, work, dtype="bfloat16", attention_backend="triton",
+                 **config)  # fmt: skip
     same = sum(a.output_ids == b.output_ids for a, b in zip(ref, got, strict=True))
     assert same >= 0.99 * len(work), f"{same} of {len(work)} rows identical"

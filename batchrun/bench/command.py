@@ -35,6 +35,7 @@ def _floats(text: str) -> tuple[float, ...]:
 @click.option("--steps", default=16, show_default=True, help="--shape: timed steps per point.")
 @click.option("--tau", default="3,5,6.5", show_default=True, help="--shape: projected tau.")
 @click.option("--no-draft", is_flag=True, help="--shape: target-only points only.")
+@click.option("--profile-batches", default="", help="--shape: batch sizes to profile, e.g. 1,128.")
 @click.option("--hf-eager/--no-hf-eager", default=True, show_default=True)
 @click.option("--hf-compiled-batches", default="32,128", show_default=True)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
@@ -105,6 +106,7 @@ def _sweep(opts: dict[str, Any]) -> dict[str, Any]:
         contexts=_ints(opts["contexts"]),
         steps=opts["steps"],
         taus=_floats(opts["tau"]),
+        profile_batches=_ints(opts["profile_batches"]),
         draft=not opts["no_draft"],
         hf_eager=opts["hf_eager"],
         hf_compiled_batches=_ints(opts["hf_compiled_batches"]),

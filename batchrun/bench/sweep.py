@@ -29,6 +29,7 @@ class SweepPlan:
     contexts: tuple[int, ...]
     steps: int  # timed steps per point
     taus: tuple[float, ...]  # acceptance lengths to project DFlash throughput at
+    profile_batches: tuple[int, ...]  # batch sizes to profile (kernel table per mode)
     draft: bool
     hf_eager: bool
     hf_compiled_batches: tuple[int, ...]  # batch sizes to run compiled generate() at
@@ -79,6 +80,31 @@ def measure_point(engine: Engine, batch: int, context: int, steps: int) -> dict[
     }
 
 
+def profile_point(engine: Engine, batch: int, context: int, steps: int) -> str:
+    """The GPU kernels of `steps` steady-state steps (graph replays included), as a table of
+    the most expensive ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, engine.vocab_size, (batch, context), generator=gen).tolist()
+    budget = engine.max_model_len - context - 1
+    reqs = [Request(i, p, SamplingParams(max_tokens=budget)) for i, p in enumerate(prompts)]
+    for req in reqs:
+        engine.add(req)
+    while any(not r.output_ids for r in reqs):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    engine.abort_all()
+    table: str = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+    return table
+
+
 def run_sweep(plan: SweepPlan) -> dict[str, Any]:
     device = torch.device("cuda")
     ceilings = measure_ceilings(plan.dtype, device)
@@ -95,6 +121,7 @@ def run_sweep(plan: SweepPlan) -> dict[str, Any]:
         max_model_len=max_len,
     )  # fmt: skip
     points: list[dict[str, Any]] = []
+    profiles: dict[str, str] = {}
     element = model.lm_head.weight.element_size()
     for with_draft in [False, True] if draft is not None else [False]:
         engine = Engine.from_models(
@@ -114,6 +141,9 @@ def run_sweep(plan: SweepPlan) -> dict[str, Any]:
                     }
                 points.append(point)
                 print(_row(point), flush=True)
+        for batch in plan.profile_batches:
+            name = f"{'dflash' if with_draft else 'target_only'} batch {batch}"
+            profiles[name] = profile_point(engine, batch, plan.contexts[0], 4)
         del engine
         torch.cuda.empty_cache()
     baselines = _hf_baselines(plan, model) if plan.hf_eager or plan.hf_compiled_batches else []
@@ -132,6 +162,7 @@ def run_sweep(plan: SweepPlan) -> dict[str, Any]:
         "points": points,
         "hf_generate": baselines,
         "summary": summarize(points, baselines, plan.taus),
+        "profiles": profiles,
     }
 
 

@@ -24,6 +24,7 @@ from batchrun.engine.loading import (
     load_tokenizer,
     resolve_device,
 )
+from batchrun.engine.memory import kv_pages
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.page_pool import PagePool
 from batchrun.engine.request import Request, SamplingParams
@@ -40,7 +41,6 @@ from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.speculative.acceptance import RoundTrace, accepted_lengths
 from batchrun.speculative.drafter import Blocks, ContextRows, propose
 
-CPU_KV_BUDGET_BYTES = 2 << 30
 ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their tokens are cut
 
 
@@ -91,7 +91,11 @@ class Engine:
         width = self.block_size or 1
         check_batch_budget(config.max_batched_tokens, width)  # before the KV pools are allocated
 
-        num_pages = num_pages or self._default_num_pages()
+        num_pages = num_pages or kv_pages(
+            config, shape, draft.shape if draft else None,
+            len(draft.target_layer_ids) if draft else 0,
+            model.lm_head.weight.element_size(), width, self.device,
+        )  # fmt: skip
         capacity = num_pages * config.page_size
         limit = min(
             config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings
@@ -125,20 +129,6 @@ class Engine:
         if self._tokenizer is None:
             raise JobError("this engine was built without a tokenizer")
         return self._tokenizer
-
-    def _default_num_pages(self) -> int:
-        s, cfg = self.model.shape, self.config
-        dtype_bytes = self.model.lm_head.weight.element_size()
-        layers = s.num_layers + (self.draft.shape.num_layers if self.draft else 0)
-        page_bytes = 2 * layers * cfg.page_size * s.num_kv_heads * s.head_dim * dtype_bytes
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.85)
-        else:
-            budget = CPU_KV_BUDGET_BYTES
-        # Enough for every request of a full batch at full context, unless memory says less.
-        want = cfg.max_batch_size * -(-(s.max_position_embeddings + 64) // cfg.page_size)
-        return max(1, min(want, budget // page_bytes))
 
     def info(self) -> dict[str, Any]:
         return {
