@@ -38,6 +38,7 @@ __all__ = [
     "AttentionWorkspace",
     "attention_workspace",
     "default_num_splits",
+    "interpreting",
     "paged_attention",
     "write_kv",
 ]
@@ -180,14 +181,15 @@ def _paged_attention_kernel(
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(
             part_out_ptr
-            + split * stride_wos
+            + split.to(tl.int64) * stride_wos
             + rows[:, None] * stride_wot
             + head[:, None] * stride_woh
             + offs_d[None, :],
             o,
             mask=row_ok[:, None],
         )
-        tl.store(part_lse_ptr + split * stride_wls + rows * stride_wlt + head, lse, mask=row_ok)
+        lse_ptr = part_lse_ptr + split.to(tl.int64) * stride_wls
+        tl.store(lse_ptr + rows * stride_wlt + head, lse, mask=row_ok)
 
 
 @triton.jit
@@ -216,35 +218,24 @@ def _combine_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     h_ok = offs_h < NUM_HEADS
+    # Pointers advance by one split per step: 64-bit arithmetic, whatever the workspace size.
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        lse = tl.load(
-            part_lse_ptr + s * stride_wls + row64 * stride_wlt + offs_h,
-            mask=h_ok,
-            other=float("-inf"),
-        )
-        m = tl.maximum(m, lse)
+    lse_ptr = part_lse_ptr + row64 * stride_wlt + offs_h
+    for _ in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(lse_ptr, mask=h_ok, other=float("-inf")))
+        lse_ptr += stride_wls
     m = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        lse = tl.load(
-            part_lse_ptr + s * stride_wls + row64 * stride_wlt + offs_h,
-            mask=h_ok,
-            other=float("-inf"),
-        )
-        w = tl.math.exp2(lse - m)
-        o = tl.load(
-            part_out_ptr
-            + s * stride_wos
-            + row64 * stride_wot
-            + offs_h[:, None] * stride_woh
-            + offs_d[None, :],
-            mask=h_ok[:, None] & (w[:, None] > 0.0),
-            other=0.0,
-        )
+    lse_ptr = part_lse_ptr + row64 * stride_wlt + offs_h
+    o_ptr = part_out_ptr + row64 * stride_wot + offs_h[:, None] * stride_woh + offs_d[None, :]
+    for _ in range(NUM_SPLITS):
+        w = tl.math.exp2(tl.load(lse_ptr, mask=h_ok, other=float("-inf")) - m)
+        o = tl.load(o_ptr, mask=h_ok[:, None] & (w[:, None] > 0.0), other=0.0)
         total += w
         acc += w[:, None] * o
+        lse_ptr += stride_wls
+        o_ptr += stride_wos
     total = tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + row64 * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
