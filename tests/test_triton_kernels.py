@@ -8,6 +8,9 @@ real shapes (head_dim 128, 32/8 heads, bfloat16, page size 16, contexts to 2048)
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -21,6 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from batchrun.attention.meta import AttentionMeta  # noqa: E402
 from batchrun.attention.torch_backend import TorchAttention  # noqa: E402
+from batchrun.kernels import compile_check  # noqa: E402
 from batchrun.kernels.triton_attention import (  # noqa: E402
     attention_workspace,
     default_num_splits,
@@ -330,7 +334,8 @@ def test_write_kv_strided_rows() -> None:
 
 def test_default_num_splits() -> None:
     assert default_num_splits(1, 8, 4096) == 16
-    assert default_num_splits(1, 8, 512) == 2
+    assert default_num_splits(1, 8, 512) == 4
+    assert default_num_splits(8, 8, 4096) == 5
     assert default_num_splits(256, 8, 4096) == 1
     assert default_num_splits(4, 8, 100) == 1
 
@@ -339,8 +344,19 @@ def test_default_num_splits() -> None:
 # RMSNorm, residual add + RMSNorm, q/k norm + RoPE, SiLU-and-mul
 
 # Half precision: the kernel's float32 sum of squares is ordered differently from torch's, which
-# can move a value across a rounding boundary: at most one ulp of the dtype.
-OPS_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+# can move a value across a rounding boundary: an ulp of the dtype (two, rarely, once the weight
+# multiplies it), and only for a few elements.
+OPS_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def assert_matches_torch(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within OPS_TOL, and in half precision bit-identical for all but a few elements (which
+    shows the roundings happen where torch's happen)."""
+    tol = OPS_TOL[want.dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if want.dtype != torch.float32:
+        differ = (got != want).float().mean().item()
+        assert differ <= 0.02, f"{differ:.1%} of elements differ from torch"
 
 
 def _norm(dim: int, dtype: torch.dtype, seed: int) -> RMSNorm:
@@ -356,8 +372,7 @@ def run_rms_norm_case(rows: int, dim: int, dtype: torch.dtype) -> None:
     with torch.no_grad():
         want = norm(x)
     got = rms_norm(x, norm.weight, norm.eps)
-    tol = OPS_TOL[dtype]
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert_matches_torch(got, want)
 
     residual = _randn(rows, dim, dtype=dtype, seed=2, scale=3.0)
     with torch.no_grad():
@@ -367,7 +382,7 @@ def run_rms_norm_case(rows: int, dim: int, dtype: torch.dtype) -> None:
     out = fused_add_rms_norm_(x2, res2, norm.weight, norm.eps)
     assert out.data_ptr() == x2.data_ptr()
     assert torch.equal(res2, want_res)
-    torch.testing.assert_close(x2, want_out, atol=tol, rtol=tol)
+    assert_matches_torch(x2, want_out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16_OPS, torch.float16])
@@ -391,16 +406,15 @@ def run_qk_norm_rope_case(
         want_k = TORCH_OPS.norm_rope(k, k_norm.weight, 1e-6, rope.cos, rope.sin, positions)
     v_before = qkv[:, (hq + hkv) * dim :].clone()
     qk_rms_norm_rope_(q, k, q_norm.weight, k_norm.weight, rope.cos, rope.sin, positions, 1e-6)
-    tol = OPS_TOL[dtype]
-    torch.testing.assert_close(q, want_q, atol=tol, rtol=tol)
-    torch.testing.assert_close(k, want_k, atol=tol, rtol=tol)
+    assert_matches_torch(q, want_q)
+    assert_matches_torch(k, want_k)
     assert torch.equal(qkv[:, (hq + hkv) * dim :], v_before)
 
     k2 = qkv.new_empty(rows, hkv, dim).copy_(_randn(rows, hkv, dim, dtype=dtype, seed=5))
     with torch.no_grad():
         want_k2 = TORCH_OPS.norm_rope(k2, k_norm.weight, 1e-6, rope.cos, rope.sin, positions)
     rms_norm_rope_(k2, k_norm.weight, rope.cos, rope.sin, positions, 1e-6)
-    torch.testing.assert_close(k2, want_k2, atol=tol, rtol=tol)
+    assert_matches_torch(k2, want_k2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16_OPS, torch.float16])
@@ -450,6 +464,23 @@ def test_empty_inputs() -> None:
     x = torch.zeros(0, 8, device=DEVICE)
     assert rms_norm(x, torch.ones(8, device=DEVICE), 1e-6).numel() == 0
     assert silu_and_mul(x).shape == (0, 4)
+
+
+@pytest.mark.skipif(not compile_check.available(), reason="Triton's NVIDIA tools are missing")
+def test_attention_compiles_for_sm90_without_spills() -> None:
+    """Qwen3-8B's decode and verify attention compile for Hopper ahead of time
+    (no GPU needed) with no register spills; `python -m batchrun.kernels.compile_check` checks
+    every configuration."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "batchrun.kernels.compile_check", "--quick"],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 # ---------------------------------------------------------------------------------------------

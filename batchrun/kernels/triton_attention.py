@@ -38,6 +38,7 @@ __all__ = [
     "AttentionWorkspace",
     "attention_workspace",
     "default_num_splits",
+    "interpreting",
     "paged_attention",
     "write_kv",
 ]
@@ -180,14 +181,15 @@ def _paged_attention_kernel(
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(
             part_out_ptr
-            + split * stride_wos
+            + split.to(tl.int64) * stride_wos
             + rows[:, None] * stride_wot
             + head[:, None] * stride_woh
             + offs_d[None, :],
             o,
             mask=row_ok[:, None],
         )
-        tl.store(part_lse_ptr + split * stride_wls + rows * stride_wlt + head, lse, mask=row_ok)
+        lse_ptr = part_lse_ptr + split.to(tl.int64) * stride_wls
+        tl.store(lse_ptr + rows * stride_wlt + head, lse, mask=row_ok)
 
 
 @triton.jit
@@ -216,35 +218,24 @@ def _combine_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     h_ok = offs_h < NUM_HEADS
+    # Pointers advance by one split per step: 64-bit arithmetic, whatever the workspace size.
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        lse = tl.load(
-            part_lse_ptr + s * stride_wls + row64 * stride_wlt + offs_h,
-            mask=h_ok,
-            other=float("-inf"),
-        )
-        m = tl.maximum(m, lse)
+    lse_ptr = part_lse_ptr + row64 * stride_wlt + offs_h
+    for _ in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(lse_ptr, mask=h_ok, other=float("-inf")))
+        lse_ptr += stride_wls
     m = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        lse = tl.load(
-            part_lse_ptr + s * stride_wls + row64 * stride_wlt + offs_h,
-            mask=h_ok,
-            other=float("-inf"),
-        )
-        w = tl.math.exp2(lse - m)
-        o = tl.load(
-            part_out_ptr
-            + s * stride_wos
-            + row64 * stride_wot
-            + offs_h[:, None] * stride_woh
-            + offs_d[None, :],
-            mask=h_ok[:, None] & (w[:, None] > 0.0),
-            other=0.0,
-        )
+    lse_ptr = part_lse_ptr + row64 * stride_wlt + offs_h
+    o_ptr = part_out_ptr + row64 * stride_wot + offs_h[:, None] * stride_woh + offs_d[None, :]
+    for _ in range(NUM_SPLITS):
+        w = tl.math.exp2(tl.load(lse_ptr, mask=h_ok, other=float("-inf")) - m)
+        o = tl.load(o_ptr, mask=h_ok[:, None] & (w[:, None] > 0.0), other=0.0)
         total += w
         acc += w[:, None] * o
+        lse_ptr += stride_wls
+        o_ptr += stride_wos
     total = tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + row64 * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
@@ -282,22 +273,37 @@ def attention_workspace(
 def default_num_splits(
     num_requests: int, num_kv_heads: int, max_kv: int, num_sms: int = 132, max_splits: int = 16
 ) -> int:
-    """A split count for a decode-like launch (max_q 1): enough programs to cover the GPU about
-    twice, but no split shorter than 256 kv positions. A host-side heuristic, not tuned on
-    hardware; for a captured graph pass the largest context the graph will see."""
+    """A split count for a decode-like launch (max_q 1): enough programs to cover the GPU's
+    multiprocessors about twice, with no split shorter than 128 kv positions. A host-side
+    heuristic, not yet tuned on hardware; for a captured graph pass the longest context the graph
+    will serve (splits past a request's context exit at once)."""
     programs = max(1, num_requests * num_kv_heads)
     want = max(1, (2 * num_sms + programs - 1) // programs)
-    by_length = max(1, max_kv // 256)
+    by_length = max(1, max_kv // 128)
     return max(1, min(want, by_length, max_splits))
 
 
-def _blocks(max_q: int, group: int, max_rows: int) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_M): query tokens per program and tile rows (tokens x group heads, a power
-    of two >= 16 for tl.dot, at most max_rows unless one token's group needs more)."""
+@dataclass(frozen=True)
+class _Config:
+    block_q: int  # query tokens per program
+    block_m: int  # tile rows: block_q tokens x GROUP heads, a power of two >= 16 (tl.dot)
+    block_n: int  # kv positions per tile
+    num_warps: int
+
+
+def _config(dtype: torch.dtype, head_dim: int, max_q: int, group: int) -> _Config:
+    """Tile shapes per case, checked free of register spills on sm_90 (Triton 3.6, compiled
+    ahead of time). float32 dots run as exact FMA ("ieee"), so their tiles are smaller."""
+    if dtype == torch.float32:
+        max_rows, block_n, wide_at = max(16, 4096 // head_dim), 16, 4096
+    elif head_dim > 128:
+        max_rows, block_n, wide_at = 64, 32, 64 * 256
+    else:
+        max_rows, block_n, wide_at = 128, 64, 128 * 128
     rows = triton.next_power_of_2(max(1, max_q) * group)
     block_m = min(max(16, rows), max(max_rows, triton.next_power_of_2(group)))
     block_q = max(1, min(triton.next_power_of_2(max(1, max_q)), block_m // group))
-    return block_q, block_m
+    return _Config(block_q, block_m, block_n, 8 if block_m * head_dim >= wide_at else 4)
 
 
 def paged_attention(
@@ -342,11 +348,8 @@ def paged_attention(
     if num_tokens == 0 or num_requests == 0 or max_q <= 0:
         return out
     group = num_heads // num_kv_heads
-    wide = q.element_size() >= 4 or head_dim > 128  # float32 tiles take twice the registers
-    block_q, block_m = _blocks(max_q, group, 64 if wide else 128)
-    q_blocks = triton.cdiv(max_q, block_q)
-    if block_n is None:
-        block_n = 32 if wide else 64
+    cfg = _config(q.dtype, head_dim, max_q, group)
+    q_blocks = triton.cdiv(max_q, cfg.block_q)
     interp = interpreting(q)
     if num_splits > 1:
         if workspace is None or workspace.num_splits < num_splits:
@@ -356,10 +359,6 @@ def paged_attention(
         part_out, part_lse = workspace.out, workspace.lse
     else:
         part_out, part_lse = out, out  # unused
-    if num_warps is None:
-        num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
-    if num_stages is None:
-        num_stages = 2
     grid = (num_requests * q_blocks, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         q,
@@ -392,15 +391,15 @@ def paged_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=block_n or cfg.block_n,
         CAUSAL=causal,
         NUM_SPLITS=num_splits,
         DOT_F32=interp or q.dtype == torch.float32,
         PRECISION=_dot_precision(torch.float32 if interp else q.dtype),
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=num_warps or cfg.num_warps,
+        num_stages=num_stages or 2,
     )
     if num_splits > 1:
         _combine_kernel[(num_tokens,)](
@@ -420,7 +419,7 @@ def paged_attention(
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
             BLOCK_H=triton.next_power_of_2(num_heads),
-            num_warps=4,
+            num_warps=8 if num_heads * head_dim >= 4096 else 4,
         )
     return out
 

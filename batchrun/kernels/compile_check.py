@@ -1,0 +1,242 @@
+"""Compiles the Triton kernels for a Hopper GPU (sm_90) ahead of time, on a machine without one,
+and reports each configuration's registers, stack frame (spills), shared memory and matrix
+instructions, from the ptxas and cuobjdump that Triton's wheel carries.
+
+    python -m batchrun.kernels.compile_check [--quick]
+
+Exit status 1 when a configuration fails to compile or spills (a stack frame over 16 bytes). Run
+it after changing tile shapes: GPU time is short, this costs none. Integer arguments are
+compiled with the divisibility by 16 that Triton's launcher finds at real shapes; without it
+the gathers lose their 16-byte vector loads and spill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from batchrun.kernels import triton_attention as ta
+from batchrun.kernels import triton_ops as ops
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+MAX_STACK = 16  # bytes; a few words of stack are not spills
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    fn: Any  # a triton JITFunction
+    pointers: dict[str, str]  # argument -> element type
+    floats: tuple[str, ...]
+    constants: dict[str, Any]
+    num_warps: int
+    num_stages: int = 2
+    unaligned: tuple[str, ...] = ()  # integer arguments not known divisible by 16
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def available() -> bool:
+    """True where Triton's NVIDIA backend and its binary tools are installed."""
+    return os.path.exists(_tool("ptxas")) and os.path.exists(_tool("cuobjdump"))
+
+
+def compile_case(case: Case, arch: int = 90) -> dict[str, Any]:
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, name in enumerate(case.fn.arg_names):
+        if name in case.constants:
+            signature[name] = "constexpr"
+        elif name in case.pointers:
+            signature[name] = "*" + case.pointers[name]
+        else:
+            signature[name] = "fp32" if name in case.floats else "i32"
+        aligned = name.startswith("stride") and name not in case.unaligned
+        if signature[name].startswith("*") or aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=case.fn, signature=signature, constexprs=case.constants, attrs=attrs)
+    options = {"num_warps": case.num_warps, "num_stages": case.num_stages}
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run(
+            [_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True
+        ).stdout
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "--dump-sass", path], capture_output=True, text=True
+        ).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    mma = next((op for op in ("HGMMA", "HMMA") if op in sass), "none")
+    return {
+        "regs": int(regs.group(1)) if regs else -1,
+        "stack": int(stack.group(1)) if stack else -1,
+        "shared": kernel.metadata.shared,
+        "mma": mma,
+    }
+
+
+def attention_case(
+    dtype: torch.dtype, head_dim: int, group: int, max_q: int, causal: bool, splits: int
+) -> Case:
+    cfg = ta._config(dtype, head_dim, max_q, group)
+    t = _TYPES[dtype]
+    part = "fp32" if splits > 1 else t
+    return Case(
+        label=f"attention {t} D={head_dim} group={group} max_q={max_q} "
+        f"{'causal' if causal else 'non-causal'} splits={splits} {cfg}",
+        fn=ta._paged_attention_kernel,
+        pointers=dict(
+            q_ptr=t,
+            k_cache_ptr=t,
+            v_cache_ptr=t,
+            out_ptr=t,
+            part_out_ptr=part,
+            part_lse_ptr=part,
+            cu_q_ptr="i32",
+            kv_lens_ptr="i32",
+            page_table_ptr="i32",
+        ),
+        floats=("scale_log2",),
+        constants=dict(
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            PAGE_SIZE=16,
+            BLOCK_Q=cfg.block_q,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            CAUSAL=causal,
+            NUM_SPLITS=splits,
+            DOT_F32=dtype == torch.float32,
+            PRECISION=ta._dot_precision(dtype),
+        ),
+        num_warps=cfg.num_warps,
+        unaligned=("stride_pt",),
+    )
+
+
+def cases(quick: bool) -> Iterator[Case]:
+    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
+    dims = [128] if quick else [64, 128, 256]
+    groups = [4] if quick else [1, 4, 8]
+    for dtype, dim, group, max_q, causal, splits in itertools.product(
+        dtypes, dims, groups, [1, 16, 512], [True, False], [1, 4]
+    ):
+        if max_q == 512 and (not causal or splits > 1):
+            continue
+        if quick and (max_q == 512 or not causal or (max_q > 1 and splits > 1)):
+            continue  # decode with and without splits, and verify
+        yield attention_case(dtype, dim, group, max_q, causal, splits)
+    if quick:
+        return
+    for dtype, heads, dim, splits in [
+        (torch.bfloat16, 32, 128, 4),
+        (torch.float32, 32, 128, 16),
+        (torch.bfloat16, 64, 128, 16),
+    ]:
+        t = _TYPES[dtype]
+        yield Case(
+            f"combine {t} heads={heads} D={dim} splits={splits}",
+            ta._combine_kernel,
+            dict(out_ptr=t, part_out_ptr="fp32", part_lse_ptr="fp32", cu_q_ptr="i32"),
+            (),
+            dict(
+                NUM_HEADS=heads,
+                HEAD_DIM=dim,
+                NUM_SPLITS=splits,
+                BLOCK_H=triton.next_power_of_2(heads),
+            ),
+            8 if heads * dim >= 4096 else 4,
+        )
+    for dtype in (torch.bfloat16, torch.float32):
+        t = _TYPES[dtype]
+        yield Case(
+            f"write_kv {t} kv_heads=8 D=128",
+            ta._write_kv_kernel,
+            dict(k_ptr=t, v_ptr=t, k_cache_ptr=t, v_cache_ptr=t, slot_ptr="i64"),
+            (),
+            dict(NUM_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8),
+            4,
+        )
+        yield Case(
+            f"add + rms_norm {t} N=4096",
+            ops._rms_norm_kernel,
+            dict(x_ptr=t, residual_ptr=t, w_ptr=t, out_ptr=t),
+            ("eps",),
+            dict(N=4096, BLOCK=4096, ADD_RESIDUAL=True),
+            ops._warps(4096),
+        )
+        yield Case(
+            f"qk_norm_rope {t} heads=32/8 D=128",
+            ops._qk_norm_rope_kernel,
+            dict(
+                q_ptr=t,
+                k_ptr=t,
+                qw_ptr=t,
+                kw_ptr=t,
+                cos_ptr="fp32",
+                sin_ptr="fp32",
+                pos_ptr="i64",
+            ),
+            ("eps",),
+            dict(Q_HEADS=32, K_HEADS=8, BLOCK_HQ=32, BLOCK_HK=8, HALF=64, HAS_K=True),
+            ops._warps(32 * 128),
+        )
+        yield Case(
+            f"silu_and_mul {t} I=12288",
+            ops._silu_and_mul_kernel,
+            dict(gu_ptr=t, out_ptr=t),
+            (),
+            dict(N=12288, BLOCK=1024),
+            ops._warps(1024),
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="Qwen3-8B attention shapes only")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter compiles nothing", file=sys.stderr)
+        return 2
+    if not available():
+        print("Triton's NVIDIA backend tools (ptxas, cuobjdump) are not installed", file=sys.stderr)
+        return 2
+    bad = 0
+    for case in cases(args.quick):
+        try:
+            r = compile_case(case)
+        except Exception as e:  # a compile error is a finding, report it and go on
+            bad += 1
+            print(f"FAIL {case.label}: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            continue
+        spills = r["stack"] > MAX_STACK
+        bad += spills
+        print(
+            f"{'SPILL' if spills else 'ok'} {case.label}: regs {r['regs']} stack {r['stack']} "
+            f"shared {r['shared']} mma {r['mma']}",
+            flush=True,
+        )
+    print(f"{bad} failing or spilling configurations")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
