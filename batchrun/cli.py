@@ -56,7 +56,12 @@ _RUN_OPTIONS = [
     click.option("--max-batch-size", type=int, help="Requests in flight."),
     click.option("--max-batched-tokens", type=int, help="Tokens per forward pass."),
     click.option("--shard", help='Run the rows with row_index % N == I, as "I/N".'),
-    click.option("--overwrite", is_flag=True, default=None, help="Replace earlier output."),
+    click.option(
+        "--overwrite/--no-overwrite",
+        default=None,
+        help="Delete earlier output in the output directory first (default: off; --no-overwrite "
+        "turns off a job file's overwrite = true).",
+    ),
     click.option("--quiet", is_flag=True, default=None, help="No progress bar."),
     click.option("--rows-per-part", type=int, help="Rows per part file."),
     click.option("--part-seconds", type=float, help="Commit a part at least this often."),
@@ -98,6 +103,7 @@ def validate(job_file: Path) -> None:
     source = opened.source
     overrides = [c for c in source.schema.names if c in OVERRIDE_COLUMNS]
     done = int(opened.out.done_mask(source.total_rows).sum()) if opened.out.all_parts() else 0
+    damaged = opened.out.damaged_parts()
     lines = [
         f"job file: {job_file}",
         f"input: {len(source.files)} file(s), {source.total_rows} rows",
@@ -108,8 +114,13 @@ def validate(job_file: Path) -> None:
         f"target: {job.target}",
         f"draft: {job.draft or 'none'}",
         f"output: {job.output} ({done} of {source.total_rows} rows committed)",
-        "ok",
     ]
+    if damaged:
+        lines.append(
+            f"output: {len(damaged)} damaged part(s): {', '.join(damaged)}; "
+            "run will redo their rows"
+        )
+    lines.append("ok")
     click.echo("\n".join(lines))
 
 

@@ -7,6 +7,7 @@ part_seconds seconds.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,9 @@ import pyarrow.parquet as pq
 
 from batchrun.engine.request import Request
 from batchrun.errors import JobError
+from batchrun.io.fingerprint import job_fingerprint
 from batchrun.io.output_schema import OutputRow, build_table, error_row, finished_row, output_schema
-from batchrun.io.progress import STATS_FILE, OutputDir, job_fingerprint
+from batchrun.io.progress import DAMAGED_DIR, PROGRESS_DIR, STATS_FILE, OutputDir
 from batchrun.io.progress_bar import ProgressBar
 from batchrun.io.prompts import (
     PromptColumn,
@@ -76,12 +78,12 @@ def open_job(job: JobSpec) -> OpenedJob:
         model = getattr(job, key)
         if model is not None and not Path(model).is_dir():
             raise JobError(f"{key} model directory {model!r} does not exist")
-    source = open_input(job.input)
+    source = open_input(job.input, exclude=Path(job.output))
     prompt = find_prompt_column(source.schema, job)
     id_column = find_id_column(source.schema, job)
     schema = output_schema(source.schema)
     out = OutputDir(Path(job.output), job.shard_spec)
-    fingerprint = job_fingerprint(job, source)
+    fingerprint = job_fingerprint(job, source, prompt)
     out.check(fingerprint, job.overwrite)
     return OpenedJob(job, source, prompt, id_column, schema, out, fingerprint)
 
@@ -96,17 +98,27 @@ def run_job(job: JobSpec, engine: EngineLike | None = None) -> dict[str, Any]:
     """Run the job (or its shard) to the end; returns its stats.json content."""
     started = time.monotonic()
     opened = open_job(job)
-    engine = engine if engine is not None else build_engine(job)
-    builder = RequestBuilder(
-        job,
-        opened.prompt,
-        opened.source.schema,
-        engine.tokenizer,
-        engine.max_model_len,
-        engine.vocab_size,
-    )
-    opened.out.prepare(opened.fingerprint, job.overwrite)
-    return _Run(opened, engine, builder, started).execute()
+    opened.out.acquire()  # before loading the model: a second run on this output stops at once
+    try:
+        engine = engine if engine is not None else build_engine(job)
+        builder = RequestBuilder(
+            job,
+            opened.prompt,
+            opened.source.schema,
+            engine.tokenizer,
+            engine.max_model_len,
+            engine.vocab_size,
+        )
+        damaged = opened.out.prepare(opened.fingerprint, job.overwrite)
+        if damaged:
+            print(
+                f"batchrun: warning: {len(damaged)} damaged part(s) moved to "
+                f"{PROGRESS_DIR}/{DAMAGED_DIR}/ ({', '.join(damaged)}); their rows are redone",
+                file=sys.stderr,
+            )
+        return _Run(opened, engine, builder, started).execute()
+    finally:
+        opened.out.release()
 
 
 class _Run:
@@ -241,6 +253,9 @@ class _Run:
         )
 
     def _finish(self) -> dict[str, Any]:
+        if self.job_rows == 0 and not self.out.own_parts():
+            # A zero-row job (or shard) still leaves a part: readers find the output schema.
+            self.out.commit(build_table(self.opened.schema, [], []))
         stats = self._stats()
         self.out.write_json(self.out.stats_path, stats)
         if self.out.done_mask(self.opened.source.total_rows).all():
@@ -252,7 +267,7 @@ class _Run:
     def _write_job_wide_stats(self) -> None:
         """The last shard to finish writes stats.json over every shard's parts."""
         totals = StatsAccumulator()
-        for part in self.out.all_parts():
+        for part in self.out.committed_parts():
             totals.add(pq.read_table(part, columns=STATS_COLUMNS))
         walls = [self.out.read_json(path)["wall_seconds"] for path in self.out.shard_stats_paths()]
         stats = totals.to_dict(
