@@ -33,7 +33,8 @@ from click.testing import CliRunner, Result
 from batchrun.cli import cli
 from batchrun.errors import JobError
 from batchrun.io import claim
-from batchrun.io.output_schema import output_schema
+from batchrun.io.output_schema import build_table, error_row, output_schema
+from batchrun.io.progress import OutputDir
 from batchrun.io.reader import resolve_input_paths
 from batchrun.tools.tiny_draft import make_tiny_draft
 
@@ -384,6 +385,21 @@ def test_resume_accepts_what_does_not_change_outputs(tmp_path: Path, tiny_model:
     assert snapshot(out) == parts
 
 
+def test_shards_never_mix_the_rows_of_two_jobs(tmp_path: Path, tiny_model: Path) -> None:
+    write_prompts(tmp_path / "in", PROMPTS)
+    job, out = write_job(tmp_path, tiny_model), tmp_path / "out"
+    for shard in ("0/2", "1/2"):
+        assert invoke("run", str(job), "--shard", shard).exit_code == 0
+    other = ["--temperature", "0.8"]  # another job
+    assert invoke("run", str(job), "--shard", "0/2", *other, "--overwrite").exit_code == 0
+    assert not (out / "_SUCCESS").exists()  # shard 1's rows are still the first job's
+    refused = invoke("run", str(job), "--shard", "1/2", *other)
+    assert refused.exit_code == 2
+    assert "(part-00001-of-00002-000000.parquet was written by another job)" in refused.stderr
+    assert invoke("run", str(job), "--shard", "1/2", *other, "--overwrite").exit_code == 0
+    assert_complete(out, len(PROMPTS))
+
+
 # -- 3. the demo job and --no-overwrite ----------------------------------------------------------
 
 
@@ -524,6 +540,30 @@ def test_a_damaged_part_is_reported_moved_aside_and_redone(
     redone = read_output(out)
     for column in ("row_index", "completion_token_ids", "finish_reason"):
         assert redone.column(column).equals(reference.column(column)), column
+
+
+def test_a_manifest_whose_part_is_gone_marks_nothing_done(tmp_path: Path) -> None:
+    fingerprint = {"version": 2, "job": "manifests"}
+    out = OutputDir(tmp_path / "out")
+    out.prepare(fingerprint, overwrite=False)
+    schema = output_schema(pa.schema([("prompt", pa.string())]))
+
+    def part(rows: list[int]) -> pa.Table:
+        inputs = [pa.record_batch({"prompt": pa.array(["p"], pa.string())}) for _ in rows]
+        return build_table(schema, inputs, [error_row(row, "x") for row in rows])
+
+    out.commit(part([0, 1]))
+    second = out.commit(part([2, 3]))
+    manifest = tmp_path / "out" / "_progress" / "part-000001.json"
+    orphan = manifest.read_text()
+    second.unlink()  # deleted by hand: its manifest stays behind
+    out.prepare(fingerprint, overwrite=False)
+    assert not manifest.exists()
+    # The next part takes that name; killed between its rename and its manifest, with the
+    # orphan still there, it must not pass for rows 2 and 3:
+    out.commit(part([4, 5, 6]))
+    manifest.write_text(orphan)
+    assert OutputDir(tmp_path / "out").done_mask(7).tolist() == [1, 1, 0, 0, 1, 1, 1]
 
 
 # -- 6. zero-row jobs ----------------------------------------------------------------------------
