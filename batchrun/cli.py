@@ -65,7 +65,7 @@ _RUN_OPTIONS = [
     click.option("--device", help="auto, cpu or cuda."),
     click.option("--attention-backend", help="auto, torch, triton or flashinfer."),
     click.option(
-        "--cuda-graphs/--no-cuda-graphs", default=None, help="CUDA graphs (no effect yet)."
+        "--cuda-graphs/--no-cuda-graphs", default=None, help="CUDA graphs for decode/verify steps."
     ),
     click.option("--max-batch-size", type=int, help="Requests in flight."),
     click.option("--max-batched-tokens", type=int, help="Tokens per forward pass."),
@@ -73,7 +73,12 @@ _RUN_OPTIONS = [
         "--gpu-memory-fraction", type=float, help="GPU memory batchrun may use (KV pools last)."
     ),
     click.option("--shard", help='Run the rows with row_index % N == I, as "I/N".'),
-    click.option("--overwrite", is_flag=True, default=None, help="Replace earlier output."),
+    click.option(
+        "--overwrite/--no-overwrite",
+        default=None,
+        help="Delete earlier output in the output directory first (default: off; --no-overwrite "
+        "turns off a job file's overwrite = true).",
+    ),
     click.option(
         "--quiet", is_flag=True, default=None, help="No progress bar (the summary still prints)."
     ),
@@ -167,6 +172,7 @@ def _input_lines(opened: OpenedJob) -> list[str]:
     source = opened.source
     overrides = [c for c in source.schema.names if c in OVERRIDE_COLUMNS]
     done = int(opened.out.done_mask(source.total_rows).sum()) if opened.out.all_parts() else 0
+    damaged = opened.out.damaged_parts()
     return [
         f"input: {len(source.files)} file(s), {source.total_rows} rows",
         f"prompt column: {opened.prompt.name} ({opened.prompt.kind.value})",
@@ -174,7 +180,11 @@ def _input_lines(opened: OpenedJob) -> list[str]:
         f"per-row overrides: {', '.join(overrides) or '(none)'}",
         f"pass-through columns: {', '.join(source.schema.names)}",
         f"output: {opened.job.output} ({done} of {source.total_rows} rows committed)",
-    ]
+    ] + (
+        [f"output: {len(damaged)} damaged part(s): {', '.join(damaged)}; run will redo their rows"]
+        if damaged
+        else []
+    )
 
 
 def _model_lines(job: JobSpec, found: Preflight) -> list[str]:

@@ -7,6 +7,7 @@ part_seconds seconds.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +19,9 @@ import pyarrow.parquet as pq
 from batchrun.engine.request import Request
 from batchrun.errors import JobError
 from batchrun.io.cells import row_values
+from batchrun.io.fingerprint import job_fingerprint
 from batchrun.io.output_schema import OutputRow, build_table, error_row, finished_row, output_schema
-from batchrun.io.progress import STATS_FILE, OutputDir, job_fingerprint
+from batchrun.io.progress import DAMAGED_DIR, PROGRESS_DIR, STATS_FILE, OutputDir
 from batchrun.io.progress_bar import ProgressBar
 from batchrun.io.prompts import (
     PromptColumn,
@@ -79,12 +81,12 @@ def open_job(job: JobSpec) -> OpenedJob:
         model = getattr(job, key)
         if model is not None and not Path(model).is_dir():
             raise JobError(f"{key} model directory {model!r} does not exist")
-    source = open_input(job.input)
+    source = open_input(job.input, exclude=Path(job.output))
     prompt = find_prompt_column(source.schema, job)
     id_column = find_id_column(source.schema, job)
     schema = output_schema(source.schema)
     out = OutputDir(Path(job.output), job.shard_spec)
-    fingerprint = job_fingerprint(job, source)
+    fingerprint = job_fingerprint(job, source, prompt)
     out.check(fingerprint, job.overwrite)
     return OpenedJob(job, source, prompt, id_column, schema, out, fingerprint)
 
@@ -99,22 +101,32 @@ def run_job(job: JobSpec, engine: EngineLike | None = None) -> dict[str, Any]:
     """Run the job (or its shard) to the end; returns its stats.json content."""
     clock = RunClock()
     opened = open_job(job)
-    if engine is None:
-        from batchrun.preflight import preflight  # needs transformers, as the engine does
+    opened.out.acquire()  # before loading the model: a second run on this output stops at once
+    try:
+        if engine is None:
+            from batchrun.preflight import preflight  # needs transformers, as the engine does
 
-        preflight(job, opened.prompt)  # what validate checks, before any weights load
-        engine = build_engine(job)
-    clock.engine_ready()  # tokens/s counts generation only, not start-up and model loading
-    builder = RequestBuilder(
-        job,
-        opened.prompt,
-        opened.source.schema,
-        engine.tokenizer,
-        engine.max_model_len,
-        engine.vocab_size,
-    )
-    opened.out.prepare(opened.fingerprint, job.overwrite)
-    return _Run(opened, engine, builder, clock).execute()
+            preflight(job, opened.prompt)  # what validate checks, before any weights load
+            engine = build_engine(job)
+        clock.engine_ready()  # tokens/s counts generation only, not start-up and model loading
+        builder = RequestBuilder(
+            job,
+            opened.prompt,
+            opened.source.schema,
+            engine.tokenizer,
+            engine.max_model_len,
+            engine.vocab_size,
+        )
+        damaged = opened.out.prepare(opened.fingerprint, job.overwrite)
+        if damaged:
+            print(
+                f"batchrun: warning: {len(damaged)} damaged part(s) moved to "
+                f"{PROGRESS_DIR}/{DAMAGED_DIR}/ ({', '.join(damaged)}); their rows are redone",
+                file=sys.stderr,
+            )
+        return _Run(opened, engine, builder, clock).execute()
+    finally:
+        opened.out.release()
 
 
 class _Run:
@@ -249,6 +261,9 @@ class _Run:
         )
 
     def _finish(self) -> dict[str, Any]:
+        if self.job_rows == 0 and not self.out.own_parts():
+            # A zero-row job (or shard) still leaves a part: readers find the output schema.
+            self.out.commit(build_table(self.opened.schema, [], []))
         stats = self._stats()
         self.out.write_json(self.out.stats_path, stats)
         if self.out.done_mask(self.opened.source.total_rows).all():
@@ -260,7 +275,7 @@ class _Run:
     def _write_job_wide_stats(self) -> None:
         """The last shard to finish writes stats.json over every shard's parts."""
         totals = StatsAccumulator()
-        for part in self.out.all_parts():
+        for part in self.out.committed_parts():
             totals.add(pq.read_table(part, columns=STATS_COLUMNS))
         shards = [Timing.of(self.out.read_json(path)) for path in self.out.shard_stats_paths()]
         stats = totals.to_dict(

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 PART_PATTERN = "part-*.parquet"  # every shard's parts
+PROGRESS_DIR = "_progress"  # beside the parts: what is committed (batchrun.io.progress)
 _TEMP_SUFFIX = ".tmp"
 
 

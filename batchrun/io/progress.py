@@ -3,7 +3,12 @@
 The part files are the truth. After a part is renamed into place, a manifest with its row
 indices goes to _progress/; a kill between the two leaves a part without a manifest, which the
 next start rebuilds from the part's row_index column. A kill during a part write leaves only a
-temp file, which the next start deletes. Rows listed by a manifest whose part exists are done.
+temp file, which the next start deletes. A part whose footer cannot be read (truncated, damaged)
+is moved to _progress/damaged/ by the next start, and its rows are redone.
+
+Every part carries its job's hash (batchrun.io.fingerprint) in its Parquet metadata: a row is done
+when a readable part of this job holds it. Writes happen only under the run's claim
+(batchrun.io.claim), checked before every part commit and before _SUCCESS.
 """
 
 from __future__ import annotations
@@ -11,43 +16,32 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.errors import JobError
-from batchrun.io.parts import PART_PATTERN, PartNames, is_temp, write_part, write_text_atomically
-from batchrun.io.reader import InputSource
+from batchrun.io.claim import Claim, acquire
+from batchrun.io.fingerprint import first_difference, job_hash
+from batchrun.io.parts import (
+    PART_PATTERN,
+    PROGRESS_DIR,
+    PartNames,
+    is_temp,
+    write_part,
+    write_text_atomically,
+)
 
-if TYPE_CHECKING:
-    from batchrun.job import JobSpec
-
-PROGRESS_DIR = "_progress"
+DAMAGED_DIR = "damaged"  # in _progress/
 JOB_FILE = "job.json"
 SUCCESS_FILE = "_SUCCESS"
 STATS_FILE = "stats.json"
-
-
-def job_fingerprint(job: JobSpec, source: InputSource) -> dict[str, Any]:
-    """What makes two runs the same job: the same outputs may be mixed in one directory."""
-    params = job.default_params()
-    return {
-        "input": [[str(f.path.resolve()), f.num_rows] for f in source.files],
-        "target": str(Path(job.target).resolve()),
-        "draft": str(Path(job.draft).resolve()) if job.draft is not None else None,
-        "sampling": {
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "seed": params.seed,
-            "stop": list(params.stop),
-            "stop_token_ids": list(params.stop_token_ids),
-        },
-    }
+JOB_KEY = b"batchrun.job"  # a part's Parquet metadata key holding its job's hash
 
 
 def row_ranges(indices: np.ndarray) -> list[list[int]]:
@@ -66,6 +60,29 @@ def _part_rows(part: Path) -> np.ndarray:
     return pq.read_table(part, columns=["row_index"]).column("row_index").to_numpy()
 
 
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+@dataclass(frozen=True)
+class _Footer:
+    """What a part's footer says: its row count and job, or why it cannot be read."""
+
+    rows: int
+    job: str | None
+    damage: str | None  # None: readable
+    present: bool = True  # False: gone since it was listed (another shard's overwrite)
+
+
+def _read_footer(part: Path) -> _Footer:
+    try:
+        metadata = pq.read_metadata(part)
+    except (OSError, pa.ArrowException) as exc:
+        return _Footer(0, None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    job = (metadata.metadata or {}).get(JOB_KEY)
+    return _Footer(metadata.num_rows, job.decode() if job is not None else None, None)
+
+
 class OutputDir:
     """One shard's (or the whole job's) view of the output directory."""
 
@@ -74,11 +91,30 @@ class OutputDir:
         self.progress = path / PROGRESS_DIR
         self.names = PartNames(shard)
         self._next_number: int | None = None  # of this shard's next part, found on first commit
+        self._claim: Claim | None = None
+        self._job: str | None = None  # this job's hash, once check() or prepare() saw it
+        self._footers: dict[tuple[str, int, int], _Footer] = {}  # parts never change in place
+
+    # -- the claim --------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Claim the directory (or this shard's rows of it); JobError if another run holds it."""
+        self._claim = acquire(self.path, self.names.shard)
+
+    def release(self) -> None:
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
+
+    def _verify_claim(self) -> None:
+        if self._claim is not None:
+            self._claim.verify()
 
     # -- start-up ---------------------------------------------------------------------------
 
     def check(self, fingerprint: dict[str, Any], overwrite: bool) -> None:
         """Raise JobError if the directory cannot take this job's output. Writes nothing."""
+        self._job = job_hash(fingerprint)
         if self.path.exists() and not self.path.is_dir():
             raise JobError(f"output {str(self.path)!r} exists and is not a directory")
         existing = self.path
@@ -94,31 +130,60 @@ class OutputDir:
                 f"output {str(self.path)!r} holds part files but no {PROGRESS_DIR}/{JOB_FILE}; "
                 "use --overwrite or another --output"
             )
-        if recorded != fingerprint:
-            differs = next(key for key in fingerprint if recorded.get(key) != fingerprint[key])
-            raise JobError(
-                f"output {str(self.path)!r} holds parts of a different job ({differs} differs); "
-                "use --overwrite or another --output"
-            )
+        differs = first_difference(recorded, fingerprint)
+        if differs == "version":
+            why = "it was written by another batchrun version"
+        elif differs is not None:
+            why = f"{differs} differs"
+        else:
+            foreign = [p.name for p in self._claimed_parts() if self._is_other_jobs(p)]
+            if not foreign:
+                return
+            why = f"{foreign[0]} was written by another job"
+        raise JobError(
+            f"output {str(self.path)!r} holds parts of a different job ({why}); "
+            "use --overwrite or another --output"
+        )
 
-    def prepare(self, fingerprint: dict[str, Any], overwrite: bool) -> None:
-        """Clear (with overwrite) or recover after a kill, and record the job."""
-        if overwrite:
-            self._clear()
-        self._next_number = None
-        self.progress.mkdir(parents=True, exist_ok=True)
-        write_text_atomically(self.progress / JOB_FILE, json.dumps(fingerprint, indent=2) + "\n")
-        for directory in (self.path, self.progress):
-            for entry in directory.iterdir():
-                if self._is_our_temp(entry.name):
-                    entry.unlink(missing_ok=True)
-        for part in self.all_parts():
-            if not self._manifest_path(part).exists():
-                self._write_manifest(part, _part_rows(part))
+    def prepare(self, fingerprint: dict[str, Any], overwrite: bool) -> list[str]:
+        """Under the claim: clear (with overwrite) or recover after a kill, and record the job.
+
+        Returns the names of damaged parts moved aside (their rows are not done).
+        """
+        self._verify_claim()
+        self.check(fingerprint, overwrite)  # again, now that this run holds the claim
+        try:
+            if overwrite:
+                self._clear()
+            self._next_number = None
+            self.progress.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(fingerprint, indent=2) + "\n"
+            write_text_atomically(self.progress / JOB_FILE, text)
+            for directory in (self.path, self.progress):
+                for entry in directory.iterdir():
+                    if self._is_our_temp(entry.name):
+                        entry.unlink(missing_ok=True)
+            moved = self._move_damaged_aside()
+            self._drop_orphan_manifests()
+            for part in self.all_parts():
+                manifest = self._manifest(part)
+                footer = self._footer(part)
+                stale = (manifest or {}).get("rows") != footer.rows
+                if footer.present and footer.damage is None and stale:
+                    self._write_manifest(part, _part_rows(part))
+        except OSError as exc:
+            raise JobError(
+                f"cannot prepare output directory {str(self.path)!r}: {_reason(exc)}"
+            ) from exc
+        return moved
 
     def _is_our_temp(self, name: str) -> bool:
         # Temps of a shard's parts, manifests and stats carry its tag; unsharded owns them all.
         return is_temp(name) and (self.names.shard is None or self.names.tag in name)
+
+    def _claimed_parts(self) -> list[Path]:
+        """The parts this run may change: every part unsharded (its claim covers every row)."""
+        return self.all_parts() if self.names.shard is None else self.own_parts()
 
     def _clear(self) -> None:
         if self.names.shard is None:
@@ -126,10 +191,30 @@ class OutputDir:
             shutil.rmtree(self.progress, ignore_errors=True)
             doomed = [*self.all_parts(), self.path / STATS_FILE]
         else:
-            doomed = [p for p in self.all_parts() if self.names.number(p.name) is not None]
+            doomed = self.own_parts()
             doomed += [self._manifest_path(p) for p in doomed] + [self.stats_path]
         for path in [self.path / SUCCESS_FILE, *doomed]:
             path.unlink(missing_ok=True)
+
+    def _move_damaged_aside(self) -> list[str]:
+        damaged = [part for part in self._claimed_parts() if self.damaged(part)]
+        if damaged:
+            (self.progress / DAMAGED_DIR).mkdir(exist_ok=True)
+        for part in damaged:
+            target = self.progress / DAMAGED_DIR / part.name
+            if target.exists():
+                target = target.with_name(f"{part.name}.{time.time_ns()}")
+            os.replace(part, target)
+            self._manifest_path(part).unlink(missing_ok=True)
+        return [part.name for part in damaged]
+
+    def _drop_orphan_manifests(self) -> None:
+        """A manifest whose part is gone would mark the rows of a later part of that name done."""
+        own = {p.stem for p in self._claimed_parts()}
+        for manifest in self.progress.glob("part-*.json"):
+            is_ours = self.names.number(manifest.stem + ".parquet") is not None
+            if (is_ours or self.names.shard is None) and manifest.stem not in own:
+                manifest.unlink(missing_ok=True)
 
     def _recorded_fingerprint(self) -> dict[str, Any] | None:
         try:
@@ -141,7 +226,7 @@ class OutputDir:
     # -- committed rows ---------------------------------------------------------------------
 
     def all_parts(self) -> list[Path]:
-        """Every shard's committed parts, sorted by name."""
+        """Every shard's part files, sorted by name."""
         if not self.path.is_dir():
             return []
         return sorted(self.path.glob(PART_PATTERN))
@@ -149,24 +234,79 @@ class OutputDir:
     def own_parts(self) -> list[Path]:
         return [p for p in self.all_parts() if self.names.number(p.name) is not None]
 
+    def _footer(self, part: Path) -> _Footer:
+        try:
+            stat = part.stat()
+        except FileNotFoundError:
+            return _Footer(0, None, None, present=False)
+        key = (part.name, stat.st_size, stat.st_mtime_ns)
+        if key not in self._footers:
+            self._footers[key] = _read_footer(part)
+        return self._footers[key]
+
+    def damaged(self, part: Path) -> bool:
+        return self._footer(part).damage is not None
+
+    def damaged_parts(self) -> dict[str, str]:
+        """{part name: why} for every part whose footer cannot be read; a run redoes their rows."""
+        return {
+            part.name: damage
+            for part in self.all_parts()
+            if (damage := self._footer(part).damage) is not None
+        }
+
+    def _is_other_jobs(self, part: Path) -> bool:
+        footer = self._footer(part)
+        readable = footer.present and footer.damage is None
+        return readable and self._job is not None and footer.job != self._job
+
+    def committed_parts(self) -> list[Path]:
+        """The readable parts of this job (of every shard): those whose rows are done."""
+        return [
+            part
+            for part in self.all_parts()
+            if (footer := self._footer(part)).present
+            and footer.damage is None
+            and (self._job is None or footer.job == self._job)
+        ]
+
     def done_mask(self, total_rows: int) -> np.ndarray:
         """True for each row_index with a committed output row (by any shard)."""
         done = np.zeros(total_rows, dtype=bool)
-        for part in self.all_parts():
-            manifest = self._read_manifest(part)
-            for start, stop in manifest["row_ranges"]:
+        for part in self.committed_parts():
+            try:
+                ranges = self._row_ranges(part)
+            except FileNotFoundError:
+                continue  # cleared by another shard's overwrite since it was listed
+            for start, stop in ranges:
                 done[start:stop] = True
         return done
 
+    def _row_ranges(self, part: Path) -> list[list[int]]:
+        manifest = self._manifest(part)
+        if manifest is not None and manifest.get("rows") == self._footer(part).rows:
+            return list(manifest["row_ranges"])
+        # Between a part's rename and its manifest (a kill, or another shard now): read the part.
+        return row_ranges(_part_rows(part))
+
     def commit(self, table: pa.Table) -> Path:
-        """Write the next part atomically, then its manifest."""
+        """Write the next part atomically, then its manifest; JobError if that fails."""
+        self._verify_claim()
         if self._next_number is None:
             numbers = [self.names.number(p.name) for p in self.own_parts()]
             self._next_number = max((n for n in numbers if n is not None), default=-1) + 1
         path = self.path / self.names.name(self._next_number)
-        write_part(path, table)
-        self._next_number += 1
-        self._write_manifest(path, table.column("row_index").to_numpy())
+        if self._job is not None:
+            table = table.replace_schema_metadata({JOB_KEY: self._job.encode()})
+        try:
+            write_part(path, table)
+            self._next_number += 1
+            self._write_manifest(path, table.column("row_index").to_numpy())
+        except OSError as exc:
+            raise JobError(
+                f"cannot write {path.name} in output {str(self.path)!r}: {_reason(exc)}; "
+                "stopping (rows not committed are redone by the next run)"
+            ) from exc
         return path
 
     def _manifest_path(self, part: Path) -> Path:
@@ -176,13 +316,11 @@ class OutputDir:
         manifest = {"part": part.name, "rows": len(indices), "row_ranges": row_ranges(indices)}
         write_text_atomically(self._manifest_path(part), json.dumps(manifest) + "\n")
 
-    def _read_manifest(self, part: Path) -> dict[str, Any]:
-        path = self._manifest_path(part)
+    def _manifest(self, part: Path) -> dict[str, Any] | None:
         try:
-            manifest: dict[str, Any] = json.loads(path.read_text())
-        except FileNotFoundError:
-            # Another shard's part between its rename and its manifest: read the part itself.
-            return {"row_ranges": row_ranges(_part_rows(part))}
+            manifest: dict[str, Any] = json.loads(self._manifest_path(part).read_text())
+        except (OSError, ValueError):
+            return None
         return manifest
 
     # -- stats and completion ---------------------------------------------------------------
@@ -202,7 +340,16 @@ class OutputDir:
         return data
 
     def write_json(self, path: Path, data: dict[str, Any]) -> None:
-        write_text_atomically(path, json.dumps(data, indent=2) + "\n")
+        try:
+            write_text_atomically(path, json.dumps(data, indent=2) + "\n")
+        except OSError as exc:
+            raise JobError(f"cannot write {str(path)!r}: {_reason(exc)}") from exc
 
     def mark_success(self) -> None:
-        write_text_atomically(self.path / SUCCESS_FILE, "")
+        self._verify_claim()
+        try:
+            write_text_atomically(self.path / SUCCESS_FILE, "")
+        except OSError as exc:
+            raise JobError(
+                f"cannot write {SUCCESS_FILE} in {str(self.path)!r}: {_reason(exc)}"
+            ) from exc

@@ -7,8 +7,9 @@ time, and row groups whose rows are all skipped (other shards, already committed
 from __future__ import annotations
 
 import glob
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.errors import JobError
+from batchrun.io.parts import PART_PATTERN, PROGRESS_DIR
 
 READ_BATCH_ROWS = 256  # small: a row's pass-through slice pins its batch until the row is written
 
@@ -65,10 +67,17 @@ class RowSelection:
         return int(self.mask(0, len(self.done)).sum())
 
 
-def resolve_input_paths(spec: str) -> list[Path]:
-    """The Parquet files named by --input, sorted by path."""
+def resolve_input_paths(spec: str, exclude: Path | None = None) -> list[Path]:
+    """The Parquet files named by --input, sorted by path.
+
+    Never the output directory `exclude` or anything under it, and, in an input directory, never
+    the part files of a batchrun output directory found inside it (one holding _progress/).
+    """
     path = Path(spec)
+    outside = _outside(exclude)
     if path.is_file():
+        if not outside(path):
+            raise JobError(f"input file {spec!r} is inside the output directory {str(exclude)!r}")
         return [path]
     if path.is_dir():
         found = [
@@ -76,24 +85,47 @@ def resolve_input_paths(spec: str) -> list[Path]:
             for p in path.rglob("*.parquet")
             if p.is_file()
             and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+            and outside(p)
+            and not _in_nested_output(p, path)
         ]
         if not found:
             raise JobError(f"input directory {spec!r} holds no .parquet files")
         return sorted(found, key=str)
     if glob.has_magic(spec):
         found = [Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file()]
+        found = [p for p in found if outside(p)]
         if not found:
             raise JobError(f"input glob {spec!r} matches no files")
         return sorted(found, key=str)
     raise JobError(f"input {spec!r} does not exist")
 
 
-def open_input(spec: str) -> InputSource:
-    """Read the footers of every input file (no data) and check they share one schema."""
+def _outside(exclude: Path | None) -> Callable[[Path], bool]:
+    if exclude is None:
+        return lambda path: True
+    root = exclude.resolve()
+    return lambda path: not path.resolve().is_relative_to(root)
+
+
+def _in_nested_output(path: Path, input_dir: Path) -> bool:
+    """A part file of a batchrun output directory below the input directory."""
+    parent = path.parent
+    return (
+        parent != input_dir
+        and fnmatch(path.name, PART_PATTERN)
+        and (parent / PROGRESS_DIR).is_dir()
+    )
+
+
+def open_input(spec: str, exclude: Path | None = None) -> InputSource:
+    """Read the footers of every input file (no data) and check they share one schema.
+
+    exclude: the output directory, never read as input.
+    """
     files: list[InputFile] = []
     schema: pa.Schema | None = None
     first_row = 0
-    for path in resolve_input_paths(spec):
+    for path in resolve_input_paths(spec, exclude):
         try:
             parquet = pq.ParquetFile(path)
             metadata = parquet.metadata

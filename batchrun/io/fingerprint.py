@@ -1,0 +1,131 @@
+"""The job fingerprint: everything that changes a job's outputs, so that rows of two different
+jobs are never mixed in one output directory.
+
+Covered: each input file's identity (resolved path, size, mtime, a hash of its Parquet footer,
+which holds its row counts and column statistics), the prompt column and its kind, the resolved
+dtype, the target's and draft's files (names, sizes, mtimes) and the sampling defaults. Not
+covered, as they do not change outputs: the id column, batch sizes, part sizes, the shard. The
+context length comes from the target's config.json (no job key sets it), so the model files
+cover it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchrun.errors import JobError
+from batchrun.io.reader import InputFile, InputSource
+
+if TYPE_CHECKING:
+    from batchrun.io.prompts import PromptColumn
+    from batchrun.job import JobSpec
+
+FINGERPRINT_VERSION = 2
+# Files of a model directory that shape its outputs: config, weights, tokenizer, chat template.
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".jinja", ".txt", ".model", ".tiktoken")
+_PARQUET_MAGIC = b"PAR1"
+_MISSING = object()  # a key one fingerprint has and the other lacks
+
+
+def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> dict[str, Any]:
+    """What makes two runs the same job, as JSON data (the form _progress/job.json holds)."""
+    fingerprint = {
+        "version": FINGERPRINT_VERSION,
+        "input": {str(f.path.resolve()): input_file_identity(f) for f in source.files},
+        "prompt": {"column": prompt.name, "kind": prompt.kind.value},
+        "dtype": resolved_dtype(job),
+        "target": model_files(Path(job.target)),
+        "draft": model_files(Path(job.draft)) if job.draft is not None else None,
+        "sampling": {
+            "max_tokens": job.max_tokens,
+            "temperature": job.temperature,
+            "top_p": job.top_p,
+            "top_k": job.top_k,
+            "seed": job.seed,
+            "stop": list(job.stop),
+            "stop_token_ids": list(job.stop_token_ids),
+        },
+    }
+    data: dict[str, Any] = json.loads(json.dumps(fingerprint))  # tuples become lists, as on disk
+    return data
+
+
+def job_hash(fingerprint: dict[str, Any]) -> str:
+    """A short digest of a fingerprint; every part file carries its job's."""
+    text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def input_file_identity(file: InputFile) -> dict[str, Any]:
+    try:
+        stat = file.path.stat()
+        footer = parquet_footer(file.path)
+    except OSError as exc:
+        raise JobError(f"cannot read input file {str(file.path)!r}: {exc.strerror or exc}") from exc
+    return {
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "rows": file.num_rows,
+        "footer_sha256": hashlib.sha256(footer).hexdigest(),
+    }
+
+
+def parquet_footer(path: Path) -> bytes:
+    """The footer bytes of a Parquet file (its metadata), without reading any data."""
+    with path.open("rb") as file:
+        file.seek(-8, 2)
+        tail = file.read(8)
+        length = int.from_bytes(tail[:4], "little")
+        if tail[4:] != _PARQUET_MAGIC:
+            raise OSError(f"{path} is not a Parquet file")
+        file.seek(-8 - length, 2)
+        return file.read(length)
+
+
+def model_files(model_dir: Path) -> dict[str, list[int]]:
+    """{file name: [size, mtime_ns]} of the files of a model directory that shape outputs."""
+    files: dict[str, list[int]] = {}
+    for path in sorted(model_dir.iterdir()):
+        if path.name.startswith(".") or path.suffix not in MODEL_FILE_SUFFIXES:
+            continue
+        if path.is_file():
+            stat = path.stat()
+            files[path.name] = [stat.st_size, stat.st_mtime_ns]
+    return files
+
+
+def resolved_dtype(job: JobSpec) -> str:
+    """The dtype the engine will use, known from config.json and the device; else "auto"."""
+    if job.dtype != "auto":
+        return job.dtype
+    from batchrun.engine.loading import resolve_device
+    from batchrun.models.loader import read_config, resolve_dtype
+
+    try:
+        config = read_config(Path(job.target))
+        device = resolve_device(job.device)
+    except JobError:
+        return "auto"  # the start-up checks report what is wrong
+    return str(resolve_dtype("auto", config, device)).removeprefix("torch.")
+
+
+def first_difference(recorded: Any, current: Any, where: str = "") -> str | None:
+    """Where two fingerprints first differ, as "sampling.seed" or "target['config.json']"."""
+    if isinstance(recorded, dict) and isinstance(current, dict):
+        keys = [*current, *(key for key in recorded if key not in current)]
+        for key in keys:
+            place = _join(where, key)
+            found = first_difference(recorded.get(key, _MISSING), current.get(key, _MISSING), place)
+            if found is not None:
+                return found
+        return None
+    return None if recorded == current else (where or "job")
+
+
+def _join(where: str, key: str) -> str:
+    if not where:
+        return key
+    return f"{where}.{key}" if key.isidentifier() else f"{where}[{key!r}]"

@@ -1,0 +1,117 @@
+"""Three runs at once on one output directory, killed with SIGKILL at random moments, five rounds.
+
+At the end every input row is there exactly once, with the completions of an uninterrupted run;
+along the way no run exits 0 unless the output was complete and free of duplicates right then.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from test_output_safety import (
+    assert_complete,
+    claim_files,
+    committed_rows,
+    read_output,
+    run_process,
+    start,
+    write_job,
+    write_prompts,
+)
+
+ROWS = 80
+ROUNDS = 5
+RUNS_PER_ROUND = 3
+SEED = 20240607
+
+
+@dataclass
+class Launch:
+    start_at: float  # seconds into the round
+    kill_after_seconds: float | None  # SIGKILL this long after its start (during start-up)
+    kill_after_parts: int | None  # or once this many more parts are committed (mid-job)
+    process: subprocess.Popen[str] | None = None
+    started: float = 0.0
+    parts_at_start: int = 0
+
+    def due(self, parts: int) -> bool:
+        if self.kill_after_seconds is not None:
+            return time.monotonic() - self.started >= self.kill_after_seconds
+        return self.kill_after_parts is not None and parts - self.parts_at_start >= (
+            self.kill_after_parts
+        )
+
+
+def random_launch(rng: random.Random) -> Launch:
+    start_at, kind = rng.uniform(0.0, 6.0), rng.random()
+    if kind < 0.3:
+        return Launch(start_at, rng.uniform(0.2, 10.0), None)
+    if kind < 0.85:
+        return Launch(start_at, None, rng.randint(2, 10))
+    return Launch(start_at, None, None)  # runs to its end
+
+
+def run_round(rng: random.Random, job: Path, out: Path) -> list[tuple[int, str]]:
+    """Start RUNS_PER_ROUND runs at random offsets and kill most at random moments; returns
+    each run's (exit code, stderr). Checks the output the moment a run exits 0."""
+    pending = [random_launch(rng) for _ in range(RUNS_PER_ROUND)]
+    results: list[tuple[int, str]] = []
+    began = time.monotonic()
+    while pending:
+        parts = len(list(out.glob("part-*.parquet")))
+        for launch in pending:
+            if launch.process is None:
+                if time.monotonic() - began >= launch.start_at:
+                    launch.process, launch.started = start(job), time.monotonic()
+                    launch.parts_at_start = parts
+                continue
+            if launch.process.poll() is None:
+                if launch.due(parts):
+                    os.kill(launch.process.pid, signal.SIGKILL)
+                continue
+            if launch.process.returncode == 0:
+                assert_complete(out, ROWS)  # exit 0: every row exactly once, at this moment
+            _, stderr = launch.process.communicate()
+            results.append((launch.process.returncode, stderr))
+            pending.remove(launch)
+            break
+        time.sleep(0.002)
+    return results
+
+
+@pytest.mark.slow
+def test_concurrent_runs_killed_at_random_never_lose_or_duplicate_a_row(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    rng = random.Random(SEED)
+    write_prompts(tmp_path / "in", [f"def task_{i}(queue, item):" for i in range(ROWS)])
+    job = write_job(tmp_path, tiny_model, max_tokens=16, rows_per_part=3, max_batch_size=2)
+    out = tmp_path / "out"
+    reference = run_process(job, "--output", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr
+
+    outcomes: list[int] = []
+    for _ in range(ROUNDS):
+        for returncode, stderr in run_round(rng, job, out):
+            outcomes.append(returncode)
+            assert returncode in (0, 2, -signal.SIGKILL), stderr
+            if returncode == 2:  # lost the race for the claim
+                assert len(stderr.splitlines()) == 1 and "is being written by" in stderr, stderr
+        rows = committed_rows(out)
+        assert len(rows) == len(set(rows)), "a row was committed twice"
+    assert -signal.SIGKILL in outcomes and 2 in outcomes, outcomes  # the test did its job
+
+    final = run_process(job)
+    assert final.returncode == 0, final.stderr
+    assert_complete(out, ROWS)
+    assert not claim_files(out)  # killed runs' claims were taken over, the rest released
+    resumed, expected = read_output(out), read_output(tmp_path / "reference")
+    for column in ("row_index", "completion", "completion_token_ids", "finish_reason"):
+        assert resumed.column(column).equals(expected.column(column)), column
