@@ -101,12 +101,13 @@ def run_job(job: JobSpec, engine: EngineLike | None = None) -> dict[str, Any]:
     """Run the job (or its shard) to the end; returns its stats.json content."""
     clock = RunClock()
     opened = open_job(job)
+    if engine is None:
+        from batchrun.preflight import preflight  # needs transformers, as the engine does
+
+        preflight(job, opened.prompt)  # what validate checks, before any weights load
     opened.out.acquire()  # before loading the model: a second run on this output stops at once
     try:
         if engine is None:
-            from batchrun.preflight import preflight  # needs transformers, as the engine does
-
-            preflight(job, opened.prompt)  # what validate checks, before any weights load
             engine = build_engine(job)
         clock.engine_ready()  # tokens/s counts generation only, not start-up and model loading
         builder = RequestBuilder(
