@@ -14,8 +14,32 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
+
+def _use_interpreter() -> None:
+    """Without CUDA, run the kernels in Triton's interpreter. TRITON_INTERPRET must be set before
+    triton is imported; in a whole test run torch._dynamo (imported by other test modules) may
+    have imported it first, building triton's own library functions (tl.sum, tl.cdiv, ...) for
+    the compiler, which the interpreter cannot call. Those are then rebuilt for the interpreter:
+    a process without CUDA has no other use for them."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if "triton" not in sys.modules:
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    rebuilt: dict[int, InterpretedFunction] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("triton.language") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                if id(value) not in rebuilt:
+                    rebuilt[id(value)] = InterpretedFunction(value.fn)
+                setattr(module, attr, rebuilt[id(value)])
+
+
+if not torch.cuda.is_available():
+    _use_interpreter()
 
 from dataclasses import dataclass  # noqa: E402
 
