@@ -7,8 +7,9 @@ part_seconds seconds.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -21,6 +22,8 @@ from batchrun.errors import JobError
 from batchrun.io.cells import row_values
 from batchrun.io.fingerprint import job_fingerprint
 from batchrun.io.output_schema import OutputRow, build_table, error_row, finished_row, output_schema
+from batchrun.io.part_writer import PartWriter
+from batchrun.io.prefetch import prefetch
 from batchrun.io.progress import DAMAGED_DIR, PROGRESS_DIR, STATS_FILE, OutputDir
 from batchrun.io.progress_bar import ProgressBar
 from batchrun.io.prompts import (
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 QUEUE_FACTOR = 4  # requests queued in the engine, per unit of max_batch_size
+PREFETCH_ROWS = 512  # input rows read and tokenized ahead of the engine
 MAX_LOGGED_ERRORS = 10
 
 
@@ -114,7 +118,7 @@ def run_job(job: JobSpec, engine: EngineLike | None = None) -> dict[str, Any]:
             job,
             opened.prompt,
             opened.source.schema,
-            engine.tokenizer,
+            copy.deepcopy(engine.tokenizer),  # used on the prefetch thread only
             engine.max_model_len,
             engine.vocab_size,
         )
@@ -146,9 +150,9 @@ class _Run:
             self.stats.add(pq.read_table(part, columns=STATS_COLUMNS))
         self.done_rows = self.job_rows - self.selection.count()  # committed plus buffered
         self.pending: dict[int, pa.RecordBatch] = {}  # row_index -> its input columns
-        self.buffer_inputs: list[pa.RecordBatch] = []
-        self.buffer_rows: list[OutputRow] = []
-        self.buffer_since = 0.0
+        self.writer = PartWriter(
+            self.out, opened.schema, self.job.rows_per_part, self.job.part_seconds, self._committed
+        )
         self.run_tokens = 0  # generated in this run, for tokens/s
         self.run_spec_tokens = 0
         self.run_spec_rounds = 0
@@ -158,12 +162,14 @@ class _Run:
     def execute(self) -> dict[str, Any]:
         try:
             self._loop()
+            self.writer.flush()
         except BaseException:
-            self._commit()  # finished rows are good output whatever stopped the job
+            with contextlib.suppress(Exception):
+                self.writer.flush()  # finished rows are good output whatever stopped the job
             raise
         finally:
+            self.writer.close()
             self.bar.close()
-        self._commit()
         return self._finish()
 
     def _loop(self) -> None:
@@ -182,26 +188,38 @@ class _Run:
             for request in self.engine.step():
                 self._buffer(self.pending.pop(request.row_index), finished_row(request))
                 self._count(request)
-            self._maybe_commit()
+            self.writer.maybe_commit()
 
-    def _input_rows(self) -> Iterator[tuple[int, pa.RecordBatch, dict[str, Any]]]:
+    def _input_rows(self) -> Iterator[tuple[int, pa.RecordBatch, dict[str, Any], Request | str]]:
+        """Each selected row, its input columns, its values and its request (or why not),
+        read and tokenized ahead on a background thread (with its own tokenizer)."""
         columns = self.builder.columns
         if self.opened.id_column is not None and self.opened.id_column not in columns:
             columns = [*columns, self.opened.id_column]
-        for batch in iter_batches(self.opened.source, self.selection):
-            values = row_values(batch.batch, columns)  # a bad cell spoils only its own row
-            for i, row_index in enumerate(batch.row_indices.tolist()):
-                yield row_index, batch.batch.slice(i, 1), values[i]
 
-    def _admit(self, row_index: int, inputs: pa.RecordBatch, values: dict[str, Any]) -> None:
-        request = self.builder.build(row_index, values)
+        def rows() -> Iterator[tuple[int, pa.RecordBatch, dict[str, Any], Request | str]]:
+            for batch in iter_batches(self.opened.source, self.selection):
+                values = row_values(batch.batch, columns)  # a bad cell spoils only its own row
+                for i, row_index in enumerate(batch.row_indices.tolist()):
+                    request = self.builder.build(row_index, values[i])
+                    yield row_index, batch.batch.slice(i, 1), values[i], request
+
+        return prefetch(rows(), depth=PREFETCH_ROWS)
+
+    def _admit(
+        self,
+        row_index: int,
+        inputs: pa.RecordBatch,
+        values: dict[str, Any],
+        request: Request | str,
+    ) -> None:
         if isinstance(request, Request):
             self.pending[row_index] = inputs
             self.engine.add(request)
             return
         self._log_error(row_index, values, request)
         self._buffer(inputs, error_row(row_index, request))
-        self._maybe_commit()
+        self.writer.maybe_commit()
 
     def _count(self, request: Request) -> None:
         self.run_tokens += len(request.output_ids)
@@ -223,28 +241,12 @@ class _Run:
         self.bar.log(f"batchrun: row {row_index}{name}: {message}")
 
     def _buffer(self, inputs: pa.RecordBatch, row: OutputRow) -> None:
-        if not self.buffer_rows:
-            self.buffer_since = time.monotonic()
-        self.buffer_inputs.append(inputs)
-        self.buffer_rows.append(row)
+        self.writer.add(inputs, row)
         self.done_rows += 1
         self._draw()
 
-    def _maybe_commit(self) -> None:
-        full = len(self.buffer_rows) >= self.job.rows_per_part
-        if full or (
-            self.buffer_rows and time.monotonic() - self.buffer_since >= self.job.part_seconds
-        ):
-            self._commit()
-
-    def _commit(self) -> None:
-        if not self.buffer_rows:
-            return
-        # Take the buffer first: if the write fails, these rows are simply redone next run.
-        inputs, rows = self.buffer_inputs, self.buffer_rows
-        self.buffer_inputs, self.buffer_rows = [], []
-        table = build_table(self.opened.schema, inputs, rows)
-        self.out.commit(table)
+    def _committed(self, table: pa.Table) -> None:
+        """After each part (on the writer thread): its rows count, stats.json is rewritten."""
         self.stats.add(table)
         self.out.write_json(self.out.stats_path, self._stats())
 

