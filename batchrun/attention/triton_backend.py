@@ -2,8 +2,8 @@
 
 `plan` only keeps the meta: the kernels read everything from its tensors and size their grids
 from host ints, so forwards planned on persistent buffers are captured in CUDA graphs as they
-are. Decode forwards over long contexts split each request's K/V range across programs
-(split-KV) when the batch alone would leave most of the GPU idle.
+are. Decode and verify forwards split each request's K/V range across programs (split-KV)
+when the batch alone would leave most of the GPU idle.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class TritonAttention:
     graphable = True
 
     def __init__(self, max_decode_rows: int, num_heads: int, num_kv_heads: int, head_dim: int):
-        self.max_decode_rows = max_decode_rows  # split-KV workspace rows (decode forwards)
+        self.max_decode_rows = max_decode_rows  # forwards of at most this many rows may split
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.workspace: AttentionWorkspace | None = None  # allocated once, never replaced
         self.meta: AttentionMeta | None = None
@@ -37,7 +37,8 @@ class TritonAttention:
         self.meta = meta
         rows = meta.positions.shape[0]
         self.num_splits = 1
-        if meta.max_q == 1 and rows <= self.max_decode_rows and meta.num_requests > 0:
+        # Decode and small verify/draft batches: split when the requests alone leave SMs idle.
+        if rows <= self.max_decode_rows and meta.num_requests > 0:
             self.num_splits = default_num_splits(
                 meta.num_requests, self.num_kv_heads, meta.max_kv, max_splits=MAX_SPLITS
             )

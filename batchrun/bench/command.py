@@ -4,6 +4,7 @@ sweep at a real model's shape with random weights (--shape)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,14 @@ def bench(out: Path | None, **opts: Any) -> None:
     """Time the engine against baselines measured in the same run."""
     if (opts["target"] is None) == (opts["shape"] is None):
         raise click.UsageError("give exactly one of --target and --shape")
-    result = _sweep(opts) if opts["shape"] else _end_to_end(opts)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+
+    def write(result: dict[str, Any]) -> None:
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+
+    result = _sweep(opts, write) if opts["shape"] else _end_to_end(opts)
+    write(result)
     click.echo(json.dumps(result.get("ratios") or result.get("summary"), indent=2))
 
 
@@ -83,7 +88,7 @@ def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _sweep(opts: dict[str, Any]) -> dict[str, Any]:
+def _sweep(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     import torch
 
     from batchrun.bench.shapes import shape_from_flags
@@ -114,4 +119,4 @@ def _sweep(opts: dict[str, Any]) -> dict[str, Any]:
         attention_backend=opts["attention_backend"],
         cuda_graphs=opts["cuda_graphs"],
     )
-    return run_sweep(plan)
+    return run_sweep(plan, progress)

@@ -5,7 +5,9 @@ generate() on the same prompts, all measured in one run."""
 
 from __future__ import annotations
 
+import gc
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 
 from batchrun.bench.hf_baseline import decode_ms_per_step
-from batchrun.bench.roofline import measure_ceilings, step_floor_ms
+from batchrun.bench.roofline import Ceilings, measure_ceilings, step_floor_ms
 from batchrun.bench.shapes import hf_twin, random_draft, random_target
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
@@ -105,7 +107,11 @@ def profile_point(engine: Engine, batch: int, context: int, steps: int) -> str:
     return table
 
 
-def run_sweep(plan: SweepPlan) -> dict[str, Any]:
+def run_sweep(
+    plan: SweepPlan, progress: Callable[[dict[str, Any]], None] = lambda result: None
+) -> dict[str, Any]:
+    """The whole sweep; `progress` gets the result so far after each stage (so a run cut short
+    by a time limit still leaves its figures)."""
     device = torch.device("cuda")
     ceilings = measure_ceilings(plan.dtype, device)
     model = random_target(plan.shape, plan.dtype, device)
@@ -145,8 +151,28 @@ def run_sweep(plan: SweepPlan) -> dict[str, Any]:
             name = f"{'dflash' if with_draft else 'target_only'} batch {batch}"
             profiles[name] = profile_point(engine, batch, plan.contexts[0], 4)
         del engine
+        gc.collect()  # the engine's graphs hold reference cycles; free its KV pools now
         torch.cuda.empty_cache()
-    baselines = _hf_baselines(plan, model) if plan.hf_eager or plan.hf_compiled_batches else []
+    baselines: list[dict[str, Any]] = []
+    result = _result(plan, ceilings, points, baselines, profiles)
+    progress(result)
+    if plan.hf_eager or plan.hf_compiled_batches:
+        hf = hf_twin(model)
+        for baseline in _hf_baselines(plan, hf):
+            baselines.append(baseline)
+            result = _result(plan, ceilings, points, baselines, profiles)
+            progress(result)
+    return result
+
+
+def _result(
+    plan: SweepPlan,
+    ceilings: Ceilings,
+    points: list[dict[str, Any]],
+    baselines: list[dict[str, Any]],
+    profiles: dict[str, str],
+) -> dict[str, Any]:
+    device = torch.device("cuda")
     return {
         "setup": {
             "shape_name": plan.shape_name,
@@ -171,12 +197,11 @@ def _pages(config: EngineConfig, max_len: int, width: int) -> int:
     return config.max_batch_size * per_request
 
 
-def _hf_baselines(plan: SweepPlan, model: torch.nn.Module) -> list[dict[str, Any]]:
-    hf = hf_twin(model)  # type: ignore[arg-type]
-    out = []
+def _hf_baselines(plan: SweepPlan, hf: torch.nn.Module) -> Iterator[dict[str, Any]]:
+    """generate() at every batch size, at the first context (eager, then compiled)."""
     vocab = plan.shape.vocab_size
     for batch in plan.batch_sizes:
-        for context in plan.contexts:
+        for context in plan.contexts[:1]:
             gen = torch.Generator().manual_seed(batch * 7919 + context)
             ids = torch.randint(0, vocab, (batch, context), generator=gen).cuda()
             modes = (["eager"] if plan.hf_eager else []) + (
@@ -185,11 +210,8 @@ def _hf_baselines(plan: SweepPlan, model: torch.nn.Module) -> list[dict[str, Any
             for mode in modes:
                 steps = min(plan.steps, 16)
                 result = decode_ms_per_step(hf, ids, steps, static_cache=mode != "eager")
-                out.append({"batch": batch, "context": context, "mode": mode, **result})
                 print(f"generate() {mode:>15} batch {batch:>4} context {context:>5}: {result}")
-    del hf
-    torch.cuda.empty_cache()
-    return out
+                yield {"batch": batch, "context": context, "mode": mode, **result}
 
 
 def summarize(
