@@ -10,10 +10,16 @@ max(CHUNK_BYTES, BATCH_BYTES_PER_LOGIT x the batch's logits). Rows without top-k
 noise to every logit and take the argmax, with no sort; filtered rows keep their candidates with
 topk (a full sort only when some row of the chunk has top-p without top-k) and draw noise only
 for the candidates.
+
+On CUDA, when triton imports, greedy and unfiltered rows take one Triton launch instead
+(batchrun/kernels/triton_sampling.py): the same tokens, noise regenerated in registers rather than
+held as int64 words; the torch path stays the reference and the CPU path.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,17 +57,47 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, token_ids: torch.Tensor
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [N, V] -> token ids [N] (int64)."""
-    tokens = logits.argmax(dim=-1)
     sampled = batch.temperature > 0
-    if not bool(sampled.any()):
-        return tokens
     filtered = (batch.top_k > 0) | (batch.top_p < 1)
+    kernel = _plain_kernel(logits)
+    draws: list[tuple[torch.Tensor, Draw]]
+    if kernel is not None:
+        # One pass for every greedy and unfiltered row, the same tokens as _draw_plain; filtered
+        # rows take the argmax there (temperature 0) and are drawn below.
+        tokens = kernel(
+            logits, batch.temperature.masked_fill(filtered, 0.0), batch.seed, batch.step
+        )
+        draws = [(sampled & filtered, _draw_filtered)]
+    else:
+        tokens = logits.argmax(dim=-1)
+        if not bool(sampled.any()):
+            return tokens
+        draws = [(sampled & ~filtered, _draw_plain), (sampled & filtered, _draw_filtered)]
     size = rows_per_chunk(logits.shape[0], logits.shape[-1])
-    for rows, draw in ((sampled & ~filtered, _draw_plain), (sampled & filtered, _draw_filtered)):
+    for rows, draw in draws:
         index = rows.nonzero().squeeze(1)
         for chunk in index.split(size) if index.numel() else ():
             tokens[chunk] = draw(logits, batch, chunk)
     return tokens
+
+
+Draw = Callable[[torch.Tensor, SamplingBatch, torch.Tensor], torch.Tensor]
+PlainKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _plain_kernel(logits: torch.Tensor) -> PlainKernel | None:
+    """The Triton sampler for CUDA logits when triton imports; None keeps the torch path (the
+    reference, and the CPU path)."""
+    return _import_plain_kernel() if logits.is_cuda else None
+
+
+@functools.cache
+def _import_plain_kernel() -> PlainKernel | None:
+    try:
+        from batchrun.kernels.triton_sampling import sample_plain
+    except ImportError:
+        return None
+    return sample_plain
 
 
 def _scaled(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
