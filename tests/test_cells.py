@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from click.testing import CliRunner, Result
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -33,12 +32,7 @@ CONTEXT = 64
 VOCAB = 500
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 @pytest.fixture(scope="module")

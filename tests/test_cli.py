@@ -9,14 +9,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from click.testing import CliRunner, Result
 
 from batchrun import pipeline
@@ -31,12 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 ONE_THREAD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 def invoke(*args: str) -> Result:

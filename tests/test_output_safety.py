@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import tomllib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,6 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from click.testing import CliRunner, Result
 
 from batchrun.cli import cli
@@ -45,12 +44,7 @@ PROMPTS = [f"def handler_{i}(event):" for i in range(8)]
 HOST = socket.gethostname()
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 # -- helpers (also used by test_stress.py) -------------------------------------------------------
