@@ -8,15 +8,12 @@ and acceptance run on the device; one small copy per step brings back what was c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from batchrun.attention.meta import host_meta
 from batchrun.engine.config import EngineConfig, check_batch_budget
 from batchrun.engine.loading import (
     attention_backend,
@@ -27,9 +24,16 @@ from batchrun.engine.loading import (
 from batchrun.engine.memory import kv_pages
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.page_pool import PagePool
-from batchrun.engine.request import Request, SamplingParams
-from batchrun.engine.sampler import SamplingBatch, sample
+from batchrun.engine.request import Request
+from batchrun.engine.sampler import sample
 from batchrun.engine.scheduler import Scheduled, Scheduler
+from batchrun.engine.step_rows import (
+    accepted,
+    committed_features,
+    rows_sampled,
+    sampling_batch,
+    target_rows,
+)
 from batchrun.engine.step_timer import StepTimer
 from batchrun.engine.stopping import Stopper
 from batchrun.errors import JobError
@@ -38,7 +42,7 @@ from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import load_dflash
 from batchrun.models.loader import load_qwen3
 from batchrun.models.qwen3 import Qwen3ForCausalLM
-from batchrun.speculative.acceptance import RoundTrace, accepted_lengths
+from batchrun.speculative.acceptance import RoundTrace
 from batchrun.speculative.drafter import Blocks, ContextRows, propose
 
 ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their tokens are cut
@@ -169,18 +173,18 @@ class Engine:
         decoding = [it.req for it in batch if it.decoding]
         drafts = self._propose(batch, decoding)
         self.timer.mark()
-        samples = [self._rows_sampled(it) for it in batch]
-        ids, host, rows = self._target_rows(batch, drafts, samples)
+        samples = [rows_sampled(it) for it in batch]
+        ids, host, rows = target_rows(batch, samples, drafts, self.pool.page_size, self.device)
         logits, features = self.runner.forward(ids, host, rows)
         tokens = self._sample(logits, batch, samples)
-        accepted = self._accepted(batch, samples, tokens, drafts)
+        accepted_dev = accepted(batch, samples, tokens, drafts)
         self.timer.mark()
         # The step's one device-to-host copy: sampled tokens, then accepted counts.
-        host_out = torch.cat((tokens, accepted)).tolist()
+        host_out = torch.cat((tokens, accepted_dev)).tolist()
         post_all, acc_all = host_out[: len(tokens)], host_out[len(tokens) :]
         drafts_host = drafts.tolist() if drafts is not None and self.round_trace is not None else []
 
-        committed = self._committed_features(batch, acc_all, features)
+        committed = committed_features(batch, acc_all, features)
         finished, pos, dec = [], 0, 0
         for it, k in zip(batch, samples, strict=True):
             req = it.req
@@ -204,26 +208,6 @@ class Engine:
                 self.pool.shrink(req.pages, req.num_cached)  # release KV past the committed tokens
         return finished
 
-    def _committed_features(
-        self, batch: list[Scheduled], accepted: list[int], features: torch.Tensor | None
-    ) -> Iterator[torch.Tensor] | None:
-        """Per item, the target features of the rows it commits (a prefill chunk: all; a
-        verify: the anchor and the accepted drafts), gathered in one copy: the draft's next
-        forward reads them, and a graph's outputs are overwritten by the next replay."""
-        if features is None:
-            return None
-        counts, index, row, dec = [], [], 0, 0
-        for it in batch:
-            keep = it.num_new
-            if it.decoding:
-                keep = 1 + (accepted[dec] if accepted else 0)
-                dec += 1
-            index.append(np.arange(row, row + keep))
-            counts.append(keep)
-            row += it.num_new
-        rows = torch.from_numpy(np.concatenate(index)).to(self.device, non_blocking=True)
-        return iter(features.index_select(0, rows).split(counts))
-
     def _propose(self, batch: list[Scheduled], decoding: list[Request]) -> torch.Tensor | None:
         """Write the draft context of newly committed tokens, then draft a block for every
         decoding request: [R_decoding, B-1] on the device (None without a draft)."""
@@ -246,66 +230,13 @@ class Engine:
         )
         return propose(self.runner, context, blocks, self.block_size, self.draft.mask_token_id)
 
-    def _target_rows(
-        self, batch: list[Scheduled], drafts: torch.Tensor | None, samples: list[int]
-    ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
-        """The step's input ids on the device, its metadata, and the flat rows to sample (each
-        item's last samples[i] rows; None when that is every row)."""
-        ids: list[int] = []
-        draft_rows: list[int] = []
-        sampled: list[int] = []
-        row = 0
-        for it, k in zip(batch, samples, strict=True):
-            req, start, n = it.req, it.req.num_cached, it.num_new
-            if it.decoding:
-                ids.append(req.output_ids[-1])
-                ids.extend([0] * (n - 1))  # the drafts, filled in on the device
-                draft_rows.extend(range(row + 1, row + n))
-            else:
-                ids.extend(req.token_slice(start, start + n))
-            sampled.extend(range(row + n - k, row + n))
-            row += n
-        starts = np.array([it.req.num_cached for it in batch], dtype=np.int64)
-        q_lens = np.array([it.num_new for it in batch], dtype=np.int64)
-        host = host_meta(starts, q_lens, [it.req.pages for it in batch], self.pool.page_size)
-        device_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        if drafts is not None and draft_rows:
-            index = torch.tensor(draft_rows, dtype=torch.long).to(self.device, non_blocking=True)
-            device_ids[index] = drafts.reshape(-1)
-        if len(sampled) == row:
-            return device_ids, host, None
-        return device_ids, host, torch.tensor(sampled, dtype=torch.long).to(self.device)
-
     def _sample(
         self, logits: torch.Tensor, batch: list[Scheduled], samples: list[int]
     ) -> torch.Tensor:
         reqs = [it.req for it, k in zip(batch, samples, strict=True) for _ in range(k)]
         if all(req.params.temperature == 0 for req in reqs):
             return logits.argmax(dim=-1)
-        return sample(logits, self._sampling_batch(batch, samples))
-
-    def _accepted(
-        self,
-        batch: list[Scheduled],
-        samples: list[int],
-        tokens: torch.Tensor,
-        drafts: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Accepted drafts per decoding request, on the device (empty without drafts)."""
-        if drafts is None:
-            return tokens.new_zeros(0)
-        width = drafts.shape[1] + 1
-        starts, pos = [], 0
-        for it, k in zip(batch, samples, strict=True):
-            if it.decoding:
-                starts.append(pos)
-            pos += k
-        if len(starts) * width == len(tokens):
-            post = tokens.view(-1, width)
-        else:
-            index = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(width)
-            post = tokens[index.to(self.device)]
-        return accepted_lengths(drafts, post).to(tokens.dtype)
+        return sample(logits, sampling_batch(batch, samples, self.vocab_size, self.device))
 
     def _commit_round(
         self, req: Request, post: list[int], acc: int, feats: torch.Tensor | None, drafts: list[int]
@@ -322,37 +253,3 @@ class Engine:
             if self.round_trace is not None:
                 committed = req.output_ids[len(req.output_ids) - kept :]
                 self.round_trace.append(RoundTrace(req.row_index, p, anchor, drafts, committed))
-
-    @staticmethod
-    def _rows_sampled(it: Scheduled) -> int:
-        """Every row of a decode/verify step; one for a prefill chunk that completes a fresh
-        prompt; none for other chunks (a recompute after preemption samples nothing)."""
-        if it.decoding:
-            return it.num_new
-        req = it.req
-        return int(not req.output_ids and req.num_cached + it.num_new == len(req.prompt_ids))
-
-    def _sampling_batch(self, batch: list[Scheduled], samples: list[int]) -> SamplingBatch:
-        params: list[SamplingParams] = []
-        steps: list[int] = []
-        for it, k in zip(batch, samples, strict=True):
-            params += [it.req.params] * k
-            steps += range(len(it.req.output_ids), len(it.req.output_ids) + k)
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        return SamplingBatch(
-            temperature=tensor([p.temperature for p in params], torch.float32),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            # A top_k of the vocabulary or more keeps every token, as 0 does.
-            top_k=tensor([p.top_k if p.top_k < self.vocab_size else 0 for p in params], torch.long),
-            seed=tensor([as_int64(p.seed) for p in params], torch.long),
-            step=tensor(steps, torch.long),
-        )
-
-
-def as_int64(value: int) -> int:
-    """A 64-bit seed (any integer, taken mod 2^64) as the int64 with the same bits."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
