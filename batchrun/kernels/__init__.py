@@ -1,0 +1,1 @@
+"""Raw Triton kernels: paged attention and K/V writes, fused layer ops, sampling."""

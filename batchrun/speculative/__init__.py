@@ -1,0 +1,1 @@
+"""DFlash speculative decoding: drafting a block per request, and the acceptance rule."""

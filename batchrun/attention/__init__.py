@@ -1,0 +1,1 @@
+"""Attention backends behind one interface (base.py): the torch reference and Triton."""
