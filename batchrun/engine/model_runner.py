@@ -48,7 +48,7 @@ class ModelRunner:
                 draft.shape.head_dim,
                 dtype,
                 device,
-            )  # fmt: skip
+            )
             if draft is not None
             else []
         )
