@@ -211,3 +211,19 @@ def test_fewer_preemptions_and_the_same_outputs_in_the_engine(make_model: Any) -
         requests = run_to_end(tight, prompts, MAX_TOKENS)
         assert [r.output_ids for r in requests] == [r.output_ids for r in roomy]
         assert 0 < tight.num_preemptions <= most, chunk
+
+
+def test_abort_all_frees_every_page(tiny_model: Path) -> None:
+    """`batchrun bench` drops its requests between points: running and waiting alike."""
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.request import Request, SamplingParams
+
+    engine = Engine(EngineConfig(target=tiny_model, device="cpu", max_batch_size=2, num_pages=32))
+    for i in range(5):
+        engine.add(Request(i, [5, 6, 7, 8, 9], SamplingParams(max_tokens=50)))
+    engine.step()
+    engine.step()
+    assert engine.scheduler.running and engine.scheduler.waiting
+    engine.abort_all()
+    assert engine.num_unfinished == 0 and engine.pool.num_free == 32

@@ -159,8 +159,10 @@ class Engine:
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its pages (benchmarks between points)."""
-        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+        for req in list(self.scheduler.running):
             self.scheduler.finish(req)
+        for req in self.scheduler.waiting:  # preempted ones may hold no pages; fresh ones none
+            self.pool.release(req.pages)
         self.scheduler.waiting.clear()
 
     # -- one step -----------------------------------------------------------------------------
