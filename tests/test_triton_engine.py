@@ -55,13 +55,21 @@ def jobs(count: int, seed: int, max_tokens: int = 40) -> list[tuple[list[int], S
 
 
 def run(
-    target: Path, draft: Path | None, work: list[tuple[list[int], SamplingParams]], **config: Any
+    target: Path,
+    draft: Path | None,
+    work: list[tuple[list[int], SamplingParams]],
+    emulate_graphs: bool = False,
+    **config: Any,
 ) -> tuple[Engine, list[Request]]:
+    """Every job through one engine; with emulate_graphs (a CPU), the steady-state steps go
+    through the graphs' persistent buffers and padding, run eagerly."""
     settings: dict[str, Any] = {
         "device": DEVICE, "dtype": "float32", "max_batch_size": 8, "max_batched_tokens": 96,
         "num_pages": 80, "page_size": 4,
     }  # fmt: skip
     engine = Engine(EngineConfig(target=target, draft=draft, **(settings | config)))
+    if emulate_graphs:
+        engine.runner.capture_graphs(engine.config.max_batch_size, engine.max_model_len)
     for i, (prompt, params) in enumerate(work):
         engine.add(Request(row_index=i, prompt_ids=list(prompt), params=params))
     finished: list[Request] = []
@@ -91,6 +99,28 @@ def test_triton_matches_torch_with_preemption(
     if with_draft:  # the trained draft accepts runs of many lengths
         lengths = {k for r in got if r.spec_hist for k, n in enumerate(r.spec_hist, 1) if n}
         assert len(lengths) >= 3, lengths
+
+
+@pytest.mark.parametrize(
+    ("backend", "with_draft"), [("torch", False), ("torch", True), ("triton", True)]
+)
+def test_graph_buffers_and_padding_replay_like_eager(
+    target: Path, trained: Path, with_draft: bool, backend: str
+) -> None:
+    """On a CPU the graphs are emulated: each steady-state step is loaded into the persistent
+    buffers, padded up to its ladder size (padding requests feed no rows and write no K/V; the
+    draft's context rows padded to B per request) and run from there. Outputs are the eager
+    ones, at several ladder sizes."""
+    if CUDA:
+        pytest.skip("the GPU runs real graphs: test_graphs_replay_like_eager_at_every_ladder_size")
+    draft = trained if with_draft else None
+    work = jobs(8, seed=4, max_tokens=16)
+    config = {"attention_backend": backend, "cuda_graphs": False}
+    _, eager = run(target, draft, work, **config)
+    engine, emulated = run(target, draft, work, emulate_graphs=True, **config)
+    sizes = {size for (_, size) in engine.runner.replays}
+    assert len(sizes) >= 3, sizes
+    assert_same(eager, emulated)
 
 
 @pytest.mark.gpu

@@ -62,13 +62,14 @@ class ModelRunner:
     # -- CUDA graphs --------------------------------------------------------------------------
 
     def capture_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        """Capture the steady-state forwards for every ladder size up to max_batch_size."""
+        """Capture the steady-state forwards for every ladder size up to max_batch_size (off a
+        GPU: emulate them, for tests)."""
         max_pages = -(-(max_model_len + self.width) // self.page_size)
         self.buffers = StepBuffers(
             max_batch_size, self.width, max_pages, self.page_size, self.device
         )
         max_kv = max_model_len + self.width
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         sizes = batch_ladder(max_batch_size)
         self.target_graphs = GraphSet(
             "target", self._target_all_rows, self.buffers, self.backend, True, max_kv
