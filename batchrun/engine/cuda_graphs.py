@@ -112,7 +112,8 @@ class StepBuffers:
             (self.kv_lens, num_requests),
         ):
             device[:count].copy_(staged[:count], non_blocking=True)
-        self.page_table[1][:n].copy_(self.page_table[0][:n], non_blocking=True)
+        # Only the columns this step's requests use: the kernels read no page past a kv_len.
+        self.page_table[1][:n, :width].copy_(self.page_table[0][:n, :width], non_blocking=True)
 
 
 class GraphSet:
