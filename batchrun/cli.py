@@ -63,7 +63,9 @@ _RUN_OPTIONS = [
     click.option("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
     click.option("--dtype", help="auto, float32, bfloat16 or float16."),
     click.option("--device", help="auto, cpu or cuda."),
-    click.option("--attention-backend", help="auto, torch, triton or flashinfer."),
+    click.option(
+        "--attention-backend", help="auto (triton on a GPU, torch on a CPU), torch or triton."
+    ),
     click.option(
         "--cuda-graphs/--no-cuda-graphs", default=None, help="CUDA graphs for decode/verify steps."
     ),
