@@ -9,11 +9,6 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def slot_ids(pages: list[int], start: int, count: int, page_size: int) -> list[int]:
-    """Cache slots of positions start .. start+count-1 of a request holding `pages`."""
-    return [pages[p // page_size] * page_size + p % page_size for p in range(start, start + count)]
-
-
 class PagePool:
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.num_pages, self.page_size = num_pages, page_size

@@ -82,12 +82,8 @@ def _context_arrays(
     if not context:
         empty = np.zeros(0, dtype=np.int64)
         return torch.zeros(0, device=runner.device), empty, empty
-    size = runner.page_size
-    positions, slots = [], []
-    for r in context:
-        pos = np.arange(r.start, r.start + r.features.shape[0], dtype=np.int64)
-        table = np.asarray(r.pages, dtype=np.int64)
-        positions.append(pos)
-        slots.append(table[pos // size] * size + pos % size)
+    starts = np.array([r.start for r in context], dtype=np.int64)
+    counts = np.array([r.features.shape[0] for r in context], dtype=np.int64)
+    rows = host_meta(starts, counts, [r.pages for r in context], runner.page_size)
     features = torch.cat([r.features for r in context])
-    return features, np.concatenate(positions), np.concatenate(slots)
+    return features, rows.positions, rows.slot_mapping
