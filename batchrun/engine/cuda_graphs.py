@@ -84,16 +84,13 @@ class StepBuffers:
 
     def clear(self, num_requests: int) -> None:
         """Every request padding: zero rows, nothing written (the state graphs are captured in)."""
-        self._load(HostMeta.empty(), num_requests)
+        self.load(HostMeta.empty(), num_requests)
         if self.ctx_features is not None:
             empty = np.zeros(0, dtype=np.int64)
             self.load_context(self.ctx_features[:0], empty, empty, num_requests * self.width)
 
     def load(self, host: HostMeta, num_requests: int) -> None:
         """The step's metadata, padded up to num_requests."""
-        self._load(host, num_requests)
-
-    def _load(self, host: HostMeta, num_requests: int) -> None:
         n, rows = len(host.kv_lens), len(host.positions)
         padded = num_requests * self.width
         pos, slots = self.positions[0].numpy(), self.slots[0].numpy()

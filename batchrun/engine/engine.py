@@ -235,8 +235,8 @@ class Engine:
     def _sample(
         self, logits: torch.Tensor, batch: list[Scheduled], samples: list[int]
     ) -> torch.Tensor:
-        reqs = [it.req for it, k in zip(batch, samples, strict=True) for _ in range(k)]
-        if all(req.params.temperature == 0 for req in reqs):
+        sampling = (it.req for it, k in zip(batch, samples, strict=True) if k)
+        if all(req.params.temperature == 0 for req in sampling):
             return logits.argmax(dim=-1)
         return sample(logits, sampling_batch(batch, samples, self.vocab_size, self.device))
 
