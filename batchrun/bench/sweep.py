@@ -44,11 +44,15 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] if values else 0.0
 
 
-def measure_point(engine: Engine, batch: int, context: int, steps: int) -> dict[str, Any]:
-    """Time `steps` steps of `batch` requests decoding at about `context` tokens of context."""
+def random_prompts(vocab: int, batch: int, context: int) -> torch.Tensor:
+    """The point's prompts [batch, context], the same for the engine and for generate()."""
     gen = torch.Generator().manual_seed(batch * 7919 + context)
-    vocab = engine.vocab_size
-    prompts = torch.randint(0, vocab, (batch, context), generator=gen).tolist()
+    return torch.randint(0, vocab, (batch, context), generator=gen)
+
+
+def start_decoding(engine: Engine, batch: int, context: int) -> list[Request]:
+    """`batch` requests prefilled and two steps into decoding: the steady state to time."""
+    prompts = random_prompts(engine.vocab_size, batch, context).tolist()
     budget = engine.max_model_len - context - 1
     reqs = [Request(i, p, SamplingParams(max_tokens=budget)) for i, p in enumerate(prompts)]
     for req in reqs:
@@ -57,6 +61,12 @@ def measure_point(engine: Engine, batch: int, context: int, steps: int) -> dict[
         engine.step()
     for _ in range(2):
         engine.step()
+    return reqs
+
+
+def measure_point(engine: Engine, batch: int, context: int, steps: int) -> dict[str, Any]:
+    """Time `steps` steps of `batch` requests decoding at about `context` tokens of context."""
+    reqs = start_decoding(engine, batch, context)
     engine.timer.reset(enabled=True)
     graphed = engine.runner.replays.total()
     before = sum(len(r.output_ids) for r in reqs)
@@ -87,16 +97,7 @@ def profile_point(engine: Engine, batch: int, context: int, steps: int) -> str:
     the most expensive ones."""
     from torch.profiler import ProfilerActivity, profile
 
-    gen = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(0, engine.vocab_size, (batch, context), generator=gen).tolist()
-    budget = engine.max_model_len - context - 1
-    reqs = [Request(i, p, SamplingParams(max_tokens=budget)) for i, p in enumerate(prompts)]
-    for req in reqs:
-        engine.add(req)
-    while any(not r.output_ids for r in reqs):
-        engine.step()
-    for _ in range(2):
-        engine.step()
+    start_decoding(engine, batch, context)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -202,8 +203,7 @@ def _hf_baselines(plan: SweepPlan, hf: torch.nn.Module) -> Iterator[dict[str, An
     vocab = plan.shape.vocab_size
     for batch in plan.batch_sizes:
         for context in plan.contexts[:1]:
-            gen = torch.Generator().manual_seed(batch * 7919 + context)
-            ids = torch.randint(0, vocab, (batch, context), generator=gen).cuda()
+            ids = random_prompts(vocab, batch, context).cuda()
             modes = (["eager"] if plan.hf_eager else []) + (
                 ["static_compiled"] if batch in plan.hf_compiled_batches else []
             )
