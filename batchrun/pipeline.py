@@ -95,24 +95,26 @@ def open_job(job: JobSpec) -> OpenedJob:
     return OpenedJob(job, source, prompt, id_column, schema, out, fingerprint)
 
 
-def build_engine(job: JobSpec) -> EngineLike:
+def build_engine(job: JobSpec, tokenizer: PreTrainedTokenizerBase | None = None) -> EngineLike:
+    """The job's engine; `tokenizer`, when preflight has loaded it already, is not loaded again."""
     from batchrun.engine.engine import Engine  # the model stack loads only when a job runs
 
-    return Engine(job.engine_config())
+    return Engine(job.engine_config(), tokenizer)
 
 
 def run_job(job: JobSpec, engine: EngineLike | None = None) -> dict[str, Any]:
     """Run the job (or its shard) to the end; returns its stats.json content."""
     clock = RunClock()
     opened = open_job(job)
+    found = None
     if engine is None:
         from batchrun.preflight import preflight  # needs transformers, as the engine does
 
-        preflight(job, opened.prompt)  # what validate checks, before any weights load
+        found = preflight(job, opened.prompt)  # what validate checks, before any weights load
     opened.out.acquire()  # before loading the model: a second run on this output stops at once
     try:
         if engine is None:
-            engine = build_engine(job)
+            engine = build_engine(job, found.tokenizer if found is not None else None)
         clock.engine_ready()  # tokens/s counts generation only, not start-up and model loading
         builder = RequestBuilder(
             job,

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 import pyarrow as pa
@@ -256,9 +257,9 @@ def test_tokens_per_second_times_generation_only(
     build = pipeline.build_engine
     load_time = 1.0
 
-    def slow_build(job: JobSpec) -> pipeline.EngineLike:
+    def slow_build(job: JobSpec, tokenizer: Any = None) -> pipeline.EngineLike:
         time.sleep(load_time)  # a model that takes a while to load
-        return build(job)
+        return build(job, tokenizer)
 
     monkeypatch.setattr(pipeline, "build_engine", slow_build)
     write_prompts(tmp_path / "in", PROMPTS)

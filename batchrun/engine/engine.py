@@ -49,7 +49,10 @@ ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their to
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> None:
+        """Loads the models (and the target's tokenizer, unless it is given)."""
         device = resolve_device(config.device)
         target_dir = Path(config.target)
         model, model_config = load_qwen3(target_dir, config.dtype, device, ROPE_HEADROOM)
@@ -57,7 +60,7 @@ class Engine:
         draft = (
             load_dflash(Path(config.draft), model, device, max_positions) if config.draft else None
         )
-        tokenizer = load_tokenizer(target_dir)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_dir)
         eos = eos_token_ids(target_dir, model_config, tokenizer)
         self._setup(config, model, draft, tokenizer, eos, config.num_pages)
 
