@@ -66,6 +66,7 @@ def random_draft(target: Qwen3ForCausalLM, max_positions: int) -> DFlashDraft:
         draft = DFlashDraft(draft_shape, layer_ids, DRAFT_BLOCK, 0, max_positions)
     draft.to(target.lm_head.weight.dtype)
     _randomize(draft, seed=1)
+    draft.pack_context_kv()
     return draft.eval()
 
 

@@ -63,10 +63,11 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(shape) for _ in range(shape.num_layers))
         self.norm = RMSNorm(h, shape.rms_norm_eps)
         self.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta)
-        self.context_kv: torch.Tensor | None = None  # packed by pack_context_kv()
+        self.context_kv: torch.Tensor | None = None  # set by pack_context_kv() once loaded
 
     def pack_context_kv(self) -> None:
-        """One [layers * 2 * kv_size, H] weight: every layer's context K/V in one matmul."""
+        """One [layers * 2 * kv_size, H] weight: every layer's context K/V in one matmul.
+        Call it once the weights are in place (the loaders do)."""
         rows = []
         for layer in self.layers:
             attn = cast(PagedAttention, layer.self_attn)
@@ -84,9 +85,7 @@ class DFlashDraft(nn.Module):
         """Context rows feed only each layer's K/V (norm then RoPE): no residual, no MLP."""
         if features.shape[0] == 0:
             return
-        if self.context_kv is None:
-            self.pack_context_kv()
-        assert self.context_kv is not None
+        assert self.context_kv is not None, "pack_context_kv() after loading the weights"
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         kv = nn.functional.linear(ctx, self.context_kv)
         kv_size = self.shape.num_kv_heads * self.shape.head_dim

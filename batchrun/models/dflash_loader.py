@@ -96,6 +96,7 @@ def load_dflash(
     draft.to_empty(device=device)
     load_weights(draft, iter_safetensors(draft_dir), "draft", skip=set())
     draft.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta).to(device)
+    draft.pack_context_kv()
     return draft.eval()
 
 
