@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from batchrun.bench.end_to_end import synthetic_prompts
 from batchrun.bench.hf_baseline import decode_ms_per_step
 from batchrun.bench.roofline import Ceilings, measure_ceilings, step_floor_ms
 from batchrun.bench.shapes import hf_twin, random_draft, random_target
@@ -44,15 +45,14 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] if values else 0.0
 
 
-def random_prompts(vocab: int, batch: int, context: int) -> torch.Tensor:
-    """The point's prompts [batch, context], the same for the engine and for generate()."""
-    gen = torch.Generator().manual_seed(batch * 7919 + context)
-    return torch.randint(0, vocab, (batch, context), generator=gen)
+def random_prompts(vocab: int, batch: int, context: int) -> list[list[int]]:
+    """The point's prompts, the same for the engine and for generate()."""
+    return synthetic_prompts(vocab, batch, context, seed=batch * 7919 + context)
 
 
 def start_decoding(engine: Engine, batch: int, context: int) -> list[Request]:
     """`batch` requests prefilled and two steps into decoding: the steady state to time."""
-    prompts = random_prompts(engine.vocab_size, batch, context).tolist()
+    prompts = random_prompts(engine.vocab_size, batch, context)
     budget = engine.max_model_len - context - 1
     reqs = [Request(i, p, SamplingParams(max_tokens=budget)) for i, p in enumerate(prompts)]
     for req in reqs:
@@ -203,7 +203,7 @@ def _hf_baselines(plan: SweepPlan, hf: torch.nn.Module) -> Iterator[dict[str, An
     vocab = plan.shape.vocab_size
     for batch in plan.batch_sizes:
         for context in plan.contexts[:1]:
-            ids = random_prompts(vocab, batch, context).cuda()
+            ids = torch.tensor(random_prompts(vocab, batch, context), device="cuda")
             modes = (["eager"] if plan.hf_eager else []) + (
                 ["static_compiled"] if batch in plan.hf_compiled_batches else []
             )
