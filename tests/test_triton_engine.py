@@ -69,7 +69,7 @@ def run(
     }  # fmt: skip
     engine = Engine(EngineConfig(target=target, draft=draft, **(settings | config)))
     if emulate_graphs:
-        engine.runner.capture_graphs(engine.config.max_batch_size, engine.max_model_len)
+        engine.runner.capture_graphs(engine.config.max_batch_size)
     for i, (prompt, params) in enumerate(work):
         engine.add(Request(row_index=i, prompt_ids=list(prompt), params=params))
     finished: list[Request] = []

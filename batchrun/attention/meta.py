@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
@@ -31,74 +30,12 @@ class AttentionMeta:
         return self.kv_lens.shape[0]
 
 
-@dataclass(frozen=True)
-class HostMeta:
-    """A forward's metadata as numpy arrays, built without a Python loop over tokens."""
-
-    positions: np.ndarray  # [T] int64
-    slot_mapping: np.ndarray  # [T] int64
-    cu_q: np.ndarray  # [R+1] int32
-    kv_lens: np.ndarray  # [R] int32
-    page_table: np.ndarray  # [R, max_pages] int32
-    max_q: int
-    max_kv: int
-
-    @staticmethod
-    def empty() -> HostMeta:
-        return host_meta(np.zeros(0, np.int64), np.zeros(0, np.int64), [], 1)
-
-
-def host_meta(
-    starts: np.ndarray, q_lens: np.ndarray, page_tables: list[list[int]], page_size: int
-) -> HostMeta:
-    """Request r feeds q_lens[r] rows at positions starts[r] .. starts[r] + q_lens[r] - 1."""
-    starts = starts.astype(np.int64)
-    q_lens = q_lens.astype(np.int64)
-    num_req = len(q_lens)
-    cu_q = np.zeros(num_req + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=cu_q[1:])
-    width = max((len(t) for t in page_tables), default=0)
-    table = np.zeros((num_req, max(width, 1)), dtype=np.int32)
-    for r, pages in enumerate(page_tables):  # per request, not per token
-        table[r, : len(pages)] = pages
-    row_req = np.repeat(np.arange(num_req), q_lens)
-    positions = np.arange(int(cu_q[-1]), dtype=np.int64) - cu_q[row_req] + starts[row_req]
-    slots = table[row_req, positions // page_size].astype(np.int64) * page_size
-    slots += positions % page_size
-    kv_lens = starts + q_lens
-    return HostMeta(
-        positions=positions,
-        slot_mapping=slots,
-        cu_q=cu_q.astype(np.int32),
-        kv_lens=kv_lens.astype(np.int32),
-        page_table=table,
-        max_q=int(q_lens.max(initial=0)),
-        max_kv=int(kv_lens.max(initial=0)),
-    )
-
-
-def device_meta(
-    host: HostMeta, page_size: int, device: torch.device, causal: bool = True
-) -> AttentionMeta:
-    """Eager forwards: copy the host metadata to the device (pinned, asynchronous on a GPU)."""
-
-    def put(array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if device.type == "cuda":
-            return tensor.pin_memory().to(device, non_blocking=True)
-        return tensor.to(device)
-
-    return AttentionMeta(
-        positions=put(host.positions),
-        slot_mapping=put(host.slot_mapping),
-        cu_q=put(host.cu_q),
-        kv_lens=put(host.kv_lens),
-        page_table=put(host.page_table),
-        page_size=page_size,
-        max_q=host.max_q,
-        max_kv=host.max_kv,
-        causal=causal,
-    )
+def cache_slots(
+    page_table: torch.Tensor, req: torch.Tensor, positions: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """The cache slot of position positions[t] of request req[t] (int64)."""
+    pages = page_table[req, torch.div(positions, page_size, rounding_mode="floor")].long()
+    return pages * page_size + positions % page_size
 
 
 def allocate_kv(

@@ -2,12 +2,19 @@
 
 One step = (draft forward, when a draft is loaded) + one target forward over every scheduled
 request's rows: prefill chunks, plain decode rows, or DFlash verify blocks. A plain decode step
-is a verify round of width 1 that drafts nothing, so both paths share one commit rule. Sampling
-and acceptance run on the device; one small copy per step brings back what was committed.
+is a verify round of width 1 that drafts nothing, so both paths share one commit rule. Sampling,
+acceptance and the commit into the per-slot device state run on the device; one small copy per
+step brings back what was committed.
+
+Steps overlap: step N+1 is scheduled and launched before the host reads step N's tokens (its
+inputs come from the device state, which step N updates on the device), so the host's work of
+committing, stop checks and scheduling runs while the GPU computes. A request that step N
+finishes or a preemption drops runs once more in step N+1; that result is dropped.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +29,12 @@ from batchrun.engine.loading import (
     resolve_device,
 )
 from batchrun.engine.memory import kv_pages
-from batchrun.engine.model_runner import ModelRunner
+from batchrun.engine.model_runner import IN_FLIGHT_STEPS, ModelRunner
 from batchrun.engine.page_pool import PagePool
 from batchrun.engine.request import Request
 from batchrun.engine.sampler import sample
 from batchrun.engine.scheduler import Scheduled, Scheduler
-from batchrun.engine.step_rows import (
-    accepted,
-    committed_features,
-    rows_sampled,
-    sampling_batch,
-    target_rows,
-)
+from batchrun.engine.step_inputs import plan_step, rows_sampled
 from batchrun.engine.step_timer import StepTimer
 from batchrun.engine.stopping import Stopper
 from batchrun.errors import JobError
@@ -42,10 +43,21 @@ from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import load_dflash
 from batchrun.models.loader import load_qwen3
 from batchrun.models.qwen3 import Qwen3ForCausalLM
-from batchrun.speculative.acceptance import RoundTrace
-from batchrun.speculative.drafter import Blocks, ContextRows, propose
+from batchrun.speculative.acceptance import RoundTrace, accepted_lengths
 
 ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their tokens are cut
+
+
+@dataclass
+class Launched:
+    """A step on the GPU whose tokens the host has not read yet."""
+
+    batch: list[Scheduled]
+    samples: list[int]  # rows sampled per item
+    epochs: list[int]  # each request's epoch at launch: a later one drops the result
+    host: torch.Tensor  # sampled tokens, accepted counts (and drafts when traced), on their way
+    ready: torch.cuda.Event | None
+    num_drafts: int  # drafts per decoding request copied back (0: not traced)
 
 
 class Engine:
@@ -107,7 +119,7 @@ class Engine:
         limit = min(
             config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings
         )
-        self.max_model_len = min(limit, capacity - width)
+        self.max_model_len = min(limit, capacity - IN_FLIGHT_STEPS * width)
         if self.max_model_len < 2:
             raise JobError(f"the KV pool ({num_pages} pages of {config.page_size}) is too small")
         self.pool = PagePool(num_pages, config.page_size)
@@ -119,15 +131,19 @@ class Engine:
         use_ops(model, ops)
         if draft is not None:
             use_ops(draft, ops)
-        self.runner = ModelRunner(model, draft, backend, num_pages, config.page_size, self.device)
+        self.runner = ModelRunner(
+            model, draft, backend, num_pages, config.page_size, config.max_batch_size,
+            config.max_batched_tokens, self.max_model_len, self.device,
+        )  # fmt: skip
         if config.cuda_graphs and backend.graphable and self.device.type == "cuda":
-            self.runner.capture_graphs(config.max_batch_size, self.max_model_len)
+            self.runner.capture_graphs(config.max_batch_size)
         self.scheduler = Scheduler(
             self.pool, config.max_batch_size, config.max_batched_tokens, decode_width=width
         )
         self.stopper = Stopper(tokenizer, eos, self.max_model_len)
         self.timer = StepTimer(self.device)
         self.round_trace: list[RoundTrace] | None = None  # set to a list to record rounds
+        self._launched: Launched | None = None
         self._backend_name = backend.name
         self._dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
 
@@ -162,6 +178,9 @@ class Engine:
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its pages (benchmarks between points)."""
+        if self._launched is not None and self._launched.ready is not None:
+            self._launched.ready.synchronize()
+        self._launched = None
         for req in list(self.scheduler.running):
             self.scheduler.finish(req)
         for req in self.scheduler.waiting:  # preempted ones may hold no pages; fresh ones none
@@ -171,90 +190,110 @@ class Engine:
     # -- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
+        """Launch the next step, then read back the one before it; returns the requests that
+        one finished."""
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        self.timer.mark()
-        decoding = [it.req for it in batch if it.decoding]
-        drafts = self._propose(batch, decoding)
-        self.timer.mark()
-        samples = [rows_sampled(it) for it in batch]
-        ids, host, rows = target_rows(batch, samples, drafts, self.pool.page_size, self.device)
-        logits, features = self.runner.forward(ids, host, rows)
-        tokens = self._sample(logits, batch, samples)
-        accepted_dev = accepted(batch, samples, tokens, drafts)
-        self.timer.mark()
-        # The step's one device-to-host copy: sampled tokens, then accepted counts.
-        host_out = torch.cat((tokens, accepted_dev)).tolist()
-        post_all, acc_all = host_out[: len(tokens)], host_out[len(tokens) :]
-        drafts_host = drafts.tolist() if drafts is not None and self.round_trace is not None else []
+        launched = self._launch(batch) if batch else None
+        finished = self._read_back(self._launched) if self._launched is not None else []
+        self._launched = launched
+        return finished
 
-        committed = committed_features(batch, acc_all, features)
+    def _launch(self, batch: list[Scheduled]) -> Launched:
+        runner, width = self.runner, self.block_size or 1
+        samples = [rows_sampled(it) for it in batch]
+        all_decoding = all(it.decoding for it in batch)
+        pad_to = runner.graph_size(len(batch)) if all_decoding else None
+        runner.state.admit(self.scheduler.admitted)  # before planning: it resends their pages
+        plan = plan_step(batch, samples, width, self.pool.page_size, runner.state.num_slots, pad_to)
+        for it in batch:  # the host's view moves on; decode rows commit when read back
+            if it.decoding:
+                it.req.in_flight += 1
+            else:
+                it.req.num_cached += it.num_new
+        self.timer.mark()
+        args = runner.load(plan)
+        num_dec = plan.num_decoding
+        drafts = runner.draft_step(args, plan) if self.draft is not None and num_dec else None
+        self.timer.mark()
+        out = runner.target_step(args, plan, drafts)
+        greedy = all(
+            it.req.params.temperature == 0 for it, k in zip(batch, samples, strict=True) if k
+        )
+        if greedy:
+            tokens = out.logits.argmax(dim=-1)
+        else:
+            tokens = sample(out.logits, runner.state.sampling(out.row_slot, out.row_step))
+        if drafts is not None:
+            accepted = accepted_lengths(drafts, tokens[: num_dec * width].view(num_dec, width))
+        else:
+            accepted = tokens.new_zeros(num_dec)
+        live = plan.num_live
+        runner.state.commit(
+            args.slot[:live], args.q_len[:live], args.sampled[:live], tokens, accepted,
+            num_dec, width,
+        )  # fmt: skip
+        self.timer.mark()
+        # The step's one device-to-host copy: sampled tokens, accepted counts (drafts if traced).
+        parts = [tokens[: sum(samples)], accepted]
+        traced = self.round_trace is not None and drafts is not None
+        if traced and drafts is not None:
+            parts.append(drafts.reshape(-1))
+        return Launched(
+            batch, samples, [it.req.epoch for it in batch], *_to_host(torch.cat(parts)),
+            num_drafts=width - 1 if traced else 0,
+        )  # fmt: skip
+
+    def _read_back(self, launched: Launched) -> list[Request]:
+        """Commit a launched step's tokens on the host: stop checks, outputs, finished ones."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        values = launched.host.tolist()
+        num_sampled = sum(launched.samples)
+        num_dec = sum(it.decoding for it in launched.batch)
+        post_all, values = values[:num_sampled], values[num_sampled:]
+        accepted, drafts = values[:num_dec], values[num_dec:]
+        d = launched.num_drafts
         finished, pos, dec = [], 0, 0
-        for it, k in zip(batch, samples, strict=True):
+        for it, k, epoch in zip(launched.batch, launched.samples, launched.epochs, strict=True):
             req = it.req
-            feats = next(committed) if committed is not None else None
             post = post_all[pos : pos + k]
             pos += k
             if it.decoding:
-                acc = acc_all[dec] if drafts is not None else 0
-                self._commit_round(req, post, acc, feats, drafts_host[dec] if drafts_host else [])
                 dec += 1
-            else:
-                req.num_cached += it.num_new
-                if feats is not None:
-                    req.pending_features.append(feats)
-                if post:  # the first token, sampled from the prompt's last row
-                    self.stopper.commit(req, post)
+            if req.epoch != epoch:  # finished or preempted since: this result is dropped
+                continue
+            if it.decoding:
+                req.in_flight -= 1
+                self._commit_round(req, post, accepted[dec - 1], drafts[(dec - 1) * d : dec * d])
+            elif post:  # the first token, sampled from the prompt's last row
+                self.stopper.commit(req, post)
             if req.finish_reason:
                 self.scheduler.finish(req)
                 finished.append(req)
-            else:
-                self.pool.shrink(req.pages, req.num_cached)  # release KV past the committed tokens
+            else:  # release KV past the committed tokens and the steps still in flight
+                self.pool.shrink(req.pages, req.num_cached + req.in_flight * (self.block_size or 1))
+                req.pages_on_device = min(req.pages_on_device, len(req.pages))
         return finished
 
-    def _propose(self, batch: list[Scheduled], decoding: list[Request]) -> torch.Tensor | None:
-        """Write the draft context of newly committed tokens, then draft a block for every
-        decoding request: [R_decoding, B-1] on the device (None without a draft)."""
-        if self.draft is None or self.block_size is None:
-            return None
-        context = []
-        for it in batch:
-            req = it.req
-            if req.pending_features:
-                rows = torch.cat(req.pending_features)
-                context.append(ContextRows(rows, req.draft_cached, req.pages))
-                req.draft_cached += rows.shape[0]
-                req.pending_features.clear()
-        for req in decoding:
-            assert req.draft_cached == req.num_cached, "draft context must end at the anchor"
-        blocks = Blocks(
-            anchors=[r.output_ids[-1] for r in decoding],
-            starts=[r.num_cached for r in decoding],
-            page_tables=[r.pages for r in decoding],
-        )
-        return propose(self.runner, context, blocks, self.block_size, self.draft.mask_token_id)
-
-    def _sample(
-        self, logits: torch.Tensor, batch: list[Scheduled], samples: list[int]
-    ) -> torch.Tensor:
-        sampling = (it.req for it, k in zip(batch, samples, strict=True) if k)
-        if all(req.params.temperature == 0 for req in sampling):
-            return logits.argmax(dim=-1)
-        return sample(logits, sampling_batch(batch, samples, self.vocab_size, self.device))
-
-    def _commit_round(
-        self, req: Request, post: list[int], acc: int, feats: torch.Tensor | None, drafts: list[int]
-    ) -> None:
+    def _commit_round(self, req: Request, post: list[int], acc: int, drafts: list[int]) -> None:
         """Commits post[0 .. acc] (acc accepted drafts plus the target's own next token)."""
         p, anchor = req.num_cached, req.output_ids[-1]
         kept = self.stopper.commit(req, post[: acc + 1])
         req.num_cached = p + acc + 1  # anchor .. d_acc now hold target KV; the bonus is next
-        if feats is not None:
-            req.pending_features.append(feats)
         if req.spec_hist is not None:
             req.spec_rounds += 1
             req.spec_hist[kept - 1] += 1
             if self.round_trace is not None:
                 committed = req.output_ids[len(req.output_ids) - kept :]
                 self.round_trace.append(RoundTrace(req.row_index, p, anchor, drafts, committed))
+
+
+def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """An asynchronous copy into pinned memory on a GPU, and the event that marks it done."""
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready

@@ -1,23 +1,38 @@
-"""The model runner: owns the target and draft models, their paged KV pools, the attention
-backend and the CUDA graphs, and runs a step's forwards.
+"""The model runner: owns the target and draft models, their paged KV pools, the per-slot
+device state, the attention backend and the CUDA graphs, and runs a step's forwards.
 
-A forward in which every request feeds the same number of rows (plain decode: 1; a DFlash draft
-block or verify: B) replays a CUDA graph captured for the smallest batch size that holds it;
-any other forward (prefill chunks mixed in) runs the same modules eagerly.
+A step arrives as one packed host array (engine/step_inputs.py), copied once into a persistent
+device buffer; everything else is built on the device from it and the slots' state. A step in
+which every request decodes (plain decode: 1 row each; DFlash: a draft block and a verify of B
+rows each) replays CUDA graphs captured for the smallest batch size that holds it, input
+building included; any other step (prefill chunks mixed in) runs the same code eagerly.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from batchrun.attention.base import AttentionBackend
-from batchrun.attention.meta import AttentionMeta, HostMeta, allocate_kv, device_meta
-from batchrun.engine.cuda_graphs import GraphSet, StepBuffers, batch_ladder
+from batchrun.attention.meta import allocate_kv
+from batchrun.engine.cuda_graphs import GraphSet, batch_ladder
+from batchrun.engine.device_state import DeviceState, pinned
+from batchrun.engine.page_pool import pages_for
+from batchrun.engine.step_inputs import StepArgs, StepPlan, step_args, target_inputs
 from batchrun.models.dflash import DFlashDraft
 from batchrun.models.qwen3 import Qwen3ForCausalLM
+from batchrun.speculative.drafter import context_feature_rows, draft_inputs
+
+IN_FLIGHT_STEPS = 2  # a request's pages cover the step being read back and the one launched
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    logits: torch.Tensor  # [N, V] float32, the sampled rows (a graph step: every padded row)
+    row_slot: torch.Tensor  # [N] the slot each row samples for
+    row_step: torch.Tensor  # [N] the output-token index it draws
 
 
 class ModelRunner:
@@ -28,164 +43,183 @@ class ModelRunner:
         backend: AttentionBackend,
         num_pages: int,
         page_size: int,
+        max_batch_size: int,
+        max_batched_tokens: int,
+        max_model_len: int,
         device: torch.device,
     ) -> None:
         s = model.shape
         self.model, self.draft, self.backend = model, draft, backend
         self.device, self.page_size, self.num_pages = device, page_size, num_pages
+        self.width = draft.block_size if draft is not None else 1
         dtype = model.lm_head.weight.dtype
         self.kv_caches = allocate_kv(
             s.num_layers, num_pages, page_size, s.num_kv_heads, s.head_dim, dtype, device
         )
         # The draft cache is indexed by the target's page tables: position i of a request
         # lives in the same slot of both.
-        self.draft_kv = (
-            allocate_kv(
-                draft.shape.num_layers,
-                num_pages,
-                page_size,
-                draft.shape.num_kv_heads,
-                draft.shape.head_dim,
-                dtype,
-                device,
+        self.draft_kv = []
+        if draft is not None:
+            d = draft.shape
+            self.draft_kv = allocate_kv(
+                d.num_layers, num_pages, page_size, d.num_kv_heads, d.head_dim, dtype, device
             )
-            if draft is not None
-            else []
-        )
         self.capture_layers = draft.target_layer_ids if draft is not None else ()
-        self.width = draft.block_size if draft is not None else 1
-        self.buffers: StepBuffers | None = None
+        # Positions a step can touch: the context, the step being read back and this one.
+        self.max_kv = max_model_len + IN_FLIGHT_STEPS * self.width
+        max_pages = pages_for(self.max_kv, page_size)
+        self.state = DeviceState(max_batch_size, max_pages, s.vocab_size, device)
+        self.step_in = torch.zeros(
+            step_in_size(max_batch_size, max_batched_tokens, self.width, page_size),
+            dtype=torch.int64, device=device,
+        )  # fmt: skip
+        self.drafts = torch.zeros(max_batch_size, max(self.width - 1, 1), dtype=torch.int64,
+                                  device=device)  # fmt: skip
+        self.ctx_features: torch.Tensor | None = None  # [rows, layers * H], for the draft graph
+        self.features: torch.Tensor | None = None  # the last target forward's captured rows
         self.target_graphs: GraphSet | None = None
         self.draft_graphs: GraphSet | None = None
         self.replays: Counter[tuple[str, int]] = Counter()  # (graph set, batch size) -> replays
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
-    def capture_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        """Capture the steady-state forwards for every ladder size up to max_batch_size (off a
+    def capture_graphs(self, max_batch_size: int) -> None:
+        """Capture the steady-state step for every ladder size up to max_batch_size (off a
         GPU: emulate them, for tests)."""
-        max_pages = -(-(max_model_len + self.width) // self.page_size)
-        self.buffers = StepBuffers(
-            max_batch_size, self.width, max_pages, self.page_size, self.device
-        )
-        max_kv = max_model_len + self.width
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         sizes = batch_ladder(max_batch_size)
-        self.target_graphs = GraphSet(
-            "target", self._target_all_rows, self.buffers, self.backend, True, max_kv
-        )
+        self.target_graphs = GraphSet("target", self._target_graph, self._clear, self.device)
         self.target_graphs.capture(sizes, pool)
         if self.draft is not None:
-            width = self.model.shape.hidden_size * len(self.capture_layers)
-            self.buffers.ctx_features = torch.zeros(
-                max_batch_size * self.width, width, dtype=self.model.lm_head.weight.dtype,
+            rows, width = max_batch_size * self.width, self.model.shape.hidden_size
+            self.ctx_features = torch.zeros(
+                rows, width * len(self.capture_layers), dtype=self.model.lm_head.weight.dtype,
                 device=self.device,
             )  # fmt: skip
-            self.draft_graphs = GraphSet(
-                "draft", self._draft_rows, self.buffers, self.backend, False, max_kv
-            )
+            self.draft_graphs = GraphSet("draft", self._draft_graph, self._clear, self.device)
             self.draft_graphs.capture(sizes, pool)
 
-    def _replayable(self, graphs: GraphSet | None, host: HostMeta) -> int | None:
-        """The graph size to replay this forward at, or None to run it eagerly."""
-        if graphs is None or len(host.kv_lens) == 0:
+    def graph_size(self, num_requests: int) -> int | None:
+        """The graph size a step of num_requests decoding requests replays at (None: eager)."""
+        if self.target_graphs is None:
             return None
-        if not (np.diff(host.cu_q) == self.width).all():
-            return None
-        return graphs.bucket(len(host.kv_lens))
+        return self.target_graphs.bucket(num_requests)
 
-    # -- target -------------------------------------------------------------------------------
+    def _clear(self, size: int) -> None:
+        """A step of `size` padding requests (the state graphs are captured in)."""
+        head = self.step_in[: 4 * size].view(4, size)
+        head.zero_()
+        head[0] = self.state.num_slots
+
+    def _head(self, size: int) -> StepArgs:
+        head = self.step_in[: 4 * size].view(4, size)
+        empty = self.step_in[:0]
+        return StepArgs(head[0], head[1], head[2], head[3], empty.view(3, 0), empty, None)
+
+    # -- a step -------------------------------------------------------------------------------
+
+    def load(self, plan: StepPlan) -> StepArgs:
+        """The step's one host-to-device copy; new page-table entries applied."""
+        self.step_in[: plan.packed.size].copy_(pinned(plan.packed, self.device), non_blocking=True)
+        args = step_args(self.step_in, plan, self.width)
+        self.state.add_pages(args.updates)
+        return args
 
     @torch.inference_mode()
-    def forward(
-        self, ids: torch.Tensor, host: HostMeta, logit_rows: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Runs the target over the step's rows (ids [T] on the device); returns float32 logits
-        of `logit_rows` (every row when None) and the captured layer features of every row."""
-        rows = len(host.positions)
-        size = self._replayable(self.target_graphs, host)
-        if size is not None and self.target_graphs is not None and self.buffers is not None:
-            self.buffers.load(host, size)
-            self.buffers.ids[:rows].copy_(ids)
-            logits, *features = self.target_graphs.replay(size)
-            self.replays["target", size] += 1
-            logits = logits[:rows] if logit_rows is None else logits[logit_rows]
-            return logits, features[0][:rows] if features else None
-        meta = device_meta(host, self.page_size, self.device)
-        self.backend.plan(meta)
-        hidden, features = self.model(
-            ids, meta.positions, self.backend, self.kv_caches, self.capture_layers
-        )
-        if logit_rows is not None:
-            hidden = hidden[logit_rows]
-        return self.model.logits(hidden), features
+    def draft_step(self, args: StepArgs, plan: StepPlan) -> torch.Tensor:
+        """Drafts [D, B-1] for the step's D decoding requests, after storing the context K/V
+        of the rows their last verify committed."""
+        assert self.draft is not None
+        num_dec = plan.num_decoding
+        graphed = plan.uniform and self.draft_graphs is not None and self.ctx_features is not None
+        slots = args.slot if graphed else args.slot[:num_dec]
+        context = self._context(slots)
+        if graphed:
+            assert self.draft_graphs is not None and self.ctx_features is not None
+            if context is not None:
+                self.ctx_features[: context.shape[0]].copy_(context)
+            self.replays["draft", plan.num_requests] += 1
+            return self.draft_graphs.replay(plan.num_requests)[0][:num_dec]
+        return self._draft(slots, context)
 
-    def _target_all_rows(self, meta: AttentionMeta, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _context(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """The features of the rows each request's last verify committed, W rows per request."""
+        if self.features is None:
+            return None
+        rows = context_feature_rows(self.state, slots, self.width, self.features.shape[0])
+        return self.features.index_select(0, rows)
+
+    def _draft(self, slots: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+        assert self.draft is not None
+        inputs = draft_inputs(
+            self.state, slots, self.width, self.draft.mask_token_id, self.page_size, self.max_kv
+        )
+        if context is not None:
+            self.draft.write_context(
+                context, inputs.ctx_positions, inputs.ctx_slots, self.backend, self.draft_kv
+            )
+        self.backend.plan(inputs.meta)
+        return self.draft.draft_block(
+            self.model, inputs.block_ids, inputs.meta.positions, self.backend, self.draft_kv
+        )
+
+    def _draft_graph(self, size: int) -> tuple[torch.Tensor, ...]:
+        assert self.ctx_features is not None
+        slots = self._head(size).slot
+        drafts = self._draft(slots, self.ctx_features[: size * self.width])
+        self.drafts[:size].copy_(drafts)  # the target graph reads them here
+        return (self.drafts[:size],)
+
+    @torch.inference_mode()
+    def target_step(
+        self, args: StepArgs, plan: StepPlan, drafts: torch.Tensor | None
+    ) -> TargetOutput:
+        """The target over the step's rows: logits of the rows to sample. A DFlash target also
+        keeps its captured features (the draft's next context) and stores the draft context
+        of prefill-chunk rows at once."""
+        if plan.uniform and self.target_graphs is not None:
+            logits, row_slot, row_step, *features = self.target_graphs.replay(plan.num_requests)
+            self.replays["target", plan.num_requests] += 1
+            self.features = features[0] if features else None
+            return TargetOutput(logits, row_slot, row_step)
+        inputs = target_inputs(
+            args, self.state, drafts, plan.num_rows, self.width, self.page_size, plan.max_q,
+            plan.max_kv,
+        )  # fmt: skip
+        self.backend.plan(inputs.meta)
         hidden, features = self.model(
-            ids, meta.positions, self.backend, self.kv_caches, self.capture_layers
+            inputs.ids, inputs.meta.positions, self.backend, self.kv_caches, self.capture_layers
+        )
+        chunks = plan.num_rows > plan.num_decoding * self.width
+        if self.draft is not None and features is not None and chunks:
+            self.draft.write_context(
+                features, inputs.meta.positions, inputs.chunk_slots, self.backend, self.draft_kv
+            )
+        self.features = features
+        row_slot, row_step = inputs.row_slot, inputs.row_step
+        if args.logit_rows is not None:
+            rows = args.logit_rows
+            hidden, row_slot, row_step = hidden[rows], row_slot[rows], row_step[rows]
+        return TargetOutput(self.model.logits(hidden), row_slot, row_step)
+
+    def _target_graph(self, size: int) -> tuple[torch.Tensor, ...]:
+        inputs = target_inputs(
+            self._head(size), self.state, self.drafts[:size], size * self.width, self.width,
+            self.page_size, self.width, self.max_kv,
+        )  # fmt: skip
+        self.backend.plan(inputs.meta)
+        hidden, features = self.model(
+            inputs.ids, inputs.meta.positions, self.backend, self.kv_caches, self.capture_layers
         )
         logits = self.model.logits(hidden)
-        return (logits,) if features is None else (logits, features)
+        outputs = (logits, inputs.row_slot, inputs.row_step)
+        return outputs if features is None else (*outputs, features)
 
-    # -- draft --------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def draft_forward(
-        self,
-        features: torch.Tensor,
-        ctx_positions: np.ndarray,
-        ctx_slots: np.ndarray,
-        block_ids: torch.Tensor,
-        host: HostMeta,
-    ) -> torch.Tensor:
-        """One draft forward: store the context K/V of newly committed tokens (features [C,
-        layers * H] at ctx_positions / ctx_slots), then draft [R, B-1] for R requests whose
-        blocks (anchor, then masks) are block_ids [R*B] at the positions and slots of `host`
-        (non-causal over context plus block). Both parts replay from one graph when the
-        context rows fit the graph (at most B per request, as in every steady-state step)."""
-        assert self.draft is not None
-        num_req = len(host.kv_lens)
-        size = self._replayable(self.draft_graphs, host)
-        if size is None or self.draft_graphs is None or self.buffers is None:
-            self.write_draft_context(features, ctx_positions, ctx_slots)
-            meta = device_meta(host, self.page_size, self.device, causal=False)
-            self.backend.plan(meta)
-            return self.draft.draft_block(
-                self.model, block_ids, meta.positions, self.backend, self.draft_kv
-            )
-        ctx_rows = size * self.width
-        if len(ctx_positions) > ctx_rows:  # after a prefill: more context than the graph holds
-            self.write_draft_context(features, ctx_positions, ctx_slots)
-            ctx_positions = ctx_slots = np.zeros(0, dtype=np.int64)
-        self.buffers.load(host, size)
-        self.buffers.load_context(features, ctx_positions, ctx_slots, ctx_rows)
-        self.buffers.ids[: len(block_ids)].copy_(block_ids)
-        self.replays["draft", size] += 1
-        # A copy: graph outputs live in the pool that the target's graphs reuse.
-        return self.draft_graphs.replay(size)[0][:num_req].clone()
-
-    @torch.inference_mode()
-    def write_draft_context(
-        self, features: torch.Tensor, positions: np.ndarray, slots: np.ndarray
-    ) -> None:
-        """Store the draft's context K/V of newly committed tokens (eager: any number of rows)."""
-        assert self.draft is not None
-        if len(positions) == 0:
-            return
-        pos = torch.from_numpy(positions).to(self.device, non_blocking=True)
-        slot = torch.from_numpy(slots).to(self.device, non_blocking=True)
-        self.draft.write_context(features, pos, slot, self.backend, self.draft_kv)
-
-    def _draft_rows(self, meta: AttentionMeta, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The captured draft forward: the padded context rows, then the blocks."""
-        assert self.draft is not None and self.buffers is not None
-        rows = ids.shape[0]
-        assert self.buffers.ctx_features is not None
-        self.draft.write_context(
-            self.buffers.ctx_features[:rows], self.buffers.ctx_positions[1][:rows],
-            self.buffers.ctx_slots[1][:rows], self.backend, self.draft_kv,
-        )  # fmt: skip
-        drafts = self.draft.draft_block(
-            self.model, ids, meta.positions, self.backend, self.draft_kv
-        )
-        return (drafts,)
+def step_in_size(max_batch_size: int, max_batched_tokens: int, width: int, page_size: int) -> int:
+    """The packed step's largest size: request fields, the page-table entries a step can
+    add (every row's pages plus each request's in-flight steps and a partial page), chunk ids
+    and logit rows."""
+    pages = pages_for(max_batched_tokens, page_size)
+    pages += max_batch_size * (pages_for(IN_FLIGHT_STEPS * width, page_size) + 2)
+    return 4 * max_batch_size + 3 * pages + 2 * max_batched_tokens

@@ -7,7 +7,6 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from batchrun.engine.stop_scan import StopScan
 
@@ -78,10 +77,12 @@ class Request:
     spec_rounds: int = 0
     spec_hist: list[int] | None = None  # entry k-1: rounds that committed k tokens
     # KV bookkeeping (engine-private).
-    num_cached: int = 0  # leading tokens whose target KV is written
+    num_cached: int = 0  # leading tokens whose target KV is committed or being prefilled
     pages: list[int] = field(default_factory=list)
-    draft_cached: int = 0  # leading tokens whose draft context KV is written
-    pending_features: list[torch.Tensor] = field(default_factory=list)
+    slot: int = -1  # its row in the device state while running
+    pages_on_device: int = 0  # leading pages already in the device's page table
+    in_flight: int = 0  # decode/verify steps launched whose tokens the host has not read yet
+    epoch: int = 0  # bumped when preempted or finished: results launched before are dropped
     stop_scan: StopScan | None = None  # stop-string search state, made on the first token
 
     def token_slice(self, start: int, end: int) -> list[int]:

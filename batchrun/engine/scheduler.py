@@ -9,6 +9,9 @@ now does not preempt a request in the next step. When the pool still runs dry, t
 admitted request not yet scheduled in this pass is preempted: its pages are freed and it is
 recomputed later from its tokens, which changes no output (sampling is keyed by position). A
 request preempted in a pass waits at least until the next one.
+
+The engine launches a step before it reads the previous one's tokens, so a decoding request's
+pages cover its in-flight steps too, and each running request holds a slot of the device state.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class Scheduler:
         self._step_pages = pages_for(decode_width, pool.page_size)
         self._planned: set[Request] = set()  # requests scheduled in this pass
         self._preempted: set[Request] = set()  # requests preempted in this pass
+        self._free_slots = list(range(self.max_running - 1, -1, -1))
+        self.admitted: list[Request] = []  # requests given a slot in this pass
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -59,12 +64,12 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> list[Scheduled]:
-        self._planned, self._preempted = set(), set()
+        self._planned, self._preempted, self.admitted = set(), set(), []
         width = self.decode_width
         batch: list[Scheduled] = []
         for req in list(self.running):  # oldest first; preempting the newest if pages run out
             decoding = req.status is Status.RUNNING and req.num_cached == prefill_len(req)
-            if decoding and self._grow_or_preempt(req, width):
+            if decoding and self._grow_or_preempt(req, width * (req.in_flight + 1)):
                 batch.append(self._plan(req, width, decoding=True))
         budget = self.max_batched_tokens - width * len(batch)
         for req in list(self.running):
@@ -88,7 +93,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
+            req.slot = self._free_slots.pop()
             self.running.append(req)
+            self.admitted.append(req)
             batch.append(self._plan(req, n, decoding=False))
             budget -= n
         return batch
@@ -118,18 +125,21 @@ class Scheduler:
         return True
 
     def preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self.pool.release(req.pages)
+        self._leave(req)
         req.num_cached = 0
-        req.draft_cached = 0
-        req.pending_features.clear()
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self._preempted.add(req)
         self.num_preemptions += 1
 
     def finish(self, req: Request) -> None:
+        self._leave(req)
+        req.status = Status.FINISHED
+
+    def _leave(self, req: Request) -> None:
+        """Off the running list: pages and slot back, in-flight results to be dropped."""
         self.running.remove(req)
         self.pool.release(req.pages)
-        req.pending_features.clear()
-        req.status = Status.FINISHED
+        self._free_slots.append(req.slot)
+        req.slot, req.in_flight = -1, 0
+        req.epoch += 1

@@ -1,9 +1,8 @@
-"""DFlash drafting for a step: every request's newly committed target features go into the
-draft's context cache, then one block (anchor + B-1 masks) is drafted per request about to
-verify, in one draft forward.
+"""DFlash drafting for a step, built on the device from the per-slot state: the rows the last
+verify committed enter the draft's context cache, then one block (anchor + B-1 masks) is
+drafted per decoding request, non-causal over its whole draft context and the block.
 
-It works on plain arrays and a runner that owns the models, KV pools and graphs (DraftRunner):
-nothing here imports the engine.
+It works on tensors (SlotState): nothing here imports the engine.
 """
 
 from __future__ import annotations
@@ -11,79 +10,76 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
-from batchrun.attention.meta import HostMeta, host_meta
+from batchrun.attention.meta import AttentionMeta, cache_slots
 
 
-class DraftRunner(Protocol):
-    page_size: int
-    device: torch.device
+class SlotState(Protocol):
+    """The per-slot device state the drafter reads (engine/device_state.py)."""
 
-    def write_draft_context(
-        self, features: torch.Tensor, positions: np.ndarray, slots: np.ndarray
-    ) -> None: ...
-
-    def draft_forward(
-        self,
-        features: torch.Tensor,
-        ctx_positions: np.ndarray,
-        ctx_slots: np.ndarray,
-        block_ids: torch.Tensor,
-        host: HostMeta,
-    ) -> torch.Tensor: ...
+    num_slots: int  # the scratch slot's index: graph padding
+    page_table: torch.Tensor  # [slots, max_pages] int32
+    seq_len: torch.Tensor  # tokens with target KV: the anchor's position
+    last_token: torch.Tensor  # the anchor
+    ctx_rows: torch.Tensor  # rows of the last verify still to enter the draft context
+    ctx_row0: torch.Tensor  # their first row in that verify's features
 
 
-@dataclass
-class ContextRows:
-    """One request's new context rows: target features of tokens start .. start + n - 1."""
-
-    features: torch.Tensor  # [n, layers * H]
-    start: int
-    pages: list[int]
-
-
-@dataclass
-class Blocks:
-    """The requests to draft for: each one's newest token (the anchor) and its position."""
-
-    anchors: list[int]
-    starts: list[int]  # the anchor's position (= tokens with target K/V)
-    page_tables: list[list[int]]
+def context_feature_rows(
+    state: SlotState, slots: torch.Tensor, width: int, num_feature_rows: int
+) -> torch.Tensor:
+    """[D * W]: the row of the last step's features each context row reads (clamped: rows
+    past a request's count are read but not written)."""
+    j = torch.arange(width, device=slots.device)
+    rows = state.ctx_row0[slots][:, None] + j
+    return rows.clamp_(0, max(num_feature_rows - 1, 0)).view(-1)
 
 
-def propose(
-    runner: DraftRunner,
-    context: list[ContextRows],
-    blocks: Blocks,
-    block_size: int,
+@dataclass(frozen=True)
+class DraftInputs:
+    block_ids: torch.Tensor  # [D * W] anchor, then masks
+    meta: AttentionMeta  # the blocks, non-causal
+    ctx_positions: torch.Tensor  # [D * W]
+    ctx_slots: torch.Tensor  # [D * W], -1: not a committed row
+
+
+def draft_inputs(
+    state: SlotState,
+    slots: torch.Tensor,  # [D] the decoding requests' slots (padding: the scratch slot)
+    width: int,
     mask_token_id: int,
-) -> torch.Tensor | None:
-    """Store the context rows' draft K/V; return the drafts [R, B-1] of every block (each
-    sees its request's whole draft context and itself), or None when there is no block."""
-    features, positions, slots = _context_arrays(runner, context)
-    if not blocks.anchors:
-        runner.write_draft_context(features, positions, slots)
-        return None
-    num_req = len(blocks.anchors)
-    block = torch.full((num_req, block_size), mask_token_id, dtype=torch.long)
-    block[:, 0] = torch.tensor(blocks.anchors, dtype=torch.long)
-    widths = np.full(num_req, block_size, dtype=np.int64)
-    host = host_meta(np.array(blocks.starts), widths, blocks.page_tables, runner.page_size)
-    block_ids = block.view(-1).to(runner.device, non_blocking=True)
-    return runner.draft_forward(features, positions, slots, block_ids, host)
-
-
-def _context_arrays(
-    runner: DraftRunner, context: list[ContextRows]
-) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-    """The rows' features (one tensor), positions and draft-cache slots."""
-    if not context:
-        empty = np.zeros(0, dtype=np.int64)
-        return torch.zeros(0, device=runner.device), empty, empty
-    starts = np.array([r.start for r in context], dtype=np.int64)
-    counts = np.array([r.features.shape[0] for r in context], dtype=np.int64)
-    rows = host_meta(starts, counts, [r.pages for r in context], runner.page_size)
-    features = torch.cat([r.features for r in context])
-    return features, rows.positions, rows.slot_mapping
+    page_size: int,
+    max_kv: int,
+) -> DraftInputs:
+    """The draft's context rows and blocks, with no host sync (captured in CUDA graphs)."""
+    device = slots.device
+    num_req = slots.shape[0]
+    live = slots != state.num_slots
+    j = torch.arange(width, device=device)
+    req = torch.arange(num_req, device=device)[:, None].expand(num_req, width).reshape(-1)
+    start = state.seq_len[slots]
+    table = state.page_table[slots]
+    count = state.ctx_rows[slots]
+    ctx_pos = ((start - count)[:, None] + j).clamp_(min=0).view(-1)
+    committed = ((j < count[:, None]) & live[:, None]).view(-1)
+    ctx_slots = torch.where(committed, cache_slots(table, req, ctx_pos, page_size), -1)
+    block_pos = (start[:, None] + j).view(-1)
+    block_slots = torch.where(live[req], cache_slots(table, req, block_pos, page_size), -1)
+    anchor = state.last_token[slots][:, None]
+    block_ids = torch.where(j == 0, anchor, mask_token_id).view(-1)
+    q_lens = torch.where(live, width, 0)
+    cu_q = torch.zeros(num_req + 1, dtype=torch.int32, device=device)
+    cu_q[1:] = q_lens.cumsum(0)
+    meta = AttentionMeta(
+        positions=block_pos,
+        slot_mapping=block_slots,
+        cu_q=cu_q,
+        kv_lens=(start + q_lens).to(torch.int32),
+        page_table=table,
+        page_size=page_size,
+        max_q=width,
+        max_kv=max_kv,
+        causal=False,
+    )
+    return DraftInputs(block_ids, meta, ctx_pos, ctx_slots)

@@ -1,0 +1,146 @@
+"""Per-request state that lives on the device across steps, one slot per running request.
+
+The scheduler hands out slots as it hands out pages; a request keeps its slot until it
+finishes or is preempted. What a step needs about a request is read here on the device: its
+page table, how many tokens hold target KV (seq_len), its newest token (the next anchor), how
+many output tokens it has (the sampler's counter) and its sampling parameters. The host sends
+only what changes: a new request's row once, new pages as (slot, column, page) triples, and the
+step's own rows (runner/step_inputs.py). Every step's commit then updates the state on the device
+(`commit`), so the next step can be launched before the host has read this one's tokens.
+
+Slot `num_slots` is scratch: padded requests of a CUDA graph point at it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from batchrun.engine.request import Request
+from batchrun.engine.sampler import SamplingBatch
+
+
+def as_int64(value: int) -> int:
+    """A 64-bit seed (any integer, taken mod 2^64) as the int64 with the same bits."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+class DeviceState:
+    def __init__(
+        self, num_slots: int, max_pages: int, vocab_size: int, device: torch.device
+    ) -> None:
+        self.num_slots, self.max_pages, self.vocab_size = num_slots, max_pages, vocab_size
+        self.device = device
+        n = num_slots + 1
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.page_table = zeros(n, max_pages, dtype=torch.int32)
+        self.seq_len = zeros(n)  # leading tokens whose target KV is written
+        self.out_len = zeros(n)  # output tokens committed: the next one's sampling counter
+        self.last_token = zeros(n)  # the newest token: the next decode/verify step's anchor
+        # The last verify's committed rows, still to enter the draft's context: how many, and
+        # where they start in that step's feature rows.
+        self.ctx_rows = zeros(n)
+        self.ctx_row0 = zeros(n)
+        self.temperature = zeros(n, dtype=torch.float32)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=device)
+        self.top_k = zeros(n)
+        self.seed = zeros(n)
+
+    # -- host -> device -----------------------------------------------------------------------
+
+    def admit(self, reqs: list[Request]) -> None:
+        """Fill the slots of requests that just took one (admitted, or resumed after a
+        preemption: their KV is recomputed from the start)."""
+        if not reqs:
+            return
+        slots = _put([r.slot for r in reqs], torch.int64, self.device)
+        p = [r.params for r in reqs]
+        self.seq_len[slots] = 0
+        self.ctx_rows[slots] = 0
+        self.out_len[slots] = _put([len(r.output_ids) for r in reqs], torch.int64, self.device)
+        last = [r.output_ids[-1] if r.output_ids else 0 for r in reqs]
+        self.last_token[slots] = _put(last, torch.int64, self.device)
+        self.temperature[slots] = _put([x.temperature for x in p], torch.float32, self.device)
+        self.top_p[slots] = _put([x.top_p for x in p], torch.float32, self.device)
+        # A top_k of the vocabulary or more keeps every token, as 0 does.
+        top_k = [x.top_k if x.top_k < self.vocab_size else 0 for x in p]
+        self.top_k[slots] = _put(top_k, torch.int64, self.device)
+        self.seed[slots] = _put([as_int64(x.seed) for x in p], torch.int64, self.device)
+        for req in reqs:
+            req.pages_on_device = 0
+
+    def add_pages(self, updates: torch.Tensor) -> None:
+        """updates [3, U] on the device: slot, column, page of each new page-table entry."""
+        if updates.shape[1]:
+            self.page_table[updates[0], updates[1]] = updates[2].to(torch.int32)
+
+    # -- device reads -------------------------------------------------------------------------
+
+    def sampling(self, slots: torch.Tensor, steps: torch.Tensor) -> SamplingBatch:
+        """The sampling parameters of rows owned by `slots`, drawing output token `steps`."""
+        return SamplingBatch(
+            temperature=self.temperature[slots],
+            top_p=self.top_p[slots],
+            top_k=self.top_k[slots],
+            seed=self.seed[slots],
+            step=steps,
+        )
+
+    # -- the step's commit, on the device -----------------------------------------------------
+
+    def commit(
+        self,
+        slots: torch.Tensor,  # [R] the step's requests: D decoding first, then prefill chunks
+        q_lens: torch.Tensor,  # [R]
+        sampled: torch.Tensor,  # [R] rows sampled per request (a verify: all; a chunk: 0 or 1)
+        tokens: torch.Tensor,  # [N] the sampled tokens, in request order
+        accepted: torch.Tensor,  # [D] drafts accepted per decoding request
+        num_decoding: int,
+        width: int,
+    ) -> None:
+        """A decoding request commits its anchor and accepted drafts (KV) and the tokens
+        after them; a prefill chunk commits its rows, and a completing one its first token."""
+        d = num_decoding
+        keep = accepted + 1
+        kv_rows = q_lens.clone()
+        kv_rows[:d] = keep
+        new_tokens = sampled.clone()
+        new_tokens[:d] = keep
+        last = self.last_token[slots]
+        if d:
+            post = tokens[: d * width].view(d, width)
+            last[:d] = post.gather(1, accepted.view(-1, 1)).view(-1)
+        # A completing chunk's token: the j-th sampled chunk samples tokens[d * width + j].
+        chunk_sampled = sampled > 0
+        chunk_sampled[:d] = False
+        index = (d * width + chunk_sampled.cumsum(0) - 1).clamp(0, max(tokens.shape[0] - 1, 0))
+        if tokens.shape[0]:
+            last = torch.where(chunk_sampled, tokens[index], last)
+        self.seq_len.index_add_(0, slots, kv_rows)
+        self.out_len.index_add_(0, slots, new_tokens)
+        self.last_token.index_copy_(0, slots, last)
+        self.ctx_rows.zero_()  # only this step's verify rows wait for the draft's context
+        if d:
+            self.ctx_rows.index_copy_(0, slots[:d], keep)
+            rows0 = torch.arange(d, device=slots.device) * width
+            self.ctx_row0.index_copy_(0, slots[:d], rows0)
+
+
+def _put(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def pinned(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device: through pinned memory and asynchronous on a GPU (the caching
+    host allocator keeps the pinned block until the copy has run)."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

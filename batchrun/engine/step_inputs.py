@@ -1,0 +1,205 @@
+"""One step's inputs: what the host sends (a handful of ints per request, new page-table
+entries, the prompt tokens of prefill chunks) and what the device builds from it and the
+per-slot state (engine/device_state.py): input ids, positions, cache slots, the attention
+metadata and each row's sampling slot and counter.
+
+The step's requests come in scheduler order, decoding ones first: request r < D feeds rows
+r*W .. r*W + W-1 (its anchor, then W-1 drafts) and samples all of them; prefill chunks follow
+and sample only the row that completes a fresh prompt. The host packs everything into one int64
+array, copied to the device in one transfer:
+
+    [slot R | q_len R | sampled R | decoding R | page updates 3 x U | chunk ids T | logit rows N]
+
+For a CUDA-graph step R is the graph's padded size: padding requests sit in the scratch slot,
+feed no rows and write nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchrun.attention.meta import AttentionMeta, cache_slots
+from batchrun.engine.device_state import DeviceState
+from batchrun.engine.request import Request
+from batchrun.engine.scheduler import Scheduled
+
+
+def rows_sampled(it: Scheduled) -> int:
+    if it.decoding:
+        return it.num_new
+    req = it.req
+    return int(not req.output_ids and req.num_cached + it.num_new == len(req.prompt_ids))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The host's side of a step, built per request (never per token in Python)."""
+
+    packed: np.ndarray  # int64, the layout above
+    num_requests: int  # R, padded for a graph step
+    num_live: int  # requests actually scheduled
+    num_decoding: int  # D
+    num_updates: int  # U
+    num_rows: int  # T (padded for a graph step)
+    num_logit_rows: int  # N; 0 when every row is sampled (no logit-row section)
+    max_q: int
+    max_kv: int  # an upper bound: the device holds the exact lengths
+
+    @property
+    def uniform(self) -> bool:
+        """Every live request decodes (the shape CUDA graphs are captured for)."""
+        return self.num_decoding == self.num_live > 0
+
+
+def plan_step(
+    batch: list[Scheduled],
+    samples: list[int],
+    width: int,
+    page_size: int,
+    scratch_slot: int,
+    pad_to: int | None = None,
+) -> StepPlan:
+    """Packs the step; the page-table entries each request gained since its last step are
+    marked sent. pad_to: the graph size to pad a uniform step to."""
+    live = len(batch)
+    num_req = pad_to if pad_to is not None else live
+    head = np.zeros((4, num_req), dtype=np.int64)
+    head[0] = scratch_slot
+    updates: list[np.ndarray] = []
+    chunks: list[list[int]] = []
+    logit_rows: list[np.ndarray] = []
+    row = max_kv = num_dec = 0
+    for r, (it, k) in enumerate(zip(batch, samples, strict=True)):
+        req = it.req
+        head[:, r] = (req.slot, it.num_new, k, it.decoding)
+        updates.append(_new_pages(req))
+        if it.decoding:
+            num_dec += 1
+            max_kv = max(max_kv, req.num_cached + req.in_flight * width + it.num_new)
+        else:
+            chunks.append(req.token_slice(req.num_cached, req.num_cached + it.num_new))
+            max_kv = max(max_kv, req.num_cached + it.num_new)
+        logit_rows.append(np.arange(row + it.num_new - k, row + it.num_new))
+        row += it.num_new
+    update = np.concatenate(updates, axis=1) if updates else np.zeros((3, 0), np.int64)
+    num_rows = num_req * width if pad_to is not None else row
+    parts = [head.reshape(-1), update.reshape(-1)]
+    ids = np.zeros(row - num_dec * width, dtype=np.int64)
+    if chunks:
+        ids[:] = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])
+    parts.append(ids)
+    sampled_rows = np.concatenate(logit_rows) if logit_rows else np.zeros(0, np.int64)
+    all_rows = len(sampled_rows) == row
+    if not all_rows:
+        parts.append(sampled_rows)
+    return StepPlan(
+        packed=np.concatenate(parts),
+        num_requests=num_req,
+        num_live=live,
+        num_decoding=num_dec,
+        num_updates=update.shape[1],
+        num_rows=num_rows,
+        num_logit_rows=0 if all_rows else len(sampled_rows),
+        max_q=max((it.num_new for it in batch), default=0),
+        max_kv=max_kv,
+    )
+
+
+def _new_pages(req: Request) -> np.ndarray:
+    """(slot, column, page) of the pages the device's table lacks; marks them sent."""
+    first, end = req.pages_on_device, len(req.pages)
+    req.pages_on_device = end
+    out = np.empty((3, end - first), dtype=np.int64)
+    out[0], out[1], out[2] = req.slot, np.arange(first, end), req.pages[first:]
+    return out
+
+
+@dataclass(frozen=True)
+class StepArgs:
+    """Views of the packed step on the device."""
+
+    slot: torch.Tensor  # [R]
+    q_len: torch.Tensor  # [R]
+    sampled: torch.Tensor  # [R]
+    decoding: torch.Tensor  # [R] 0/1
+    updates: torch.Tensor  # [3, U]
+    chunk_ids: torch.Tensor  # [T - D*W]
+    logit_rows: torch.Tensor | None  # [N], None: every row
+
+
+def step_args(packed: torch.Tensor, plan: StepPlan, width: int) -> StepArgs:
+    r, u = plan.num_requests, plan.num_updates
+    head = packed[: 4 * r].view(4, r)
+    at = 4 * r + 3 * u
+    chunk = plan.num_rows - plan.num_decoding * width if not plan.uniform else 0
+    logit = packed[at + chunk : at + chunk + plan.num_logit_rows] if plan.num_logit_rows else None
+    return StepArgs(
+        slot=head[0],
+        q_len=head[1],
+        sampled=head[2],
+        decoding=head[3],
+        updates=packed[4 * r : at].view(3, u),
+        chunk_ids=packed[at : at + chunk],
+        logit_rows=logit,
+    )
+
+
+@dataclass(frozen=True)
+class TargetInputs:
+    ids: torch.Tensor  # [T]
+    meta: AttentionMeta
+    row_slot: torch.Tensor  # [T] the slot that samples each row (padding: the scratch slot)
+    row_step: torch.Tensor  # [T] the output-token index each row would sample
+    chunk_slots: torch.Tensor  # [T] cache slot of each prefill-chunk row, -1 elsewhere
+
+
+def target_inputs(
+    args: StepArgs,
+    state: DeviceState,
+    drafts: torch.Tensor | None,  # [>= D, W-1] this step's drafts
+    num_rows: int,
+    width: int,
+    page_size: int,
+    max_q: int,
+    max_kv: int,
+) -> TargetInputs:
+    """Built on the device from the step's args and the slots' state, with no host sync:
+    captured inside the CUDA graphs of decode/verify steps."""
+    device = args.slot.device
+    num_req = args.slot.shape[0]
+    cu_q = torch.zeros(num_req + 1, dtype=torch.int64, device=device)
+    torch.cumsum(args.q_len, 0, out=cu_q[1:])
+    start = state.seq_len[args.slot]
+    rows = torch.arange(num_rows, device=device)
+    req = torch.searchsorted(cu_q[1:], rows, right=True).clamp_(max=max(num_req - 1, 0))
+    live = rows < cu_q[-1]
+    offset = rows - cu_q[req]
+    positions = torch.where(live, start[req] + offset, 0)
+    table = state.page_table[args.slot]
+    slots = torch.where(live, cache_slots(table, req, positions, page_size), -1)
+    decoding = (args.decoding[req] > 0) & live
+    anchor = state.last_token[args.slot[req]]
+    chunk_rows = live & ~decoding
+    # Chunk rows come last: the chunk ids padded in front to the step's rows.
+    ids = torch.nn.functional.pad(args.chunk_ids, (num_rows - args.chunk_ids.shape[0], 0))
+    decoded = torch.where(offset == 0, anchor, 0)
+    if drafts is not None and width > 1:
+        draft = drafts[req.clamp(max=drafts.shape[0] - 1), (offset - 1).clamp(0, width - 2)]
+        decoded = torch.where(offset == 0, anchor, draft)
+    ids = torch.where(decoding, decoded, ids)
+    row_slot = args.slot[req]
+    row_step = state.out_len[row_slot] + offset - (args.q_len - args.sampled)[req]
+    meta = AttentionMeta(
+        positions=positions,
+        slot_mapping=slots,
+        cu_q=cu_q.to(torch.int32),
+        kv_lens=(start + args.q_len).to(torch.int32),
+        page_table=table,
+        page_size=page_size,
+        max_q=max_q,
+        max_kv=max_kv,
+    )
+    return TargetInputs(ids, meta, row_slot, row_step, torch.where(chunk_rows, slots, -1))
