@@ -13,7 +13,6 @@ Slot `num_slots` is scratch: padded requests of a CUDA graph point at it.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from batchrun.engine.request import Request
@@ -131,16 +130,15 @@ class DeviceState:
 
 
 def _put(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    tensor = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
-def pinned(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device: through pinned memory and asynchronous on a GPU (the caching
-    host allocator keeps the pinned block until the copy has run)."""
-    tensor = torch.from_numpy(array)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device: through pinned memory and asynchronous on a GPU."""
+    return staged(host, device).to(device, non_blocking=True)
+
+
+def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The tensor to copy to `device` from: pinned on a GPU (the caching host allocator keeps
+    the block until the asynchronous copy has run)."""
+    return host.pin_memory() if device.type == "cuda" else host

@@ -198,6 +198,7 @@ class Engine:
         self._launched = launched
         return finished
 
+    @torch.inference_mode()
     def _launch(self, batch: list[Scheduled]) -> Launched:
         runner, width = self.runner, self.block_size or 1
         samples = [rows_sampled(it) for it in batch]
@@ -216,13 +217,13 @@ class Engine:
         drafts = runner.draft_step(args, plan) if self.draft is not None and num_dec else None
         self.timer.mark()
         out = runner.target_step(args, plan, drafts)
-        greedy = all(
-            it.req.params.temperature == 0 for it, k in zip(batch, samples, strict=True) if k
-        )
-        if greedy:
+        params = [it.req.params for it, k in zip(batch, samples, strict=True) if k]
+        if all(p.temperature == 0 for p in params):
             tokens = out.logits.argmax(dim=-1)
         else:
-            tokens = sample(out.logits, runner.state.sampling(out.row_slot, out.row_step))
+            filtered = any(p.top_k or p.top_p < 1 for p in params if p.temperature > 0)
+            batch_params = runner.state.sampling(out.row_slot, out.row_step)
+            tokens = sample(out.logits, batch_params, any_filtered=filtered)
         if drafts is not None:
             accepted = accepted_lengths(drafts, tokens[: num_dec * width].view(num_dec, width))
         else:

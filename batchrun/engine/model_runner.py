@@ -18,7 +18,7 @@ import torch
 from batchrun.attention.base import AttentionBackend
 from batchrun.attention.meta import allocate_kv
 from batchrun.engine.cuda_graphs import GraphSet, batch_ladder
-from batchrun.engine.device_state import DeviceState, pinned
+from batchrun.engine.device_state import DeviceState, staged
 from batchrun.engine.page_pool import pages_for
 from batchrun.engine.step_inputs import StepArgs, StepPlan, step_args, target_inputs
 from batchrun.models.dflash import DFlashDraft
@@ -83,6 +83,7 @@ class ModelRunner:
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def capture_graphs(self, max_batch_size: int) -> None:
         """Capture the steady-state step for every ladder size up to max_batch_size (off a
         GPU: emulate them, for tests)."""
@@ -120,7 +121,8 @@ class ModelRunner:
 
     def load(self, plan: StepPlan) -> StepArgs:
         """The step's one host-to-device copy; new page-table entries applied."""
-        self.step_in[: plan.packed.size].copy_(pinned(plan.packed, self.device), non_blocking=True)
+        packed = staged(torch.from_numpy(plan.packed), self.device)
+        self.step_in[: packed.shape[0]].copy_(packed, non_blocking=True)
         args = step_args(self.step_in, plan, self.width)
         self.state.add_pages(args.updates)
         return args

@@ -55,8 +55,9 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, token_ids: torch.Tensor
     return u.log_().neg_().log_().neg_()
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [N, V] -> token ids [N] (int64)."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, any_filtered: bool = True) -> torch.Tensor:
+    """logits [N, V] -> token ids [N] (int64). any_filtered=False: the caller knows no row
+    has top-k or top-p, which spares the search for them (a device-to-host sync)."""
     sampled = batch.temperature > 0
     filtered = (batch.top_k > 0) | (batch.top_p < 1)
     kernel = _plain_kernel(logits)
@@ -67,7 +68,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         tokens = kernel(
             logits, batch.temperature.masked_fill(filtered, 0.0), batch.seed, batch.step
         )
-        draws = [(sampled & filtered, _draw_filtered)]
+        draws = [(sampled & filtered, _draw_filtered)] if any_filtered else []
     else:
         tokens = logits.argmax(dim=-1)
         if not bool(sampled.any()):
