@@ -50,6 +50,7 @@ from batchrun.attention.meta import AttentionMeta  # noqa: E402
 from batchrun.attention.torch_backend import TorchAttention  # noqa: E402
 from batchrun.kernels import compile_check  # noqa: E402
 from batchrun.kernels.triton_attention import (  # noqa: E402
+    MIN_SPLIT_KV,
     attention_workspace,
     default_num_splits,
     paged_attention,
@@ -183,6 +184,7 @@ def run_attention_case(
     block_n: int | None = None,
     extra_rows: int = 0,
     seed: int = 0,
+    min_split_kv: int = MIN_SPLIT_KV,
 ) -> None:
     batch = make_batch(q_lens, ctx, page_size, seed)
     shape = (batch.num_pages, page_size, num_kv_heads, head_dim)
@@ -200,6 +202,7 @@ def run_attention_case(
         )
         workspace.out.fill_(float("nan"))  # unwritten partials must never be read
         workspace.lse.fill_(float("nan"))
+        workspace.active.fill_(-1)  # nor unwritten split counts (the combine would skip a row)
     cu_q = torch.tensor(batch.cu_q, dtype=torch.int32, device=DEVICE)
     kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int32, device=DEVICE)
     paged_attention(
@@ -216,6 +219,7 @@ def run_attention_case(
         num_splits=num_splits,
         workspace=workspace,
         block_n=block_n,
+        min_split_kv=min_split_kv,
     )
     want = reference_attention(batch, q[:num_rows], k_cache, v_cache, scale, causal)
     tol = ATTN_TOL[dtype]
@@ -264,15 +268,80 @@ def test_attention_decode(num_splits: int) -> None:
 @pytest.mark.parametrize("causal", [True, False], ids=["verify", "draft_block"])
 def test_attention_blocks_of_rows(causal: bool) -> None:
     """Verify (causal, B rows per request) and the DFlash draft block (non-causal over context
-    plus block), split or not."""
-    for num_splits in (1, 2):
+    plus block), split or not; with 16 positions a split, the requests use 2, 1 and 3 splits."""
+    for num_splits, min_split_kv in ((1, MIN_SPLIT_KV), (2, MIN_SPLIT_KV), (4, 16)):
         run_attention_case(
-            [4, 4, 0, 4], [21, 3, 0, 40], 4, 1, 16, 16, torch.float32, causal, num_splits
-        )
+            [4, 4, 0, 4], [21, 3, 0, 40], 4, 1, 16, 16, torch.float32, causal, num_splits,
+            min_split_kv=min_split_kv,
+        )  # fmt: skip
 
 
 def test_attention_splits_mixed() -> None:
     run_attention_case(MIXED_Q, MIXED_CTX, 4, 2, 16, 16, torch.float32, True, num_splits=4)
+    run_attention_case(
+        MIXED_Q, MIXED_CTX, 4, 2, 16, 16, torch.float32, True, num_splits=4, min_split_kv=16
+    )
+
+
+@pytest.mark.parametrize("num_splits", [3, 6, 16])
+def test_attention_decode_active_splits(num_splits: int) -> None:
+    """A static split count above what most contexts fill (a graph captured for long contexts):
+    with 16 positions a split and 16-position tiles, kv_len 1, 5 and 16 use one split (written
+    directly, skipped by the combine), 17 uses 2, 40 uses 3 and 208 uses 13, or 5 when capped at
+    6 (13 tiles in splits of 3); next to padding requests (q_len 0, kv_len 0) and spare rows."""
+    run_attention_case(
+        [1, 1, 0, 1, 1, 1, 0, 1],
+        [0, 4, 0, 15, 16, 39, 0, 207],
+        8,
+        2,
+        32,
+        16,
+        torch.float32,
+        True,
+        num_splits=num_splits,
+        block_n=16,
+        extra_rows=3,
+        min_split_kv=16,
+    )
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["prefill", "noncausal"])
+def test_attention_active_splits_per_query_block(causal: bool) -> None:
+    """Several query blocks per request (40 rows x 8 heads: blocks of 32 rows): causal blocks see
+    different kv ranges and so use different split counts for the rows of one request."""
+    run_attention_case(
+        [40, 1, 0, 33],
+        [0, 50, 0, 10],
+        8,
+        1,
+        16,
+        16,
+        torch.float32,
+        causal,
+        num_splits=4,
+        block_n=16,
+        extra_rows=2,
+        min_split_kv=16,
+    )
+
+
+def test_attention_splits_bfloat16() -> None:
+    """Partials in float32, the output (direct or combined) in bfloat16; 6 query heads in the
+    combine's blocks of 4 leave the last block partly masked."""
+    run_attention_case(
+        [1, 1, 2, 0],
+        [3, 90, 60, 0],
+        6,
+        2,
+        16,
+        16,
+        torch.bfloat16,
+        True,
+        num_splits=3,
+        block_n=16,
+        extra_rows=1,
+        min_split_kv=16,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -357,8 +426,11 @@ def test_write_kv_strided_rows() -> None:
 
 
 def test_default_num_splits() -> None:
+    assert MIN_SPLIT_KV == 256  # the values below assume it
+    assert default_num_splits(1, 8, 40960) == 16  # a graph's maximum, whatever the contexts
     assert default_num_splits(1, 8, 4096) == 16
-    assert default_num_splits(1, 8, 512) == 4
+    assert default_num_splits(1, 8, 512) == 2
+    assert default_num_splits(1, 8, 257) == 2
     assert default_num_splits(8, 8, 4096) == 5
     assert default_num_splits(256, 8, 4096) == 1
     assert default_num_splits(4, 8, 100) == 1

@@ -3,7 +3,9 @@
 `plan` only keeps the meta: the kernels read everything from its tensors and size their grids
 from host ints, so forwards planned on persistent buffers are captured in CUDA graphs as they
 are. Decode and verify forwards split each request's K/V range across programs (split-KV)
-when the batch alone would leave most of the GPU idle.
+when the batch alone would leave most of the GPU idle. The split count planned from meta.max_kv
+(a graph's: the longest context it serves) is only a maximum: each request uses the splits its
+own context fills, so short contexts in a graph captured for long ones pay little for it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class TritonAttention:
         self.meta = meta
         rows = meta.positions.shape[0]
         self.num_splits = 1
-        # Decode and small verify/draft batches: split when the requests alone leave SMs idle.
+        # Decode and small verify/draft batches: split when the requests alone leave SMs idle,
+        # up to what the longest context can fill.
         if rows <= self.max_decode_rows and meta.num_requests > 0:
             self.num_splits = default_num_splits(
                 meta.num_requests, self.num_kv_heads, meta.max_kv, max_splits=MAX_SPLITS

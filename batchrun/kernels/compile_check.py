@@ -110,6 +110,7 @@ def attention_case(
             out_ptr=t,
             part_out_ptr=part,
             part_lse_ptr=part,
+            active_ptr="i32",
             cu_q_ptr="i32",
             kv_lens_ptr="i32",
             page_table_ptr="i32",
@@ -124,6 +125,7 @@ def attention_case(
             BLOCK_N=cfg.block_n,
             CAUSAL=causal,
             NUM_SPLITS=splits,
+            MIN_SPLIT_KV=ta.MIN_SPLIT_KV,
             DOT_F32=dtype == torch.float32,
             PRECISION=ta._dot_precision(dtype),
         ),
@@ -150,20 +152,28 @@ def cases(quick: bool) -> Iterator[Case]:
         (torch.bfloat16, 32, 128, 4),
         (torch.float32, 32, 128, 16),
         (torch.bfloat16, 64, 128, 16),
+        (torch.bfloat16, 32, 256, 2),
     ]:
         t = _TYPES[dtype]
+        block_s, block_h = ta._combine_blocks(splits, heads)
         yield Case(
             f"combine {t} heads={heads} D={dim} splits={splits}",
             ta._combine_kernel,
-            dict(out_ptr=t, part_out_ptr="fp32", part_lse_ptr="fp32", cu_q_ptr="i32"),
+            dict(
+                out_ptr=t,
+                part_out_ptr="fp32",
+                part_lse_ptr="fp32",
+                active_ptr="i32",
+                cu_q_ptr="i32",
+            ),
             (),
             dict(
                 NUM_HEADS=heads,
                 HEAD_DIM=dim,
-                NUM_SPLITS=splits,
-                BLOCK_H=triton.next_power_of_2(heads),
+                BLOCK_S=block_s,
+                BLOCK_H=block_h,
             ),
-            8 if heads * dim >= 4096 else 4,
+            4,
         )
     for dtype in (torch.bfloat16, torch.float32):
         t = _TYPES[dtype]

@@ -19,10 +19,13 @@ x heads of the group) and keeps an online softmax in float32. The grid depends o
 (R, max_q, Hkv, num_splits), never on device data, so a launch can be captured in a CUDA graph;
 programs past a request's rows exit at once, and requests with q_len 0 write nothing.
 
-Split-KV (num_splits > 1) cuts each program's kv range into num_splits parts that run as separate
-programs, then `_combine_kernel` merges them; it needs a caller-owned workspace (see
-`attention_workspace`) and pays where R * Hkv programs leave most of the GPU idle (small-batch
-decode over long contexts).
+Split-KV (num_splits > 1) cuts the kv range of each (request, query block) into up to num_splits
+parts that run as separate programs, then `_combine_kernel` merges them; it needs a caller-owned
+workspace (see `attention_workspace`) and pays where R * Hkv programs leave most of the GPU idle
+(small-batch decode over long contexts). num_splits only sizes the grid, so a graph captured for
+its longest context still serves short ones cheaply: a block uses one split per MIN_SPLIT_KV
+positions it sees (at least one, decided on the device), the surplus programs exit at once, and a
+block left with one split writes its output directly, rows the combine then skips.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "MIN_SPLIT_KV",
     "AttentionWorkspace",
     "attention_workspace",
     "default_num_splits",
@@ -44,6 +48,9 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
+# Fewest kv positions worth a split of their own: shorter splits cost more in partials and in the
+# combine than their parallelism saves. A guess (a few tiles), not yet tuned on hardware.
+MIN_SPLIT_KV = 256
 
 
 def interpreting(t: torch.Tensor) -> bool:
@@ -65,6 +72,7 @@ def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    active_ptr,
     cu_q_ptr,
     kv_lens_ptr,
     page_table_ptr,
@@ -94,6 +102,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_KV: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -125,7 +134,16 @@ def _paged_attention_kernel(
     # Causal: the block's last row sees up to its own position; otherwise every row sees all.
     kv_end = kv_len - q_len + tl.minimum(q_lo + BLOCK_Q, q_len) if CAUSAL else kv_len
     n_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    if NUM_SPLITS == 1:
+        tiles_per_split = n_tiles
+    else:
+        # This block's own split count: one per MIN_SPLIT_KV positions, at most NUM_SPLITS,
+        # then only as many as its tiles fill (no active split is empty).
+        want = tl.minimum(tl.maximum(tl.cdiv(kv_end, MIN_SPLIT_KV), 1), NUM_SPLITS)
+        tiles_per_split = tl.maximum(tl.cdiv(n_tiles, want), 1)
+        active = tl.maximum(tl.cdiv(n_tiles, tiles_per_split), 1)
+        if split >= active:
+            return
     kv_lo = split * tiles_per_split * BLOCK_N
     kv_hi = tl.minimum(kv_lo + tiles_per_split * BLOCK_N, kv_end)
 
@@ -170,26 +188,30 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None],
-        )
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        # Partial result of this split: normalised output and its log2-sum-exp (-inf if empty).
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(
-            part_out_ptr
-            + split.to(tl.int64) * stride_wos
-            + rows[:, None] * stride_wot
-            + head[:, None] * stride_woh
-            + offs_d[None, :],
-            o,
-            mask=row_ok[:, None],
-        )
-        lse_ptr = part_lse_ptr + split.to(tl.int64) * stride_wls
-        tl.store(lse_ptr + rows * stride_wlt + head, lse, mask=row_ok)
+        # The combine reads each row's split count (one writer per row: kv head 0, split 0).
+        writer = (kv_head == 0) & (split == 0)
+        tl.store(active_ptr + rows, active, mask=row_ok & (offs_m % GROUP == 0) & writer)
+        if active == 1:
+            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            # Partial result of this split: normalised output and its log2-sum-exp (-inf if
+            # it saw no position).
+            lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+            tl.store(
+                part_out_ptr
+                + split.to(tl.int64) * stride_wos
+                + rows[:, None] * stride_wot
+                + head[:, None] * stride_woh
+                + offs_d[None, :],
+                o,
+                mask=row_ok[:, None],
+            )
+            lse_ptr = part_lse_ptr + split.to(tl.int64) * stride_wls
+            tl.store(lse_ptr + rows * stride_wlt + head, lse, mask=row_ok)
 
 
 @triton.jit
@@ -197,6 +219,7 @@ def _combine_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    active_ptr,
     cu_q_ptr,
     num_requests,
     stride_ot,
@@ -208,34 +231,44 @@ def _combine_kernel(
     stride_wlt,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """One program per (query row, block of BLOCK_H heads): loads the row's active partials at
+    once (BLOCK_S >= num_splits) and merges them; rows with one active split are already done."""
     row = tl.program_id(0)
     if row < tl.load(cu_q_ptr) or row >= tl.load(cu_q_ptr + num_requests):
         return
+    num_active = tl.load(active_ptr + row)
+    if num_active <= 1:
+        return
     row64 = row.to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     h_ok = offs_h < NUM_HEADS
-    # Pointers advance by one split per step: 64-bit arithmetic, whatever the workspace size.
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    lse_ptr = part_lse_ptr + row64 * stride_wlt + offs_h
-    for _ in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(lse_ptr, mask=h_ok, other=float("-inf")))
-        lse_ptr += stride_wls
+    used = h_ok[:, None] & (offs_s < num_active)[None, :]  # [BLOCK_H, BLOCK_S]
+    # Split offsets in 64 bits, whatever the workspace size.
+    split64 = offs_s.to(tl.int64)
+    lse = tl.load(
+        part_lse_ptr + split64[None, :] * stride_wls + row64 * stride_wlt + offs_h[:, None],
+        mask=used,
+        other=float("-inf"),
+    )
+    m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    lse_ptr = part_lse_ptr + row64 * stride_wlt + offs_h
-    o_ptr = part_out_ptr + row64 * stride_wot + offs_h[:, None] * stride_woh + offs_d[None, :]
-    for _ in range(NUM_SPLITS):
-        w = tl.math.exp2(tl.load(lse_ptr, mask=h_ok, other=float("-inf")) - m)
-        o = tl.load(o_ptr, mask=h_ok[:, None] & (w[:, None] > 0.0), other=0.0)
-        total += w
-        acc += w[:, None] * o
-        lse_ptr += stride_wls
-        o_ptr += stride_wos
+    w = tl.math.exp2(lse - m[:, None])  # 0 for unused or empty splits
+    o = tl.load(
+        part_out_ptr
+        + split64[None, :, None] * stride_wos
+        + row64 * stride_wot
+        + offs_h[:, None, None] * stride_woh
+        + offs_d[None, None, :],
+        mask=(used & (w > 0.0))[:, :, None],
+        other=0.0,
+    )
+    acc = tl.sum(w[:, :, None] * o, 1)
+    total = tl.sum(w, 1)
     total = tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + row64 * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
@@ -247,10 +280,12 @@ def _combine_kernel(
 @dataclass(frozen=True)
 class AttentionWorkspace:
     """Split-KV partials, owned by the caller and reused across launches (and graph replays):
-    out [num_splits, max_tokens, Hq, D] float32, lse [num_splits, max_tokens, Hq] float32."""
+    out [num_splits, max_tokens, Hq, D] float32, lse [num_splits, max_tokens, Hq] float32, and
+    active [max_tokens] int32, the number of splits each row used."""
 
     out: torch.Tensor
     lse: torch.Tensor
+    active: torch.Tensor
 
     @property
     def num_splits(self) -> int:
@@ -267,19 +302,20 @@ def attention_workspace(
             num_splits, max_tokens, num_heads, head_dim, dtype=torch.float32, device=device
         ),
         lse=torch.empty(num_splits, max_tokens, num_heads, dtype=torch.float32, device=device),
+        active=torch.empty(max_tokens, dtype=torch.int32, device=device),
     )
 
 
 def default_num_splits(
     num_requests: int, num_kv_heads: int, max_kv: int, num_sms: int = 132, max_splits: int = 16
 ) -> int:
-    """A split count for a decode-like launch (max_q 1): enough programs to cover the GPU's
-    multiprocessors about twice, with no split shorter than 128 kv positions. A host-side
-    heuristic, not yet tuned on hardware; for a captured graph pass the longest context the graph
-    will serve (splits past a request's context exit at once)."""
+    """A static split count for a decode-like launch (max_q 1): enough programs to cover the
+    GPU's multiprocessors about twice, and no more than max_kv has MIN_SPLIT_KV positions. For a
+    captured graph pass the longest context the graph will serve: at run time each request uses
+    only the splits its own context fills. A host-side heuristic, not yet tuned on hardware."""
     programs = max(1, num_requests * num_kv_heads)
     want = max(1, (2 * num_sms + programs - 1) // programs)
-    by_length = max(1, max_kv // 128)
+    by_length = max(1, triton.cdiv(max_kv, MIN_SPLIT_KV))
     return max(1, min(want, by_length, max_splits))
 
 
@@ -306,6 +342,13 @@ def _config(dtype: torch.dtype, head_dim: int, max_q: int, group: int) -> _Confi
     return _Config(block_q, block_m, block_n, 8 if block_m * head_dim >= wide_at else 4)
 
 
+def _combine_blocks(num_splits: int, num_heads: int) -> tuple[int, int]:
+    """The combine's (BLOCK_S, BLOCK_H): about 16 partial rows of D per program, a few vector
+    loads per thread, so that a small batch's rows x head blocks still spread over the GPU."""
+    block_s = triton.next_power_of_2(num_splits)
+    return block_s, max(1, min(triton.next_power_of_2(num_heads), 16 // block_s))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -323,6 +366,7 @@ def paged_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    min_split_kv: int = MIN_SPLIT_KV,
 ) -> torch.Tensor:
     """Attends the packed query rows over the paged K/V cache (which already holds this step's
     K/V); writes and returns `out` [T, Hq, D] in q's dtype.
@@ -331,7 +375,8 @@ def paged_attention(
     as q); cu_q [R+1] int32; kv_lens [R] int32; page_table [R, max_pages] int32 (entries past a
     request's pages are never read). max_q is a host int >= every request's q_len (static per
     captured graph: 1 for decode, B for verify or the draft block). Hq % Hkv == 0; D a power of
-    two >= 16. num_splits > 1 needs a workspace with at least that many splits and T rows.
+    two >= 16. num_splits > 1 needs a workspace with at least that many splits and T rows; it is
+    a maximum: each block of query rows uses one split per min_split_kv positions it sees.
     Allocates nothing when `out` is given.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -343,6 +388,8 @@ def paged_attention(
         raise ValueError(f"head_dim {head_dim} must be a power of two >= 16")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q and the caches need a contiguous last dimension")
+    if min_split_kv < 1:
+        raise ValueError(f"min_split_kv {min_split_kv} must be positive")
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0 or num_requests == 0 or max_q <= 0:
@@ -356,9 +403,9 @@ def paged_attention(
             raise ValueError(f"num_splits={num_splits} needs a workspace of as many splits")
         if workspace.out.shape[1] < num_tokens:
             raise ValueError("the workspace has fewer rows than q")
-        part_out, part_lse = workspace.out, workspace.lse
+        part_out, part_lse, active = workspace.out, workspace.lse, workspace.active
     else:
-        part_out, part_lse = out, out  # unused
+        part_out, part_lse, active = out, out, cu_q  # unused
     grid = (num_requests * q_blocks, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         q,
@@ -367,6 +414,7 @@ def paged_attention(
         out,
         part_out,
         part_lse,
+        active,
         cu_q,
         kv_lens,
         page_table,
@@ -396,16 +444,19 @@ def paged_attention(
         BLOCK_N=block_n or cfg.block_n,
         CAUSAL=causal,
         NUM_SPLITS=num_splits,
+        MIN_SPLIT_KV=min_split_kv,
         DOT_F32=interp or q.dtype == torch.float32,
         PRECISION=_dot_precision(torch.float32 if interp else q.dtype),
         num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or 2,
     )
     if num_splits > 1:
-        _combine_kernel[(num_tokens,)](
+        block_s, block_h = _combine_blocks(num_splits, num_heads)
+        _combine_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
             out,
             part_out,
             part_lse,
+            active,
             cu_q,
             num_requests,
             out.stride(0),
@@ -417,9 +468,9 @@ def paged_attention(
             part_lse.stride(1),
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_H=triton.next_power_of_2(num_heads),
-            num_warps=8 if num_heads * head_dim >= 4096 else 4,
+            BLOCK_S=block_s,
+            BLOCK_H=block_h,
+            num_warps=4,
         )
     return out
 
