@@ -426,14 +426,14 @@ def test_write_kv_strided_rows() -> None:
 
 
 def test_default_num_splits() -> None:
-    assert MIN_SPLIT_KV == 256  # the values below assume it
+    assert MIN_SPLIT_KV == 64  # the values below assume it
     assert default_num_splits(1, 8, 40960) == 16  # a graph's maximum, whatever the contexts
     assert default_num_splits(1, 8, 4096) == 16
-    assert default_num_splits(1, 8, 512) == 2
-    assert default_num_splits(1, 8, 257) == 2
+    assert default_num_splits(1, 8, 512) == 8
+    assert default_num_splits(1, 8, 65) == 2
     assert default_num_splits(8, 8, 4096) == 5
     assert default_num_splits(256, 8, 4096) == 1
-    assert default_num_splits(4, 8, 100) == 1
+    assert default_num_splits(4, 8, 60) == 1
 
 
 # ---------------------------------------------------------------------------------------------
