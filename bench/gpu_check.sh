@@ -11,9 +11,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rP -p no:cacheprovider -m gpu \
         ${TEST_FILES:-tests/test_triton_kernels.py tests/test_triton_engine.py} 2>&1 \
-        | tail -n 60 | tee "$OUT/gpu-tests.log"
+        | grep -v '^$' | tail -n 80 | tee "$OUT/gpu-tests.log"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
     # shellcheck disable=SC2086
