@@ -5,7 +5,7 @@ finishes or is preempted. What a step needs about a request is read here on the 
 page table, how many tokens hold target KV (seq_len), its newest token (the next anchor), how
 many output tokens it has (the sampler's counter) and its sampling parameters. The host sends
 only what changes: a new request's row once, new pages as (slot, column, page) triples, and the
-step's own rows (runner/step_inputs.py). Every step's commit then updates the state on the device
+step's own rows (engine/step_inputs.py). Every step's commit then updates the state on the device
 (`commit`), so the next step can be launched before the host has read this one's tokens.
 
 Slot `num_slots` is scratch: padded requests of a CUDA graph point at it.
