@@ -33,6 +33,14 @@ class _Group(click.Group):
             _fail(ctx, f"{exc.format_message()} (see '{command} --help')")
 
 
+def _verify_width(value: str | None) -> int | str | None:
+    if value is None or value in ("auto", "full"):
+        return value
+    if value.isdigit():
+        return int(value)
+    raise click.BadParameter(f"expected auto, full or a positive integer, got {value!r}")
+
+
 def _fail(ctx: click.Context, message: str) -> None:
     click.echo(f"batchrun: error: {' '.join(message.split())}", err=True)
     ctx.exit(2)
@@ -68,6 +76,12 @@ _RUN_OPTIONS = [
     ),
     click.option(
         "--cuda-graphs/--no-cuda-graphs", default=None, help="CUDA graphs for decode/verify steps."
+    ),
+    click.option(
+        "--verify-width",
+        callback=lambda _ctx, _param, value: _verify_width(value),
+        help="Tokens verified per request and step with a draft: auto (chosen each step from "
+        "measured costs and acceptance), full (the block) or 1 .. the draft's block size.",
     ),
     click.option("--max-batch-size", type=int, help="Requests in flight."),
     click.option("--max-batched-tokens", type=int, help="Tokens per forward pass."),

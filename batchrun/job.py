@@ -42,6 +42,7 @@ class JobSpec:
     device: str = "auto"
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    verify_width: int | str = "auto"
     max_batch_size: int = 64
     max_batched_tokens: int = 2048
     gpu_memory_fraction: float = 0.9
@@ -92,6 +93,7 @@ class JobSpec:
             device=self.device,
             attention_backend=self.attention_backend,
             cuda_graphs=self.cuda_graphs,
+            verify_width=self.verify_width,
             max_batch_size=self.max_batch_size,
             max_batched_tokens=self.max_batched_tokens,
             gpu_memory_fraction=self.gpu_memory_fraction,

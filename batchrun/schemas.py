@@ -99,6 +99,13 @@ def job_schema() -> dict[str, Any]:
             "Attention implementation.", ["auto", "torch", "triton", "flashinfer"]
         ),
         "cuda_graphs": _flag("Capture CUDA graphs for decode steps (GPU only).", True),
+        "verify_width": {
+            "anyOf": [{"enum": ["auto", "full"]}, {"type": "integer", "minimum": 1}],
+            "default": "auto",
+            "description": "Tokens verified per request and step with a draft: auto (chosen each "
+            "step from measured step costs and acceptance), full (the draft's block size) or "
+            "1 up to the block size.",
+        },
         "max_batch_size": _integer("Requests in flight in the engine at once.", 64, 1),
         "max_batched_tokens": _integer(
             "Tokens per forward pass (prefill chunks + decode).", 2048, 1

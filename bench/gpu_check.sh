@@ -20,6 +20,20 @@ if [ "${BENCH:-1}" = 1 ]; then
     timeout "${BENCH_TIMEOUT:-400}" python3 -m batchrun.cli bench --shape "${SHAPE:-qwen3-8b}" \
         ${BENCH_ARGS:-} --out "$OUT/bench-${SHAPE:-qwen3-8b}.json" 2>&1 | tee "$OUT/bench.log"
 fi
+if [ "${DEMO:-0}" = 1 ]; then
+    # The demo job for real: no draft, the full block and the adaptive width, at two batch sizes.
+    for batch in 4 48; do
+        for mode in "--draft none" "--verify-width full" "--verify-width auto"; do
+            name="b$batch-$(echo "$mode" | tr -dc 'a-z')"
+            # shellcheck disable=SC2086
+            python3 -m batchrun.cli run jobs/demo.toml --max-batch-size "$batch" $mode --quiet \
+                --overwrite --output "/tmp/demo/$name" > /dev/null 2>&1 || echo "$name failed"
+            python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], \
+                round(d['output_tokens_per_second']), d.get('acceptance_length'))" \
+                "/tmp/demo/$name/stats.json" "$name"
+        done
+    done | tee "$OUT/demo-widths.txt"
+fi
 if [ -f "$OUT/bench-${SHAPE:-qwen3-8b}.json" ]; then
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('\n\n'.join(k + '\n' + v for k, v in d.get('profiles', {}).items()))" "$OUT/bench-${SHAPE:-qwen3-8b}.json" > "$OUT/profile.txt"
 fi

@@ -24,8 +24,9 @@ def run_demo(out: Path, *extra: str) -> dict:
 
 
 def test_short_demo_job(tmp_path: Path) -> None:
-    spec = run_demo(tmp_path / "spec")
+    spec = run_demo(tmp_path / "spec", "--verify-width", "full")  # every round a full block
     plain = run_demo(tmp_path / "plain", "--draft", "none")
+    adaptive = run_demo(tmp_path / "adaptive")  # the default: the width each step chooses
     assert plain["acceptance_length"] is None
     assert spec["rows"] == spec["ok_rows"] == 48
     assert spec["block_size"] == 16
@@ -36,6 +37,7 @@ def test_short_demo_job(tmp_path: Path) -> None:
         return frame["completion_token_ids"].to_list()
 
     assert completions(tmp_path / "spec") == completions(tmp_path / "plain")
+    assert completions(tmp_path / "adaptive") == completions(tmp_path / "plain")
 
 
 def test_demo_pair_fits_the_package_budget() -> None:

@@ -42,7 +42,7 @@ def test_page_entries_go_to_the_device_once() -> None:
     pool.grow(req.pages, 16)
     grown = plan_step([Scheduled(req, 4, decoding=False)], [0], WIDTH, PAGE, SLOTS)
     assert grown.num_updates == 1
-    args = step_args(torch.from_numpy(grown.packed), grown, WIDTH)
+    args = step_args(torch.from_numpy(grown.packed), grown)
     assert args.updates[:, 0].tolist() == [2, 3, req.pages[3]]
 
 
@@ -70,7 +70,7 @@ def test_device_rows_equal_a_host_loop() -> None:
     samples = [rows_sampled(it) for it in batch]
     assert samples == [WIDTH, WIDTH, 1, 0]
     plan = plan_step(batch, samples, WIDTH, PAGE, SLOTS)
-    args = step_args(torch.from_numpy(plan.packed), plan, WIDTH)
+    args = step_args(torch.from_numpy(plan.packed), plan)
     state.add_pages(args.updates)
     got = target_inputs(args, state, drafts, plan.num_rows, WIDTH, PAGE, plan.max_q, plan.max_kv)
 
@@ -95,11 +95,11 @@ def test_device_rows_equal_a_host_loop() -> None:
     rows = args.logit_rows
     assert got.row_step[rows].tolist() == [steps[i] for i in rows.tolist()]
     assert got.row_slot[rows].tolist() == [0, 0, 0, 3, 3, 3, 1]
-    assert got.chunk_slots.tolist() == [-1] * 6 + slots[6:]
+    assert got.context_slots.tolist() == [-1] * 6 + slots[6:]
 
     # The decoding pair alone, padded to a graph of 4: padding rows write nothing.
     pad = plan_step(batch[:2], samples[:2], WIDTH, PAGE, SLOTS, pad_to=4)
-    args = step_args(torch.from_numpy(pad.packed), pad, WIDTH)
+    args = step_args(torch.from_numpy(pad.packed), pad)
     padded = target_inputs(args, state, drafts, pad.num_rows, WIDTH, PAGE, WIDTH, 64)
     assert pad.uniform and pad.num_rows == 12
     assert padded.ids[:6].tolist() == ids[:6]

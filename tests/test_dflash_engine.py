@@ -80,7 +80,9 @@ def run(
     target: Path, draft: Path | None, jobs: list[Job], **config: Any
 ) -> tuple[Engine, list[Request]]:
     """Every job through one engine: finished requests in row order; rounds in round_trace."""
-    settings: dict[str, Any] = {"max_batch_size": 8, "max_batched_tokens": 64, "num_pages": 64}
+    settings: dict[str, Any] = {
+        "max_batch_size": 8, "max_batched_tokens": 64, "num_pages": 64, "verify_width": "full",
+    }  # fmt: skip
     settings |= config
     engine = Engine(
         EngineConfig(
@@ -423,3 +425,46 @@ def test_bad_draft_is_refused(target: Path, tmp_path: Path, case: str) -> None:
         make_tiny_draft(draft, target, **kw, state_dict=weights)
     with pytest.raises(JobError, match=message):
         run(target, draft, [])
+
+
+WIDE = "random-b8-default-ids"  # a block of 8
+
+
+@pytest.mark.parametrize(
+    ("kind", "width"),
+    [(WIDE, 1), (WIDE, 2), (WIDE, 5), (WIDE, "full"), (WIDE, "auto"),
+     ("trained", 2), ("trained", "full"), ("trained", "auto")],
+)  # fmt: skip
+def test_every_verify_width_is_lossless(
+    draft_for: Callable[[str], tuple[Path, Path]], kind: str, width: int | str
+) -> None:
+    """Greedy outputs at fixed widths 1, 2, 5 and B, and under the adaptive policy, equal
+    target-only's; a round of width w commits 1 .. w tokens, counted in B histogram bins."""
+    target, draft = draft_for(kind)
+    if kind == "trained":
+        jobs = greedy_jobs(training_prompts(seed=0), [CONTINUATION, 3, 17, 1, 26, 9, 40, 30])
+    else:
+        jobs = greedy_jobs(random_prompts(seed=0), MAX_TOKENS)
+    engine, spec = run(target, draft, jobs, verify_width=width)
+    _, plain = run(target, None, jobs)
+    check_same_outputs(spec, plain)
+    block = engine.block_size
+    assert block is not None
+    widest = block if width in ("full", "auto") else int(width)
+    for req in spec:
+        check_stats(req, block, rounds_of(engine, req.row_index))
+        assert req.spec_hist is not None and not any(req.spec_hist[widest:])
+    if kind == "trained" and width != "auto":  # the trained draft fills a round of any width
+        assert max(len(t.committed) for t in engine.round_trace or []) == widest
+    if width == "auto":  # every width was measured, and the policy saw the acceptance
+        assert engine.width_policy is not None
+        assert {w for w, _ in engine.width_policy.costs} == set(engine.widths)
+        assert sum(engine.width_policy.trials) > 0
+
+
+def test_a_verify_width_beyond_the_block_is_refused(
+    draft_for: Callable[[str], tuple[Path, Path]],
+) -> None:
+    target, draft = draft_for(WIDE)
+    with pytest.raises(JobError, match="verify width must be auto, full or 1 .. 8"):
+        run(target, draft, [], verify_width=9)

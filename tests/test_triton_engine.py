@@ -65,11 +65,11 @@ def run(
     through the graphs' persistent buffers and padding, run eagerly."""
     settings: dict[str, Any] = {
         "device": DEVICE, "dtype": "float32", "max_batch_size": 8, "max_batched_tokens": 96,
-        "num_pages": 80, "page_size": 4,
+        "num_pages": 80, "page_size": 4, "verify_width": "full",
     }  # fmt: skip
     engine = Engine(EngineConfig(target=target, draft=draft, **(settings | config)))
     if emulate_graphs:
-        engine.runner.capture_graphs(engine.config.max_batch_size)
+        engine.runner.capture_graphs(engine.config.max_batch_size, engine.widths)
     for i, (prompt, params) in enumerate(work):
         engine.add(Request(row_index=i, prompt_ids=list(prompt), params=params))
     finished: list[Request] = []
@@ -102,20 +102,23 @@ def test_triton_matches_torch_with_preemption(
 
 
 @pytest.mark.parametrize(
-    ("backend", "with_draft"), [("torch", False), ("torch", True), ("triton", True)]
-)
+    ("backend", "with_draft", "width"),
+    [("torch", False, 1), ("torch", True, "full"), ("torch", True, 1), ("torch", True, 2),
+     ("triton", True, "full")],
+)  # fmt: skip
 def test_graph_buffers_and_padding_replay_like_eager(
-    target: Path, trained: Path, with_draft: bool, backend: str
+    target: Path, trained: Path, with_draft: bool, backend: str, width: int | str
 ) -> None:
     """On a CPU the graphs are emulated: each steady-state step is loaded into the persistent
     buffers, padded up to its ladder size (padding requests feed no rows and write no K/V; the
-    draft's context rows padded to B per request) and run from there. Outputs are the eager
-    ones, at several ladder sizes."""
+    draft's context rows padded to B per request) and run from there. Outputs and rounds are
+    the eager ones, at several ladder sizes and verify widths (at width 1 a draft's context is
+    stored inside the target's graph)."""
     if CUDA:
         pytest.skip("the GPU runs real graphs: test_graphs_replay_like_eager_at_every_ladder_size")
     draft = trained if with_draft else None
     work = jobs(8, seed=4, max_tokens=16)
-    config = {"attention_backend": backend, "cuda_graphs": False}
+    config = {"attention_backend": backend, "cuda_graphs": False, "verify_width": width}
     _, eager = run(target, draft, work, **config)
     engine, emulated = run(target, draft, work, emulate_graphs=True, **config)
     sizes = {size for (_, size) in engine.runner.replays}
@@ -124,15 +127,20 @@ def test_graph_buffers_and_padding_replay_like_eager(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "dflash"])
+@pytest.mark.parametrize(
+    ("with_draft", "width"), [(False, 1), (True, "full"), (True, 1), (True, 2)]
+)
 def test_graphs_replay_like_eager_at_every_ladder_size(
-    target: Path, trained: Path, with_draft: bool
+    target: Path, trained: Path, with_draft: bool, width: int | str
 ) -> None:
     """float32: CUDA graphs (padded up to each ladder size as the batch drains) give exactly the
-    outputs of eager Triton and of the torch reference."""
+    outputs and rounds of eager Triton and of the torch reference, at each verify width."""
     draft = trained if with_draft else None
     work = jobs(48, seed=2)
-    config = {"max_batch_size": 32, "max_batched_tokens": 32 * 16, "num_pages": 1024}
+    config = {
+        "max_batch_size": 32, "max_batched_tokens": 32 * 16, "num_pages": 1024,
+        "verify_width": width,
+    }  # fmt: skip
     _, ref = run(target, draft, work, attention_backend="torch", cuda_graphs=False, **config)
     _, eager = run(target, draft, work, attention_backend="triton", cuda_graphs=False, **config)
     engine, graphed = run(target, draft, work, attention_backend="triton", **config)

@@ -19,6 +19,19 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x)
 
 
+def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
+    """Per-position acceptance (conditional) of finished jobs, named by their files."""
+    from batchrun.bench.sweep import conditional_acceptance
+
+    profiles = {}
+    for path in paths:
+        stats = json.loads(path.read_text())
+        if not stats.get("per_position_acceptance"):
+            raise click.UsageError(f"{path} holds no per_position_acceptance (a job with a draft)")
+        profiles[path.name] = conditional_acceptance(stats["per_position_acceptance"])
+    return profiles
+
+
 @click.command()
 @click.option("--target", type=click.Path(path_type=Path), help="Target checkpoint (end to end).")
 @click.option("--draft", type=click.Path(path_type=Path), help="DFlash draft (also run).")
@@ -35,6 +48,12 @@ def _floats(text: str) -> tuple[float, ...]:
 @click.option("--contexts", default="512,1024", show_default=True, help="--shape sweep.")
 @click.option("--steps", default=16, show_default=True, help="--shape: timed steps per point.")
 @click.option("--tau", default="3,5,6.5", show_default=True, help="--shape: projected tau.")
+@click.option(
+    "--acceptance-from",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    multiple=True,
+    help="--shape: also project DFlash at the per-position acceptance of this job's stats.json.",
+)
 @click.option("--no-draft", is_flag=True, help="--shape: target-only points only.")
 @click.option("--profile-batches", default="", help="--shape: batch sizes to profile, e.g. 1,128.")
 @click.option("--hf-eager/--no-hf-eager", default=True, show_default=True)
@@ -111,6 +130,7 @@ def _sweep(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> 
         contexts=_ints(opts["contexts"]),
         steps=opts["steps"],
         taus=_floats(opts["tau"]),
+        accept_profiles=_stats_acceptance(opts["acceptance_from"]),
         profile_batches=_ints(opts["profile_batches"]),
         draft=not opts["no_draft"],
         hf_eager=opts["hf_eager"],

@@ -1,7 +1,13 @@
 """The steady-state sweep of `batchrun bench --shape`: for each batch size and context length,
-the engine's milliseconds per decode step (target-only) and per DFlash round (draft + verify),
-split into draft, target and host time, against the memory roofline and transformers'
-generate() on the same prompts, all measured in one run."""
+the engine's milliseconds per decode step (target-only) and per DFlash round (draft + verify) at
+every verify width, split into draft, target and host time, against the memory roofline and
+transformers' generate() on the same prompts, all measured in one run.
+
+Random weights accept no draft, so DFlash throughput is projected: a round of width w commits
+expected_tokens(accept, w) tokens per request at a per-position acceptance profile (geometric
+ones at the given tau values, and optionally a real job's, from its stats.json), over the
+round's measured time. Full width is the block; adaptive is the width the engine's policy
+would pick from these costs (speculative/verify_width.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +23,12 @@ import torch
 from batchrun.bench.end_to_end import synthetic_prompts
 from batchrun.bench.hf_baseline import decode_ms_per_step
 from batchrun.bench.roofline import Ceilings, measure_ceilings, step_floor_ms
-from batchrun.bench.shapes import hf_twin, random_draft, random_target
+from batchrun.bench.shapes import DRAFT_BLOCK, hf_twin, random_draft, random_target
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.models.qwen3 import Qwen3Shape
+from batchrun.speculative.verify_width import best_width, expected_tokens
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,7 @@ class SweepPlan:
     contexts: tuple[int, ...]
     steps: int  # timed steps per point
     taus: tuple[float, ...]  # acceptance lengths to project DFlash throughput at
+    accept_profiles: dict[str, list[float]]  # more per-position acceptance profiles, by name
     profile_batches: tuple[int, ...]  # batch sizes to profile (kernel table per mode)
     draft: bool
     hf_eager: bool
@@ -64,9 +72,24 @@ def start_decoding(engine: Engine, batch: int, context: int) -> list[Request]:
     return reqs
 
 
-def measure_point(engine: Engine, batch: int, context: int, steps: int) -> dict[str, Any]:
-    """Time `steps` steps of `batch` requests decoding at about `context` tokens of context."""
+def measure_point(engine: Engine, batch: int, context: int, steps: int) -> list[dict[str, Any]]:
+    """Time `steps` steps of `batch` requests decoding at about `context` tokens of context, at
+    each of the engine's verify widths (widest first; the context grows by a few rounds)."""
     reqs = start_decoding(engine, batch, context)
+    points = []
+    for width in sorted(engine.widths, reverse=True):
+        engine.pinned_width = width
+        for _ in range(2):
+            engine.step()
+        points.append({"width": width, **_time_steps(engine, reqs, steps)})
+    engine.pinned_width = None
+    engine.abort_all()
+    for point in points:
+        point.update(batch=batch, context=context)
+    return points
+
+
+def _time_steps(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
     engine.timer.reset(enabled=True)
     graphed = engine.runner.replays.total()
     before = sum(len(r.output_ids) for r in reqs)
@@ -78,11 +101,8 @@ def measure_point(engine: Engine, batch: int, context: int, steps: int) -> dict[
     wall_ms = (time.perf_counter() - start) / steps * 1e3
     committed = sum(len(r.output_ids) for r in reqs) - before
     timing = engine.timer.reset(enabled=False)
-    engine.abort_all()
     draft_ms, target_ms = _median(timing["draft_ms"]), _median(timing["target_ms"])
     return {
-        "batch": batch,
-        "context": context,
         "ms_per_step": wall_ms,
         "draft_ms": draft_ms,
         "target_ms": target_ms,
@@ -125,7 +145,7 @@ def run_sweep(
         dtype=str(plan.dtype).removeprefix("torch."),
         attention_backend=plan.attention_backend, cuda_graphs=plan.cuda_graphs,
         max_batch_size=max_batch, max_batched_tokens=max(8192, max_batch * width),
-        max_model_len=max_len,
+        max_model_len=max_len, verify_width="auto",
     )  # fmt: skip
     points: list[dict[str, Any]] = []
     profiles: dict[str, str] = {}
@@ -136,18 +156,16 @@ def run_sweep(
         )
         for batch in plan.batch_sizes:
             for context in plan.contexts:
-                point = measure_point(engine, batch, context, plan.steps)
-                point["mode"] = "dflash" if with_draft else "target_only"
-                floor = step_floor_ms(plan.shape, element, batch, context, 1, ceilings)
-                point["roofline"] = floor
-                if not with_draft:
-                    point["fraction_of_memory_roofline"] = floor["memory_ms"] / point["ms_per_step"]
-                else:
-                    point["tokens_per_second_at_tau"] = {
-                        str(tau): batch * tau / point["ms_per_step"] * 1e3 for tau in plan.taus
-                    }
-                points.append(point)
-                print(_row(point), flush=True)
+                for point in measure_point(engine, batch, context, plan.steps):
+                    point["mode"] = "dflash" if with_draft else "target_only"
+                    if not with_draft:
+                        floor = step_floor_ms(plan.shape, element, batch, context, 1, ceilings)
+                        point["roofline"] = floor
+                        point["fraction_of_memory_roofline"] = (
+                            floor["memory_ms"] / point["ms_per_step"]
+                        )
+                    points.append(point)
+                    print(_row(point), flush=True)
         for batch in plan.profile_batches:
             name = f"{'dflash' if with_draft else 'target_only'} batch {batch}"
             profiles[name] = profile_point(engine, batch, plan.contexts[0], 4)
@@ -174,6 +192,7 @@ def _result(
     profiles: dict[str, str],
 ) -> dict[str, Any]:
     device = torch.device("cuda")
+    accept = acceptance_profiles(plan)
     return {
         "setup": {
             "shape_name": plan.shape_name,
@@ -188,7 +207,8 @@ def _result(
         "ceilings": asdict(ceilings),
         "points": points,
         "hf_generate": baselines,
-        "summary": summarize(points, baselines, plan.taus),
+        "acceptance_profiles": accept,
+        "summary": summarize(points, baselines, accept),
         "profiles": profiles,
     }
 
@@ -214,13 +234,46 @@ def _hf_baselines(plan: SweepPlan, hf: torch.nn.Module) -> Iterator[dict[str, An
                 yield {"batch": batch, "context": context, "mode": mode, **result}
 
 
+def geometric_acceptance(tau: float, block_size: int) -> list[float]:
+    """The constant per-position acceptance p at which a full block commits tau tokens on
+    average (bisection on expected_tokens, which grows with p)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens([mid] * (block_size - 1), block_size) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return [lo] * (block_size - 1)
+
+
+def conditional_acceptance(per_position: list[float]) -> list[float]:
+    """stats.json's per_position_acceptance (the share of rounds accepting draft j) as the
+    chance of accepting draft j once 1 .. j-1 were."""
+    out, before = [], 1.0
+    for share in per_position:
+        out.append(share / before if before > 0 else 0.0)
+        before = share
+    return out
+
+
+def acceptance_profiles(plan: SweepPlan) -> dict[str, list[float]]:
+    profiles = {f"tau {t:g}": geometric_acceptance(t, DRAFT_BLOCK) for t in plan.taus}
+    return profiles | plan.accept_profiles
+
+
 def summarize(
-    points: list[dict[str, Any]], baselines: list[dict[str, Any]], taus: tuple[float, ...]
+    points: list[dict[str, Any]],
+    baselines: list[dict[str, Any]],
+    profiles: dict[str, list[float]],
 ) -> list[dict[str, Any]]:
     """Per (batch, context): the ratios the issue's targets are stated in."""
     rows = []
     plain = {(p["batch"], p["context"]): p for p in points if p["mode"] == "target_only"}
-    spec = {(p["batch"], p["context"]): p for p in points if p["mode"] == "dflash"}
+    rounds: dict[tuple[int, int], dict[int, float]] = {}
+    for p in points:
+        if p["mode"] == "dflash":
+            rounds.setdefault((p["batch"], p["context"]), {})[p["width"]] = p["ms_per_step"]
     for key, p in sorted(plain.items()):
         row: dict[str, Any] = {
             "batch": key[0],
@@ -229,11 +282,12 @@ def summarize(
             "target_only_tokens_per_second": p["tokens_per_second"],
             "fraction_of_memory_roofline": p["fraction_of_memory_roofline"],
         }
-        if key in spec:
-            s = spec[key]
-            row["dflash_round_ms"] = s["ms_per_step"]
-            row["dflash_vs_target_only_at_tau"] = {
-                str(t): s["tokens_per_second_at_tau"][str(t)] / p["tokens_per_second"] for t in taus
+        if key in rounds:
+            costs = rounds[key]
+            row["dflash_round_ms_by_width"] = costs
+            row["dflash"] = {
+                name: _projection(key[0], accept, costs, p["tokens_per_second"])
+                for name, accept in profiles.items()
             }
         for b in baselines:
             if (b["batch"], b["context"]) == key and "tokens_per_second" in b:
@@ -242,9 +296,28 @@ def summarize(
     return rows
 
 
+def _projection(
+    batch: int, accept: list[float], costs: dict[int, float], target_only: float
+) -> dict[str, Any]:
+    """Full-width and adaptive DFlash tokens/s at one acceptance profile, and their ratios."""
+
+    def tokens_per_second(width: int) -> float:
+        return batch * expected_tokens(accept, width) / costs[width] * 1e3
+
+    full, chosen = max(costs), best_width(accept, costs)
+    return {
+        "full_width_tokens_per_second": tokens_per_second(full),
+        "adaptive_tokens_per_second": tokens_per_second(chosen),
+        "adaptive_width": chosen,
+        "full_width_vs_target_only": tokens_per_second(full) / target_only,
+        "adaptive_vs_target_only": tokens_per_second(chosen) / target_only,
+        "adaptive_vs_full_width": tokens_per_second(chosen) / tokens_per_second(full),
+    }
+
+
 def _row(p: dict[str, Any]) -> str:
     return (
-        f"{p['mode']:>11} batch {p['batch']:>4} context {p['context']:>5}: "
+        f"{p['mode']:>11} width {p['width']:>2} batch {p['batch']:>4} context {p['context']:>5}: "
         f"{p['ms_per_step']:7.2f} ms/step (draft {p['draft_ms']:.2f}, target "
         f"{p['target_ms']:.2f}, host {p['host_ms']:.2f}), {p['tokens_per_second']:9.1f} tok/s"
     )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchrun.errors import JobError
+from batchrun.speculative.verify_width import candidate_widths
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,25 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: sized from free memory (GPU) or a fixed budget (CPU)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    verify_width: int | str = "auto"  # rows verified per request and step: auto, full, 1 .. B
+
+
+def verify_widths(verify_width: int | str, block_size: int | None) -> tuple[int, ...]:
+    """The verify widths the engine may pick (CUDA graphs are captured for each): every
+    candidate under `auto`, the block under `full`, else the one asked for; (1,) without a
+    draft."""
+    if block_size is None:
+        return (1,)
+    if verify_width == "auto":
+        return candidate_widths(block_size)
+    if verify_width == "full":
+        return (block_size,)
+    if not (isinstance(verify_width, int) and 1 <= verify_width <= block_size):
+        raise JobError(
+            f"verify width must be auto, full or 1 .. {block_size} (the draft's block size), "
+            f"got {verify_width!r}"
+        )
+    return (verify_width,)
 
 
 def check_batch_budget(max_batched_tokens: int, width: int) -> None:

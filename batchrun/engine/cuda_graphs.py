@@ -25,6 +25,11 @@ def batch_ladder(max_batch_size: int) -> list[int]:
     return [*sizes, max_batch_size]
 
 
+def ladder_bucket(num_requests: int, max_batch_size: int) -> int:
+    """The ladder size a batch of num_requests runs at (its graph size, where graphs exist)."""
+    return min(s for s in batch_ladder(max_batch_size) if s >= min(num_requests, max_batch_size))
+
+
 class GraphSet:
     """One step function captured at each batch size of a ladder.
 

@@ -102,7 +102,9 @@ class DeviceState:
         width: int,
     ) -> None:
         """A decoding request commits its anchor and accepted drafts (KV) and the tokens
-        after them; a prefill chunk commits its rows, and a completing one its first token."""
+        after them; a prefill chunk commits its rows, and a completing one its first token.
+        A verify's committed rows wait for the next draft forward to enter its context (at
+        width 1 the step stored them already)."""
         d = num_decoding
         keep = accepted + 1
         kv_rows = q_lens.clone()
@@ -123,7 +125,7 @@ class DeviceState:
         self.out_len.index_add_(0, slots, new_tokens)
         self.last_token.index_copy_(0, slots, last)
         self.ctx_rows.zero_()  # only this step's verify rows wait for the draft's context
-        if d:
+        if d and width > 1:
             self.ctx_rows.index_copy_(0, slots[:d], keep)
             rows0 = torch.arange(d, device=slots.device) * width
             self.ctx_row0.index_copy_(0, slots[:d], rows0)

@@ -14,6 +14,7 @@ finishes or a preemption drops runs once more in step N+1; that result is droppe
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from batchrun.engine.config import EngineConfig, check_batch_budget
+from batchrun.engine.config import EngineConfig, check_batch_budget, verify_widths
+from batchrun.engine.cuda_graphs import ladder_bucket
 from batchrun.engine.loading import (
     attention_backend,
     eos_token_ids,
@@ -44,6 +46,7 @@ from batchrun.models.dflash_loader import load_dflash
 from batchrun.models.loader import load_qwen3
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.speculative.acceptance import RoundTrace, accepted_lengths
+from batchrun.speculative.verify_width import WidthPolicy
 
 ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their tokens are cut
 
@@ -58,6 +61,9 @@ class Launched:
     host: torch.Tensor  # sampled tokens, accepted counts (and drafts when traced), on their way
     ready: torch.cuda.Event | None
     num_drafts: int  # drafts per decoding request copied back (0: not traced)
+    width: int  # the step's verify width
+    uniform: bool  # every request decoded
+    timing: tuple[torch.cuda.Event, torch.cuda.Event] | float  # GPU events, or CPU seconds
 
 
 class Engine:
@@ -135,8 +141,15 @@ class Engine:
             model, draft, backend, num_pages, config.page_size, config.max_batch_size,
             config.max_batched_tokens, self.max_model_len, self.device,
         )  # fmt: skip
+        self.widths = verify_widths(config.verify_width, self.block_size)
+        self.width_policy = (
+            WidthPolicy(self.block_size, self.widths)
+            if self.block_size and len(self.widths) > 1
+            else None
+        )
+        self.pinned_width: int | None = None  # set by `batchrun bench` to time one width
         if config.cuda_graphs and backend.graphable and self.device.type == "cuda":
-            self.runner.capture_graphs(config.max_batch_size)
+            self.runner.capture_graphs(config.max_batch_size, self.widths)
         self.scheduler = Scheduler(
             self.pool, config.max_batch_size, config.max_batched_tokens, decode_width=width
         )
@@ -192,29 +205,39 @@ class Engine:
     def step(self) -> list[Request]:
         """Launch the next step, then read back the one before it; returns the requests that
         one finished."""
-        batch = self.scheduler.schedule()
-        launched = self._launch(batch) if batch else None
+        width = self.pinned_width or self.widths[-1]
+        if self.width_policy is not None and self.pinned_width is None:
+            bucket = ladder_bucket(len(self.scheduler.running), self.config.max_batch_size)
+            width = self.width_policy.choose(bucket)
+        batch = self.scheduler.schedule(width)
+        launched = self._launch(batch, width) if batch else None
         finished = self._read_back(self._launched) if self._launched is not None else []
         self._launched = launched
         return finished
 
     @torch.inference_mode()
-    def _launch(self, batch: list[Scheduled]) -> Launched:
-        runner, width = self.runner, self.block_size or 1
+    def _launch(self, batch: list[Scheduled], width: int) -> Launched:
+        runner = self.runner
+        started = time.perf_counter()
+        start_event = _event(self.device)
         samples = [rows_sampled(it) for it in batch]
         all_decoding = all(it.decoding for it in batch)
-        pad_to = runner.graph_size(len(batch)) if all_decoding else None
+        pad_to = runner.graph_size(len(batch), width) if all_decoding else None
         runner.state.admit(self.scheduler.admitted)  # before planning: it resends their pages
         plan = plan_step(batch, samples, width, self.pool.page_size, runner.state.num_slots, pad_to)
         for it in batch:  # the host's view moves on; decode rows commit when read back
             if it.decoding:
-                it.req.in_flight += 1
+                it.req.in_flight += it.num_new
             else:
                 it.req.num_cached += it.num_new
         self.timer.mark()
         args = runner.load(plan)
         num_dec = plan.num_decoding
-        drafts = runner.draft_step(args, plan) if self.draft is not None and num_dec else None
+        drafts = None
+        if self.draft is not None and num_dec and width > 1:
+            drafts = runner.draft_step(args, plan)[:, : width - 1]
+        elif self.draft is not None and num_dec and runner.context_pending:
+            runner.write_pending_context(args, plan)
         self.timer.mark()
         out = runner.target_step(args, plan, drafts)
         params = [it.req.params for it, k in zip(batch, samples, strict=True) if k]
@@ -239,9 +262,11 @@ class Engine:
         traced = self.round_trace is not None and drafts is not None
         if traced and drafts is not None:
             parts.append(drafts.reshape(-1))
+        host, ready = _to_host(torch.cat(parts))
         return Launched(
-            batch, samples, [it.req.epoch for it in batch], *_to_host(torch.cat(parts)),
-            num_drafts=width - 1 if traced else 0,
+            batch, samples, [it.req.epoch for it in batch], host, ready,
+            num_drafts=width - 1 if traced else 0, width=width, uniform=plan.uniform,
+            timing=(start_event, ready) if start_event and ready else time.perf_counter() - started,
         )  # fmt: skip
 
     def _read_back(self, launched: Launched) -> list[Request]:
@@ -253,6 +278,7 @@ class Engine:
         num_dec = sum(it.decoding for it in launched.batch)
         post_all, values = values[:num_sampled], values[num_sampled:]
         accepted, drafts = values[:num_dec], values[num_dec:]
+        self._learn(launched, accepted)
         d = launched.num_drafts
         finished, pos, dec = [], 0, 0
         for it, k, epoch in zip(launched.batch, launched.samples, launched.epochs, strict=True):
@@ -264,17 +290,31 @@ class Engine:
             if req.epoch != epoch:  # finished or preempted since: this result is dropped
                 continue
             if it.decoding:
-                req.in_flight -= 1
+                req.in_flight -= it.num_new
                 self._commit_round(req, post, accepted[dec - 1], drafts[(dec - 1) * d : dec * d])
             elif post:  # the first token, sampled from the prompt's last row
                 self.stopper.commit(req, post)
             if req.finish_reason:
                 self.scheduler.finish(req)
                 finished.append(req)
-            else:  # release KV past the committed tokens and the steps still in flight
-                self.pool.shrink(req.pages, req.num_cached + req.in_flight * (self.block_size or 1))
+            else:  # release KV past the committed tokens and the rows still in flight
+                self.pool.shrink(req.pages, req.num_cached + req.in_flight)
                 req.pages_on_device = min(req.pages_on_device, len(req.pages))
         return finished
+
+    def _learn(self, launched: Launched, accepted: list[int]) -> None:
+        """Feed the verify-width policy: the rounds' acceptance, and the step's cost when every
+        request decoded (a step with prefill chunks says little about a width's cost)."""
+        policy = self.width_policy
+        if policy is None:
+            return
+        for a in accepted if launched.width > 1 else ():
+            policy.record_round(launched.width, a)
+        if launched.uniform:
+            timing = launched.timing
+            ms = timing[0].elapsed_time(timing[1]) if isinstance(timing, tuple) else timing * 1e3
+            bucket = ladder_bucket(len(launched.batch), self.config.max_batch_size)
+            policy.record_cost(launched.width, bucket, ms)
 
     def _commit_round(self, req: Request, post: list[int], acc: int, drafts: list[int]) -> None:
         """Commits post[0 .. acc] (acc accepted drafts plus the target's own next token)."""
@@ -295,6 +335,13 @@ def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | Non
         return values, None
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
+    return host, _event(values.device)
+
+
+def _event(device: torch.device) -> torch.cuda.Event | None:
+    """A timing event recorded now on the current stream (None off a GPU)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

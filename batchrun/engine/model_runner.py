@@ -3,15 +3,17 @@ device state, the attention backend and the CUDA graphs, and runs a step's forwa
 
 A step arrives as one packed host array (engine/step_inputs.py), copied once into a persistent
 device buffer; everything else is built on the device from it and the slots' state. A step in
-which every request decodes (plain decode: 1 row each; DFlash: a draft block and a verify of B
-rows each) replays CUDA graphs captured for the smallest batch size that holds it, input
-building included; any other step (prefill chunks mixed in) runs the same code eagerly.
+which every request decodes (plain decode: 1 row each; DFlash: a draft block and a verify of W
+rows each, W up to the block size B) replays CUDA graphs captured for its width and the smallest
+batch size that holds it, input building included; any other step (prefill chunks mixed in)
+runs the same code eagerly.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -20,10 +22,16 @@ from batchrun.attention.meta import allocate_kv
 from batchrun.engine.cuda_graphs import GraphSet, batch_ladder
 from batchrun.engine.device_state import DeviceState, staged
 from batchrun.engine.page_pool import pages_for
-from batchrun.engine.step_inputs import StepArgs, StepPlan, step_args, target_inputs
+from batchrun.engine.step_inputs import (
+    StepArgs,
+    StepPlan,
+    TargetInputs,
+    step_args,
+    target_inputs,
+)
 from batchrun.models.dflash import DFlashDraft
 from batchrun.models.qwen3 import Qwen3ForCausalLM
-from batchrun.speculative.drafter import context_feature_rows, draft_inputs
+from batchrun.speculative.drafter import DraftInputs, context_feature_rows, draft_inputs
 
 IN_FLIGHT_STEPS = 2  # a request's pages cover the step being read back and the one launched
 
@@ -77,21 +85,29 @@ class ModelRunner:
                                   device=device)  # fmt: skip
         self.ctx_features: torch.Tensor | None = None  # [rows, layers * H], for the draft graph
         self.features: torch.Tensor | None = None  # the last target forward's captured rows
-        self.target_graphs: GraphSet | None = None
+        self.target_graphs: dict[int, GraphSet] = {}  # verify width -> its graphs
         self.draft_graphs: GraphSet | None = None
+        # The last verify's committed rows are not yet in the draft's context (a draft forward,
+        # or at width 1 write_pending_context, stores them).
+        self.context_pending = False
         self.replays: Counter[tuple[str, int]] = Counter()  # (graph set, batch size) -> replays
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def capture_graphs(self, max_batch_size: int) -> None:
-        """Capture the steady-state step for every ladder size up to max_batch_size (off a
-        GPU: emulate them, for tests)."""
+    def capture_graphs(self, max_batch_size: int, widths: tuple[int, ...] = (1,)) -> None:
+        """Capture the steady-state step at each verify width for every ladder size up to
+        max_batch_size (off a GPU: emulate them, for tests)."""
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         sizes = batch_ladder(max_batch_size)
-        self.target_graphs = GraphSet("target", self._target_graph, self._clear, self.device)
-        self.target_graphs.capture(sizes, pool)
-        if self.draft is not None:
+        for width in sorted(widths, reverse=True):
+            graphs = GraphSet(
+                f"target{width}", partial(self._target_graph, width=width), self._clear,
+                self.device,
+            )  # fmt: skip
+            graphs.capture(sizes, pool)
+            self.target_graphs[width] = graphs
+        if self.draft is not None and max(widths) > 1:
             rows, width = max_batch_size * self.width, self.model.shape.hidden_size
             self.ctx_features = torch.zeros(
                 rows, width * len(self.capture_layers), dtype=self.model.lm_head.weight.dtype,
@@ -100,11 +116,10 @@ class ModelRunner:
             self.draft_graphs = GraphSet("draft", self._draft_graph, self._clear, self.device)
             self.draft_graphs.capture(sizes, pool)
 
-    def graph_size(self, num_requests: int) -> int | None:
+    def graph_size(self, num_requests: int, width: int) -> int | None:
         """The graph size a step of num_requests decoding requests replays at (None: eager)."""
-        if self.target_graphs is None:
-            return None
-        return self.target_graphs.bucket(num_requests)
+        graphs = self.target_graphs.get(width)
+        return graphs.bucket(num_requests) if graphs is not None else None
 
     def _clear(self, size: int) -> None:
         """A step of `size` padding requests (the state graphs are captured in)."""
@@ -123,7 +138,7 @@ class ModelRunner:
         """The step's one host-to-device copy; new page-table entries applied."""
         packed = staged(torch.from_numpy(plan.packed), self.device)
         self.step_in[: packed.shape[0]].copy_(packed, non_blocking=True)
-        args = step_args(self.step_in, plan, self.width)
+        args = step_args(self.step_in, plan)
         self.state.add_pages(args.updates)
         return args
 
@@ -136,6 +151,7 @@ class ModelRunner:
         graphed = plan.uniform and self.draft_graphs is not None and self.ctx_features is not None
         slots = args.slot if graphed else args.slot[:num_dec]
         context = self._context(slots)
+        self.context_pending = False
         if graphed:
             assert self.draft_graphs is not None and self.ctx_features is not None
             if context is not None:
@@ -144,6 +160,20 @@ class ModelRunner:
             return self.draft_graphs.replay(plan.num_requests)[0][:num_dec]
         return self._draft(slots, context)
 
+    @torch.inference_mode()
+    def write_pending_context(self, args: StepArgs, plan: StepPlan) -> None:
+        """Store the draft context of the last verify's committed rows without drafting: a
+        step of width 1 after a wider one."""
+        assert self.draft is not None
+        slots = args.slot[: plan.num_decoding]
+        context = self._context(slots)
+        if context is not None:
+            inputs = self._draft_inputs(slots)
+            self.draft.write_context(
+                context, inputs.ctx_positions, inputs.ctx_slots, self.backend, self.draft_kv
+            )
+        self.context_pending = False
+
     def _context(self, slots: torch.Tensor) -> torch.Tensor | None:
         """The features of the rows each request's last verify committed, W rows per request."""
         if self.features is None:
@@ -151,11 +181,15 @@ class ModelRunner:
         rows = context_feature_rows(self.state, slots, self.width, self.features.shape[0])
         return self.features.index_select(0, rows)
 
-    def _draft(self, slots: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+    def _draft_inputs(self, slots: torch.Tensor) -> DraftInputs:
         assert self.draft is not None
-        inputs = draft_inputs(
+        return draft_inputs(
             self.state, slots, self.width, self.draft.mask_token_id, self.page_size, self.max_kv
         )
+
+    def _draft(self, slots: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+        assert self.draft is not None
+        inputs = self._draft_inputs(slots)
         if context is not None:
             self.draft.write_context(
                 context, inputs.ctx_positions, inputs.ctx_slots, self.backend, self.draft_kv
@@ -177,42 +211,48 @@ class ModelRunner:
         self, args: StepArgs, plan: StepPlan, drafts: torch.Tensor | None
     ) -> TargetOutput:
         """The target over the step's rows: logits of the rows to sample. A DFlash target also
-        keeps its captured features (the draft's next context) and stores the draft context
-        of prefill-chunk rows at once."""
-        if plan.uniform and self.target_graphs is not None:
-            logits, row_slot, row_step, *features = self.target_graphs.replay(plan.num_requests)
-            self.replays["target", plan.num_requests] += 1
+        keeps its captured features (the draft's next context) and stores at once the draft
+        context of the rows already committed (prefill chunks; at width 1, every row)."""
+        width = plan.width
+        self.context_pending = self.draft is not None and width > 1 and plan.num_decoding > 0
+        graphs = self.target_graphs.get(width)
+        if plan.uniform and graphs is not None:
+            logits, row_slot, row_step, *features = graphs.replay(plan.num_requests)
+            self.replays[graphs.name, plan.num_requests] += 1
             self.features = features[0] if features else None
             return TargetOutput(logits, row_slot, row_step)
         inputs = target_inputs(
-            args, self.state, drafts, plan.num_rows, self.width, self.page_size, plan.max_q,
+            args, self.state, drafts, plan.num_rows, width, self.page_size, plan.max_q,
             plan.max_kv,
         )  # fmt: skip
-        self.backend.plan(inputs.meta)
-        hidden, features = self.model(
-            inputs.ids, inputs.meta.positions, self.backend, self.kv_caches, self.capture_layers
-        )
-        chunks = plan.num_rows > plan.num_decoding * self.width
-        if self.draft is not None and features is not None and chunks:
-            self.draft.write_context(
-                features, inputs.meta.positions, inputs.chunk_slots, self.backend, self.draft_kv
-            )
-        self.features = features
+        chunks = plan.num_rows > plan.num_decoding * width
+        hidden, self.features = self._forward(inputs, chunks or width == 1)
         row_slot, row_step = inputs.row_slot, inputs.row_step
         if args.logit_rows is not None:
             rows = args.logit_rows
             hidden, row_slot, row_step = hidden[rows], row_slot[rows], row_step[rows]
         return TargetOutput(self.model.logits(hidden), row_slot, row_step)
 
-    def _target_graph(self, size: int) -> tuple[torch.Tensor, ...]:
-        inputs = target_inputs(
-            self._head(size), self.state, self.drafts[:size], size * self.width, self.width,
-            self.page_size, self.width, self.max_kv,
-        )  # fmt: skip
+    def _forward(
+        self, inputs: TargetInputs, store_context: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.backend.plan(inputs.meta)
         hidden, features = self.model(
             inputs.ids, inputs.meta.positions, self.backend, self.kv_caches, self.capture_layers
         )
+        if self.draft is not None and features is not None and store_context:
+            self.draft.write_context(
+                features, inputs.meta.positions, inputs.context_slots, self.backend,
+                self.draft_kv,
+            )  # fmt: skip
+        return hidden, features
+
+    def _target_graph(self, size: int, width: int) -> tuple[torch.Tensor, ...]:
+        inputs = target_inputs(
+            self._head(size), self.state, self.drafts[:size], size * width, width,
+            self.page_size, width, self.max_kv,
+        )  # fmt: skip
+        hidden, features = self._forward(inputs, store_context=width == 1)
         logits = self.model.logits(hidden)
         outputs = (logits, inputs.row_slot, inputs.row_step)
         return outputs if features is None else (*outputs, features)

@@ -81,7 +81,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     slot: int = -1  # its row in the device state while running
     pages_on_device: int = 0  # leading pages already in the device's page table
-    in_flight: int = 0  # decode/verify steps launched whose tokens the host has not read yet
+    in_flight: int = 0  # decode/verify rows launched whose tokens the host has not read yet
     epoch: int = 0  # bumped when preempted or finished: results launched before are dropped
     stop_scan: StopScan | None = None  # stop-string search state, made on the first token
 

@@ -11,7 +11,9 @@ recomputed later from its tokens, which changes no output (sampling is keyed by 
 request preempted in a pass waits at least until the next one.
 
 The engine launches a step before it reads the previous one's tokens, so a decoding request's
-pages cover its in-flight steps too, and each running request holds a slot of the device state.
+pages cover its in-flight rows too, and each running request holds a slot of the device state.
+The engine may verify fewer than B rows in a step (the verify width): budgets and reserves are
+those of full blocks, so a narrower step always fits.
 """
 
 from __future__ import annotations
@@ -63,13 +65,14 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self) -> list[Scheduled]:
+    def schedule(self, width: int | None = None) -> list[Scheduled]:
+        """The next step; decoding requests feed `width` rows each (default: the full block)."""
         self._planned, self._preempted, self.admitted = set(), set(), []
-        width = self.decode_width
+        width = width or self.decode_width
         batch: list[Scheduled] = []
         for req in list(self.running):  # oldest first; preempting the newest if pages run out
             decoding = req.status is Status.RUNNING and req.num_cached == prefill_len(req)
-            if decoding and self._grow_or_preempt(req, width * (req.in_flight + 1)):
+            if decoding and self._grow_or_preempt(req, req.in_flight + width):
                 batch.append(self._plan(req, width, decoding=True))
         budget = self.max_batched_tokens - width * len(batch)
         for req in list(self.running):

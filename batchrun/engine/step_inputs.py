@@ -4,8 +4,9 @@ per-slot state (engine/device_state.py): input ids, positions, cache slots, the 
 metadata and each row's sampling slot and counter.
 
 The step's requests come in scheduler order, decoding ones first: request r < D feeds rows
-r*W .. r*W + W-1 (its anchor, then W-1 drafts) and samples all of them; prefill chunks follow
-and sample only the row that completes a fresh prompt. The host packs everything into one int64
+r*W .. r*W + W-1 (its anchor, then W-1 drafts; W is the step's verify width, 1 for plain
+decoding) and samples all of them; prefill chunks follow and sample only the row that completes
+a fresh prompt. The host packs everything into one int64
 array, copied to the device in one transfer:
 
     [slot R | q_len R | sampled R | decoding R | page updates 3 x U | chunk ids T | logit rows N]
@@ -39,6 +40,7 @@ class StepPlan:
     """The host's side of a step, built per request (never per token in Python)."""
 
     packed: np.ndarray  # int64, the layout above
+    width: int  # W
     num_requests: int  # R, padded for a graph step
     num_live: int  # requests actually scheduled
     num_decoding: int  # D
@@ -78,7 +80,7 @@ def plan_step(
         updates.append(_new_pages(req))
         if it.decoding:
             num_dec += 1
-            max_kv = max(max_kv, req.num_cached + req.in_flight * width + it.num_new)
+            max_kv = max(max_kv, req.num_cached + req.in_flight + it.num_new)
         else:
             chunks.append(req.token_slice(req.num_cached, req.num_cached + it.num_new))
             max_kv = max(max_kv, req.num_cached + it.num_new)
@@ -97,6 +99,7 @@ def plan_step(
         parts.append(sampled_rows)
     return StepPlan(
         packed=np.concatenate(parts),
+        width=width,
         num_requests=num_req,
         num_live=live,
         num_decoding=num_dec,
@@ -130,11 +133,11 @@ class StepArgs:
     logit_rows: torch.Tensor | None  # [N], None: every row
 
 
-def step_args(packed: torch.Tensor, plan: StepPlan, width: int) -> StepArgs:
+def step_args(packed: torch.Tensor, plan: StepPlan) -> StepArgs:
     r, u = plan.num_requests, plan.num_updates
     head = packed[: 4 * r].view(4, r)
     at = 4 * r + 3 * u
-    chunk = plan.num_rows - plan.num_decoding * width if not plan.uniform else 0
+    chunk = plan.num_rows - plan.num_decoding * plan.width if not plan.uniform else 0
     logit = packed[at + chunk : at + chunk + plan.num_logit_rows] if plan.num_logit_rows else None
     return StepArgs(
         slot=head[0],
@@ -153,7 +156,9 @@ class TargetInputs:
     meta: AttentionMeta
     row_slot: torch.Tensor  # [T] the slot that samples each row (padding: the scratch slot)
     row_step: torch.Tensor  # [T] the output-token index each row would sample
-    chunk_slots: torch.Tensor  # [T] cache slot of each prefill-chunk row, -1 elsewhere
+    # [T] the cache slot of each row whose draft context the step stores at once (prefill-chunk
+    # rows; at width 1, every row: all are committed), -1 elsewhere
+    context_slots: torch.Tensor
 
 
 def target_inputs(
@@ -202,4 +207,5 @@ def target_inputs(
         max_q=max_q,
         max_kv=max_kv,
     )
-    return TargetInputs(ids, meta, row_slot, row_step, torch.where(chunk_rows, slots, -1))
+    committed = live if width == 1 else chunk_rows
+    return TargetInputs(ids, meta, row_slot, row_step, torch.where(committed, slots, -1))

@@ -1,0 +1,87 @@
+"""The verify-width policy as a pure function of measured step costs and acceptance."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchrun.speculative.verify_width import (
+    PRIOR_ACCEPT,
+    PROBE_EVERY,
+    WidthPolicy,
+    best_width,
+    candidate_widths,
+    expected_tokens,
+)
+
+WIDTHS = (1, 2, 4, 8, 16)
+
+
+def test_candidates_are_one_the_powers_of_two_and_the_block() -> None:
+    assert candidate_widths(16) == WIDTHS
+    assert candidate_widths(5) == (1, 2, 4, 5)
+    assert candidate_widths(2) == (1, 2)
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens([0.5] * 15, 1) == 1
+    assert expected_tokens([0.5] * 15, 3) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([1.0, 0.0, 1.0], 4) == 2  # nothing past the first rejection
+    assert expected_tokens([0.9] * 15, 16) == pytest.approx(sum(0.9**j for j in range(16)))
+
+
+def test_small_batches_verify_the_block_and_large_ones_decode() -> None:
+    accept = [0.9] * 15  # a well-trained draft: about 6.4 tokens a round at B = 16
+    # Memory-bound (batch 1): a wider verify costs almost nothing more; the draft is extra.
+    small = {1: 5.0, 2: 6.3, 4: 6.35, 8: 6.4, 16: 6.5}
+    assert best_width(accept, small) == 16
+    # Compute-bound (batch 256): verify cost grows with the rows; a draft forward is dear.
+    large = {1: 13.0, 2: 60.0, 4: 75.0, 8: 105.0, 16: 160.0}
+    assert best_width(accept, large) == 1
+    # In between, a narrower block wins.
+    middle = {1: 8.0, 2: 14.0, 4: 16.0, 8: 24.0, 16: 66.0}
+    assert best_width(accept, middle) == 8
+    # A draft that accepts nothing never pays.
+    assert best_width([0.0] * 15, small) == 1
+
+
+def test_ties_go_to_the_narrower_width() -> None:
+    assert best_width([1.0] * 15, {1: 1.0, 2: 2.0}) == 1
+
+
+def test_the_policy_measures_each_width_once_per_bucket_then_chooses() -> None:
+    policy = WidthPolicy(16, WIDTHS)
+    seen = []
+    for _ in WIDTHS:
+        width = policy.choose(bucket=32)
+        seen.append(width)
+        policy.record_cost(width, 32, {1: 5.0, 2: 6.0, 4: 6.1, 8: 6.2, 16: 6.3}[width])
+    assert sorted(seen) == list(WIDTHS)
+    for _ in range(200):  # rounds at full width that accept four drafts each
+        policy.record_round(16, 4)
+    assert policy.choose(bucket=32) in (4, 8)
+    assert policy.choose(bucket=64) == 16  # a new bucket is measured first, widest first
+
+
+def test_acceptance_is_counted_per_position_given_the_ones_before() -> None:
+    policy = WidthPolicy(8, (1, 8))
+    policy.record_round(8, 2)  # drafts 1 and 2 accepted, 3 rejected, 4 .. 7 never seen
+    policy.record_round(4, 3)  # drafts 1 .. 3 accepted: a width-4 round accepts them all
+    assert policy.trials == [2, 2, 2, 0, 0, 0, 0]
+    assert policy.hits == [2, 2, 1, 0, 0, 0, 0]
+    accept = policy.accept()
+    assert accept[0] > PRIOR_ACCEPT and accept[3] == PRIOR_ACCEPT
+
+
+def test_cost_is_a_running_mean() -> None:
+    policy = WidthPolicy(4, (1, 4))
+    policy.record_cost(4, 8, 10.0)
+    policy.record_cost(4, 8, 20.0)
+    assert 10.0 < policy.costs[4, 8] < 20.0
+
+
+def test_a_policy_stuck_at_width_one_probes_the_block() -> None:
+    policy = WidthPolicy(16, WIDTHS)
+    for w in WIDTHS:
+        policy.record_cost(w, 1, 1.0 if w == 1 else 100.0)
+    widths = [policy.choose(1) for _ in range(PROBE_EVERY + 2)]
+    assert widths.count(16) == 1 and widths.count(1) == PROBE_EVERY + 1
