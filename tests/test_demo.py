@@ -27,6 +27,7 @@ def test_short_demo_job(tmp_path: Path) -> None:
     spec = run_demo(tmp_path / "spec", "--verify-width", "full")  # every round a full block
     plain = run_demo(tmp_path / "plain", "--draft", "none")
     adaptive = run_demo(tmp_path / "adaptive")  # the default: the width each step chooses
+    assert adaptive["rows"] == adaptive["ok_rows"] == 48
     assert plain["acceptance_length"] is None
     assert spec["rows"] == spec["ok_rows"] == 48
     assert spec["block_size"] == 16
