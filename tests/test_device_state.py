@@ -166,3 +166,4 @@ def test_the_next_step_is_launched_before_this_one_is_read(tiny_model: Path) -> 
         engine.step()
     assert [len(r.output_ids) for r in reqs] == [12, 12, 12]
     assert engine.pool.num_free == 64
+    assert engine.info()["cuda_graphs"] is False  # a CPU: no graphs

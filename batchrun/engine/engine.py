@@ -173,7 +173,7 @@ class Engine:
             "dtype": self._dtype,
             "device": str(self.device),
             "attention_backend": self._backend_name,
-            "cuda_graphs": self.runner.target_graphs is not None,
+            "cuda_graphs": bool(self.runner.target_graphs),
         }
 
     @property
