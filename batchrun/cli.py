@@ -72,7 +72,8 @@ _RUN_OPTIONS = [
     click.option("--dtype", help="auto, float32, bfloat16 or float16."),
     click.option("--device", help="auto, cpu or cuda."),
     click.option(
-        "--attention-backend", help="auto (triton on a GPU, torch on a CPU), torch or triton."
+        "--attention-backend",
+        help="auto (triton on a GPU, torch on a CPU), torch, triton or flashinfer (GPU, eager).",
     ),
     click.option(
         "--cuda-graphs/--no-cuda-graphs", default=None, help="CUDA graphs for decode/verify steps."

@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchrun.engine.config import check_batch_budget
-from batchrun.engine.loading import backend_name, load_tokenizer, resolve_device
+from batchrun.engine.loading import (
+    backend_name,
+    check_backend_dtype,
+    load_tokenizer,
+    resolve_device,
+)
 from batchrun.errors import JobError
 from batchrun.io.prompts import PromptColumn, PromptKind
 from batchrun.models.dflash_loader import DraftSpec, check_draft
@@ -52,6 +57,7 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     target_config = read_config(config.target, "target model")
     target = qwen3_shape(target_config)
     dtype = resolve_dtype(config.dtype, target_config, device)
+    check_backend_dtype(backend, dtype)
     draft = check_draft(config.draft, target) if config.draft is not None else None
     check_batch_budget(config.max_batched_tokens, draft.block_size if draft is not None else 1)
     tokenizer = load_tokenizer(config.target)

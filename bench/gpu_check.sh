@@ -4,16 +4,34 @@
 # dependencies, which the GPU image lacks):
 #   bash bench/gpu_check.sh                 # tests, then the default sweep
 #   TESTS=0 BENCH_ARGS="--batch-sizes 1,32" bash bench/gpu_check.sh
+# FLASHINFER=1 also installs flashinfer from .fiwhl (carry it too: the slimmed flashinfer-python
+# and apache-tvm-ffi wheels, see ../shared/tools/README.md) and keeps its JIT cache between
+# calls: .fiwhl/jit-cache.tar.gz is unpacked first, $OUT/jit-cache.tar.gz written after the tests.
+#   FLASHINFER=1 BENCH=0 TEST_FILES=tests/test_flashinfer_backend.py bash bench/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+FI_CACHE=/tmp/fi-cache
+if [ "${FLASHINFER:-0}" = 1 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .fiwhl/*.whl \
+        || exit 1
+    find /tmp/site -exec touch -h -d 2020-01-01 {} +  # else ninja rebuilds the cached modules
+    export FLASHINFER_WORKSPACE_BASE=$FI_CACHE FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+    mkdir -p "$FI_CACHE"
+    for cache in .fiwhl/jit-cache.tar*; do  # GNU tar keeps the file times and sees the gzip
+        [ -f "$cache" ] && tar -xf "$cache" -C "$FI_CACHE" && echo "JIT cache from $cache"
+    done
+fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 if [ "${TESTS:-1}" = 1 ]; then
     timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rP -p no:cacheprovider -m gpu \
         ${TEST_FILES:-tests/test_triton_kernels.py tests/test_triton_engine.py} 2>&1 \
         | grep -v '^$' | tail -n 80 | tee "$OUT/gpu-tests.log"
+fi
+if [ "${FLASHINFER:-0}" = 1 ]; then  # keep it under 16 MiB to come back from $OUT
+    tar -czf "$OUT/jit-cache.tar.gz" -C "$FI_CACHE" . && ls -l "$OUT/jit-cache.tar.gz"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
     # shellcheck disable=SC2086

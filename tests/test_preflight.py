@@ -125,7 +125,7 @@ BAD_JOBS: dict[str, tuple[Breaker, str]] = {
     "no-cuda": (no_cuda, "no CUDA device"),
     "attention-backend": (
         flags("--attention-backend", "flashinfer"),
-        "'flashinfer' is not available",
+        "'flashinfer' needs a CUDA GPU and the flashinfer-python package",
     ),
     "draft-hidden-size": (draft_flags(extra_config={"hidden_size": 48}), "hidden_size 48"),
     "draft-vocab": (draft_flags(extra_config={"vocab_size": 7}), "vocab_size 7"),

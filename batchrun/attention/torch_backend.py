@@ -13,6 +13,20 @@ import torch.nn.functional as F
 from batchrun.attention.meta import AttentionMeta
 
 
+def write_kv_torch(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Store K/V rows [T, Hkv, D] at cache slots [T]; a slot of -1 stores nothing."""
+    keep = slots >= 0
+    hkv, dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, hkv, dim)[slots[keep]] = k[keep]
+    v_cache.view(-1, hkv, dim)[slots[keep]] = v[keep]
+
+
 class TorchAttention:
     name = "torch"
     graphable = False
@@ -47,11 +61,7 @@ class TorchAttention:
         v_cache: torch.Tensor,
         slots: torch.Tensor | None = None,
     ) -> None:
-        slots = self.slot_mapping if slots is None else slots
-        keep = slots >= 0
-        hkv, dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, hkv, dim)[slots[keep]] = k[keep]
-        v_cache.view(-1, hkv, dim)[slots[keep]] = v[keep]
+        write_kv_torch(k, v, k_cache, v_cache, self.slot_mapping if slots is None else slots)
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -24,24 +25,48 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+FLASHINFER_NEEDS = (
+    "attention backend 'flashinfer' needs a CUDA GPU and the flashinfer-python package "
+    "(pip install 'batchrun[flashinfer]')"
+)
+
+
 def backend_name(name: str, device: torch.device) -> str:
     """The backend `name` resolves to on `device`; JobError if it cannot run here. `auto` is
     Triton on a GPU and the torch reference on a CPU (where `triton` runs under Triton's
-    interpreter, for tests)."""
+    interpreter, for tests). `flashinfer` runs on a CUDA GPU only; whether it is installed is
+    checked here without importing it (its import is slow), the import itself when it is built."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
         if device.type == "cpu":
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            raise JobError("attention backend 'triton' needs the triton package") from None
+        if not _has_triton():
+            raise JobError("attention backend 'triton' needs the triton package")
+    elif name == "flashinfer":
+        if device.type != "cuda" or importlib.util.find_spec("flashinfer") is None:
+            raise JobError(FLASHINFER_NEEDS)
     elif name != "torch":
         raise JobError(
-            f"attention backend {name!r} is not available in this build; use 'triton' or 'torch'"
+            f"attention backend {name!r} is not available; use auto, triton, flashinfer or torch"
         )
     return name
+
+
+def check_backend_dtype(name: str, dtype: torch.dtype) -> None:
+    """JobError if backend `name` (resolved) cannot compute in `dtype`."""
+    if name == "flashinfer":
+        from batchrun.attention.flashinfer_backend import check_dtype
+
+        check_dtype(dtype)
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def attention_backend(
@@ -53,12 +78,31 @@ def attention_backend(
     head_dim: int,
 ) -> tuple[AttentionBackend, TorchOps]:
     """The attention backend and the layers' small ops that go with it."""
-    if backend_name(name, device) == "torch":
+    name = backend_name(name, device)
+    if name == "torch":
         return TorchAttention(), TORCH_OPS
+    if name == "flashinfer":
+        return _flashinfer_backend(device)
     from batchrun.attention.triton_backend import TritonAttention
     from batchrun.layers.triton_ops import TritonOps
 
     return TritonAttention(max_decode_rows, num_heads, num_kv_heads, head_dim), TritonOps()
+
+
+def _flashinfer_backend(device: torch.device) -> tuple[AttentionBackend, TorchOps]:
+    """flashinfer's attention with Triton's K/V write and small ops where triton imports."""
+    from batchrun.attention.flashinfer_backend import FlashInferAttention
+
+    ops, write = TORCH_OPS, None
+    if _has_triton():
+        from batchrun.kernels.triton_attention import write_kv
+        from batchrun.layers.triton_ops import TritonOps
+
+        ops, write = TritonOps(), write_kv
+    try:
+        return FlashInferAttention(device, write), ops
+    except ImportError as e:  # installed but not importable (e.g. without apache-tvm-ffi)
+        raise JobError(f"{FLASHINFER_NEEDS}: {e}".splitlines()[0]) from None
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
