@@ -63,7 +63,7 @@ class Launched:
     num_drafts: int  # drafts per decoding request copied back (0: not traced)
     width: int  # the step's verify width
     uniform: bool  # every request decoded
-    timing: tuple[torch.cuda.Event, torch.cuda.Event] | float  # GPU events, or CPU seconds
+    seconds: float | None  # off a GPU the launch ran the step: its time
 
 
 class Engine:
@@ -157,6 +157,7 @@ class Engine:
         self.timer = StepTimer(self.device)
         self.round_trace: list[RoundTrace] | None = None  # set to a list to record rounds
         self._launched: Launched | None = None
+        self._last_done: float | None = None  # when the host last read a step's results
         self._backend_name = backend.name
         self._dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
 
@@ -193,7 +194,7 @@ class Engine:
         """Drop every unfinished request and free its pages (benchmarks between points)."""
         if self._launched is not None and self._launched.ready is not None:
             self._launched.ready.synchronize()
-        self._launched = None
+        self._launched = self._last_done = None
         for req in list(self.scheduler.running):
             self.scheduler.finish(req)
         for req in self.scheduler.waiting:  # preempted ones may hold no pages; fresh ones none
@@ -219,7 +220,6 @@ class Engine:
     def _launch(self, batch: list[Scheduled], width: int) -> Launched:
         runner = self.runner
         started = time.perf_counter()
-        start_event = _event(self.device)
         samples = [rows_sampled(it) for it in batch]
         all_decoding = all(it.decoding for it in batch)
         pad_to = runner.graph_size(len(batch), width) if all_decoding else None
@@ -266,7 +266,7 @@ class Engine:
         return Launched(
             batch, samples, [it.req.epoch for it in batch], host, ready,
             num_drafts=width - 1 if traced else 0, width=width, uniform=plan.uniform,
-            timing=(start_event, ready) if start_event and ready else time.perf_counter() - started,
+            seconds=None if ready is not None else time.perf_counter() - started,
         )  # fmt: skip
 
     def _read_back(self, launched: Launched) -> list[Request]:
@@ -304,17 +304,20 @@ class Engine:
 
     def _learn(self, launched: Launched, accepted: list[int]) -> None:
         """Feed the verify-width policy: the rounds' acceptance, and the step's cost when every
-        request decoded (a step with prefill chunks says little about a width's cost)."""
+        request decoded (a step with prefill chunks says little about a width's cost). On a GPU
+        a step costs the time between its results and the previous step's: the period of the
+        overlapped pipeline, whichever of host and GPU bounds it."""
+        done, last = time.perf_counter(), self._last_done
+        self._last_done = done
         policy = self.width_policy
         if policy is None:
             return
         for a in accepted if launched.width > 1 else ():
             policy.record_round(launched.width, a)
-        if launched.uniform:
-            timing = launched.timing
-            ms = timing[0].elapsed_time(timing[1]) if isinstance(timing, tuple) else timing * 1e3
+        seconds = launched.seconds if launched.seconds is not None else done - (last or done)
+        if launched.uniform and seconds > 0:
             bucket = ladder_bucket(len(launched.batch), self.config.max_batch_size)
-            policy.record_cost(launched.width, bucket, ms)
+            policy.record_cost(launched.width, bucket, seconds * 1e3)
 
     def _commit_round(self, req: Request, post: list[int], acc: int, drafts: list[int]) -> None:
         """Commits post[0 .. acc] (acc accepted drafts plus the target's own next token)."""
@@ -335,13 +338,6 @@ def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | Non
         return values, None
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)
-    return host, _event(values.device)
-
-
-def _event(device: torch.device) -> torch.cuda.Event | None:
-    """A timing event recorded now on the current stream (None off a GPU)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
