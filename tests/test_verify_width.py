@@ -48,6 +48,14 @@ def test_ties_go_to_the_narrower_width() -> None:
     assert best_width([1.0] * 15, {1: 1.0, 2: 2.0}) == 1
 
 
+def test_the_current_width_stays_unless_another_is_clearly_better() -> None:
+    accept = [0.5] * 15
+    costs = {1: 1.0, 2: 1.45}  # width 2: 1.5 tokens for 1.45 ms, 3% more than width 1
+    assert best_width(accept, costs) == 2
+    assert best_width(accept, costs, current=1) == 1
+    assert best_width(accept, {1: 1.0, 2: 1.2}, current=1) == 2  # 25% more: switch
+
+
 def test_the_policy_measures_each_width_once_per_bucket_then_chooses() -> None:
     policy = WidthPolicy(16, WIDTHS)
     seen = []

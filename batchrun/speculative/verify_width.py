@@ -17,6 +17,7 @@ PRIOR_ACCEPT = 0.5  # a position's acceptance before any round has verified it
 PRIOR_WEIGHT = 4.0  # rounds that prior is worth
 COST_SMOOTHING = 0.2  # weight of the newest step time in a cost's running mean
 PROBE_EVERY = 64  # steps at width 1 between two steps at full width: acceptance keeps its data
+SWITCH_MARGIN = 0.05  # a width must promise this much more than the current one to replace it
 
 
 def candidate_widths(block_size: int) -> tuple[int, ...]:
@@ -38,10 +39,25 @@ def expected_tokens(accept: Sequence[float], width: int) -> float:
     return total
 
 
-def best_width(accept: Sequence[float], costs: Mapping[int, float]) -> int:
+def best_width(
+    accept: Sequence[float], costs: Mapping[int, float], current: int | None = None
+) -> int:
     """The width with the most expected tokens per millisecond; costs: width -> ms of a step
-    (draft included) at the current batch size. Ties go to the narrower width."""
-    return max(sorted(costs), key=lambda w: (expected_tokens(accept, w) / costs[w], -w))
+    (draft included) at the current batch size. Ties go to the narrower width; the `current`
+    width stays unless another promises SWITCH_MARGIN more (measured costs are noisy, and
+    flapping between widths costs context writes)."""
+
+    def rate(w: int) -> float:
+        return expected_tokens(accept, w) / costs[w]
+
+    best = max(sorted(costs), key=lambda w: (rate(w), -w))
+    if (
+        current is not None
+        and current in costs
+        and rate(best) < rate(current) * (1 + SWITCH_MARGIN)
+    ):
+        return current
+    return best
 
 
 class WidthPolicy:
@@ -53,6 +69,7 @@ class WidthPolicy:
         self.hits = [0] * (block_size - 1)  # rounds that accepted draft j, given 1 .. j-1
         self.trials = [0] * (block_size - 1)  # rounds that verified draft j, given 1 .. j-1
         self.costs: dict[tuple[int, int], float] = {}
+        self._chosen: dict[int, int] = {}  # bucket -> its width now
         self._narrow_steps = 0
 
     def accept(self) -> list[float]:
@@ -65,7 +82,9 @@ class WidthPolicy:
         unmeasured = [w for w in self.widths if (w, bucket) not in self.costs]
         if unmeasured:
             return unmeasured[-1]
-        width = best_width(self.accept(), {w: self.costs[w, bucket] for w in self.widths})
+        costs = {w: self.costs[w, bucket] for w in self.widths}
+        width = best_width(self.accept(), costs, self._chosen.get(bucket))
+        self._chosen[bucket] = width
         self._narrow_steps = self._narrow_steps + 1 if width == 1 else 0
         if self._narrow_steps > PROBE_EVERY:
             self._narrow_steps = 0
