@@ -31,7 +31,7 @@ from batchrun.engine.loading import (
     resolve_device,
 )
 from batchrun.engine.memory import kv_pages
-from batchrun.engine.model_runner import IN_FLIGHT_STEPS, ModelRunner
+from batchrun.engine.model_runner import IN_FLIGHT_STEPS, ModelRunner, TargetOutput
 from batchrun.engine.page_pool import PagePool
 from batchrun.engine.request import Request
 from batchrun.engine.sampler import sample
@@ -239,14 +239,7 @@ class Engine:
         elif self.draft is not None and num_dec and runner.context_pending:
             runner.write_pending_context(args, plan)
         self.timer.mark()
-        out = runner.target_step(args, plan, drafts)
-        params = [it.req.params for it, k in zip(batch, samples, strict=True) if k]
-        if all(p.temperature == 0 for p in params):
-            tokens = out.logits.argmax(dim=-1)
-        else:
-            filtered = any(p.top_k or p.top_p < 1 for p in params if p.temperature > 0)
-            batch_params = runner.state.sampling(out.row_slot, out.row_step)
-            tokens = sample(out.logits, batch_params, any_filtered=filtered)
+        tokens = self._sample(runner.target_step(args, plan, drafts), batch, samples)
         if drafts is not None:
             accepted = accepted_lengths(drafts, tokens[: num_dec * width].view(num_dec, width))
         else:
@@ -268,6 +261,17 @@ class Engine:
             num_drafts=width - 1 if traced else 0, width=width, uniform=plan.uniform,
             seconds=None if ready is not None else time.perf_counter() - started,
         )  # fmt: skip
+
+    def _sample(
+        self, out: TargetOutput, batch: list[Scheduled], samples: list[int]
+    ) -> torch.Tensor:
+        """The token of every sampled row, on the device: argmax when every row is greedy."""
+        params = [it.req.params for it, k in zip(batch, samples, strict=True) if k]
+        if all(p.temperature == 0 for p in params):
+            return out.logits.argmax(dim=-1)
+        filtered = any(p.top_k or p.top_p < 1 for p in params if p.temperature > 0)
+        rows = self.runner.state.sampling(out.row_slot, out.row_step)
+        return sample(out.logits, rows, any_filtered=filtered)
 
     def _read_back(self, launched: Launched) -> list[Request]:
         """Commit a launched step's tokens on the host: stop checks, outputs, finished ones."""
