@@ -59,7 +59,8 @@ def random_prompts(vocab: int, batch: int, context: int) -> list[list[int]]:
 
 
 def start_decoding(engine: Engine, batch: int, context: int) -> list[Request]:
-    """`batch` requests prefilled and two steps into decoding: the steady state to time."""
+    """`batch` requests prefilled and two steps into decoding (at the pinned verify width, if
+    any): the steady state to time."""
     prompts = random_prompts(engine.vocab_size, batch, context)
     budget = engine.max_model_len - context - 1
     reqs = [Request(i, p, SamplingParams(max_tokens=budget)) for i, p in enumerate(prompts)]
@@ -74,18 +75,16 @@ def start_decoding(engine: Engine, batch: int, context: int) -> list[Request]:
 
 def measure_point(engine: Engine, batch: int, context: int, steps: int) -> list[dict[str, Any]]:
     """Time `steps` steps of `batch` requests decoding at about `context` tokens of context, at
-    each of the engine's verify widths (widest first; the context grows by a few rounds)."""
-    reqs = start_decoding(engine, batch, context)
+    each of the engine's verify widths, each from a fresh prefill: every width (and the
+    target-only engine) is timed at the same context, which grows as steps commit."""
     points = []
     for width in sorted(engine.widths, reverse=True):
         engine.pinned_width = width
-        for _ in range(2):
-            engine.step()
-        points.append({"width": width, **_time_steps(engine, reqs, steps)})
+        reqs = start_decoding(engine, batch, context)
+        point = {"batch": batch, "context": context, "width": width}
+        points.append(point | _time_steps(engine, reqs, steps))
+        engine.abort_all()
     engine.pinned_width = None
-    engine.abort_all()
-    for point in points:
-        point.update(batch=batch, context=context)
     return points
 
 
