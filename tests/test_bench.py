@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from batchrun.cli import cli
@@ -26,3 +27,30 @@ def test_bench_writes_result_json(tiny_model: Path, tmp_path: Path) -> None:
     assert target_only["output_tokens"] == 18  # the random tiny model emits no eos this early
     assert data["results"]["speculative"]["acceptance_length"] >= 1.0
     assert data["setup"]["device"] == "cpu"
+
+
+def test_sweep_projects_full_width_and_adaptive_dflash() -> None:
+    """The sweep's projection from measured round times per width: a geometric acceptance
+    matching tau, a stats.json profile made conditional, and the adaptive width the policy's
+    own rule picks (never slower than the full block)."""
+    from batchrun.bench.sweep import conditional_acceptance, geometric_acceptance, summarize
+    from batchrun.speculative.verify_width import expected_tokens
+
+    accept = geometric_acceptance(6.5, 16)
+    assert expected_tokens(accept, 16) == pytest.approx(6.5, abs=1e-6)
+    assert conditional_acceptance([0.8, 0.4, 0.1]) == pytest.approx([0.8, 0.5, 0.25])
+
+    def point(mode: str, width: int, batch: int, ms: float) -> dict:
+        extra = {"fraction_of_memory_roofline": 0.7} if mode == "target_only" else {}
+        return {"mode": mode, "width": width, "batch": batch, "context": 512,
+                "ms_per_step": ms, "tokens_per_second": batch / ms * 1e3, **extra}  # fmt: skip
+
+    points = [point("target_only", 1, 1, 5.0), point("target_only", 1, 256, 13.0)]
+    points += [point("dflash", w, 1, ms) for w, ms in {1: 5.1, 2: 6.4, 4: 6.4, 16: 6.6}.items()]
+    points += [point("dflash", w, 256, ms) for w, ms in {1: 13.2, 2: 44, 4: 56, 16: 134}.items()]
+    rows = summarize(points, [], {"tau 6.5": accept})
+    small, large = (row["dflash"]["tau 6.5"] for row in rows)
+    assert small["adaptive_width"] == 16 and small["adaptive_vs_full_width"] == 1.0
+    assert small["adaptive_vs_target_only"] == pytest.approx(6.5 * 5.0 / 6.6)
+    assert large["adaptive_width"] == 1 and large["adaptive_vs_full_width"] > 1
+    assert large["adaptive_vs_target_only"] == pytest.approx(13.0 / 13.2)
