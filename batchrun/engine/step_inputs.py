@@ -6,8 +6,8 @@ metadata and each row's sampling slot and counter.
 The step's requests come in scheduler order, decoding ones first: request r < D feeds rows
 r*W .. r*W + W-1 (its anchor, then W-1 drafts; W is the step's verify width, 1 for plain
 decoding) and samples all of them; prefill chunks follow and sample only the row that completes
-a fresh prompt. The host packs everything into one int64
-array, copied to the device in one transfer:
+a fresh prompt. The host packs everything into one int64 array, copied to the device in one
+transfer:
 
     [slot R | q_len R | sampled R | decoding R | page updates 3 x U | chunk ids T | logit rows N]
 
@@ -29,6 +29,7 @@ from batchrun.engine.scheduler import Scheduled
 
 
 def rows_sampled(it: Scheduled) -> int:
+    """Rows of the item the step samples: every verify row; a prompt's last row."""
     if it.decoding:
         return it.num_new
     req = it.req
