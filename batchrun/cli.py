@@ -79,6 +79,11 @@ _RUN_OPTIONS = [
         "--cuda-graphs/--no-cuda-graphs", default=None, help="CUDA graphs for decode/verify steps."
     ),
     click.option(
+        "--prefix-caching/--no-prefix-caching",
+        default=None,
+        help="Reuse the K/V of prompt prefixes that rows share.",
+    ),
+    click.option(
         "--verify-width",
         callback=lambda _ctx, _param, value: _verify_width(value),
         help="Tokens verified per request and step with a draft: auto (chosen each step from "

@@ -43,6 +43,7 @@ class JobSpec:
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     verify_width: int | str = "auto"
+    prefix_caching: bool = True
     max_batch_size: int = 64
     max_batched_tokens: int = 2048
     gpu_memory_fraction: float = 0.9
@@ -94,6 +95,7 @@ class JobSpec:
             attention_backend=self.attention_backend,
             cuda_graphs=self.cuda_graphs,
             verify_width=self.verify_width,
+            prefix_caching=self.prefix_caching,
             max_batch_size=self.max_batch_size,
             max_batched_tokens=self.max_batched_tokens,
             gpu_memory_fraction=self.gpu_memory_fraction,

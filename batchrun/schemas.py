@@ -99,6 +99,11 @@ def job_schema() -> dict[str, Any]:
             "Attention implementation.", ["auto", "torch", "triton", "flashinfer"]
         ),
         "cuda_graphs": _flag("Capture CUDA graphs for decode steps (GPU only).", True),
+        "prefix_caching": _flag(
+            "Reuse the K/V of full pages of prompt tokens that rows share (automatic prefix "
+            "caching).",
+            True,
+        ),
         "verify_width": {
             "anyOf": [{"enum": ["auto", "full"]}, {"type": "integer", "minimum": 1}],
             "default": "auto",

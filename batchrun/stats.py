@@ -155,6 +155,7 @@ class StatsAccumulator:
             "dtype": info.get("dtype"),
             "device": info.get("device"),
             "attention_backend": info.get("attention_backend"),
+            "prefix_cache_hit_rate": info.get("prefix_cache_hit_rate"),
             "versions": versions(),
             "finish_reasons": dict(sorted(self.finish_reasons.items())),
             **(extra or {}),

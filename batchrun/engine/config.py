@@ -24,6 +24,7 @@ class EngineConfig:
     num_pages: int | None = None  # None: sized from free memory (GPU) or a fixed budget (CPU)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     verify_width: int | str = "auto"  # rows verified per request and step: auto, full, 1 .. B
+    prefix_caching: bool = True  # reuse the K/V of full pages whose tokens a request shares
 
 
 def verify_widths(verify_width: int | str, block_size: int | None) -> tuple[int, ...]:

@@ -53,12 +53,12 @@ class DeviceState:
 
     def admit(self, reqs: list[Request]) -> None:
         """Fill the slots of requests that just took one (admitted, or resumed after a
-        preemption: their KV is recomputed from the start)."""
+        preemption: their KV is recomputed from the start, or from a cached prefix)."""
         if not reqs:
             return
         slots = _put([r.slot for r in reqs], torch.int64, self.device)
         p = [r.params for r in reqs]
-        self.seq_len[slots] = 0
+        self.seq_len[slots] = _put([r.num_cached for r in reqs], torch.int64, self.device)
         self.ctx_rows[slots] = 0
         self.out_len[slots] = _put([len(r.output_ids) for r in reqs], torch.int64, self.device)
         last = [r.output_ids[-1] if r.output_ids else 0 for r in reqs]

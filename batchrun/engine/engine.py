@@ -128,7 +128,7 @@ class Engine:
         self.max_model_len = min(limit, capacity - IN_FLIGHT_STEPS * width)
         if self.max_model_len < 2:
             raise JobError(f"the KV pool ({num_pages} pages of {config.page_size}) is too small")
-        self.pool = PagePool(num_pages, config.page_size)
+        self.pool = PagePool(num_pages, config.page_size, config.prefix_caching)
         heads = max(shape.num_heads, draft.shape.num_heads if draft else 0)
         backend, ops = attention_backend(
             config.attention_backend, self.device, config.max_batch_size * width, heads,
@@ -175,6 +175,7 @@ class Engine:
             "device": str(self.device),
             "attention_backend": self._backend_name,
             "cuda_graphs": bool(self.runner.target_graphs),
+            "prefix_cache_hit_rate": self.pool.hit_rate,
         }
 
     @property
@@ -226,10 +227,13 @@ class Engine:
         runner.state.admit(self.scheduler.admitted)  # before planning: it resends their pages
         plan = plan_step(batch, samples, width, self.pool.page_size, runner.state.num_slots, pad_to)
         for it in batch:  # the host's view moves on; decode rows commit when read back
+            req = it.req
             if it.decoding:
-                it.req.in_flight += it.num_new
+                req.in_flight += it.num_new
             else:
-                it.req.num_cached += it.num_new
+                start, req.num_cached = req.num_cached, req.num_cached + it.num_new
+                prefix = req.token_slice(0, req.num_cached)
+                self.pool.register(req.pages, prefix, start, req.num_cached)
         self.timer.mark()
         args = runner.load(plan)
         num_dec = plan.num_decoding

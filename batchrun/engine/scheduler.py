@@ -91,9 +91,14 @@ class Scheduler:
             req = self.waiting[0]
             if req in self._preempted:
                 break
+            computable = self._reuse_prefix(req)
             n = self._chunk(req, budget, self._step_pages * len(batch))
             if n <= 0:
+                self.pool.release(req.pages)  # cached pages it matched stay cached
+                req.num_cached = 0
                 break
+            self.pool.queried_tokens += computable
+            self.pool.hit_tokens += req.num_cached
             self.waiting.popleft()
             req.status = Status.RUNNING
             req.slot = self._free_slots.pop()
@@ -102,6 +107,15 @@ class Scheduler:
             batch.append(self._plan(req, n, decoding=False))
             budget -= n
         return batch
+
+    def _reuse_prefix(self, req: Request) -> int:
+        """Start a request being admitted from the longest cached prefix of its tokens (the
+        pool's prefix cache; at least one token is left to compute). Returns how many tokens
+        were looked up."""
+        tokens = req.token_slice(0, prefill_len(req) - 1)
+        req.pages = self.pool.match(tokens)
+        req.num_cached = len(req.pages) * self.pool.page_size
+        return len(tokens)
 
     def _plan(self, req: Request, n: int, *, decoding: bool) -> Scheduled:
         self._planned.add(req)
