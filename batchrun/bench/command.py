@@ -47,6 +47,13 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
 @click.option("--batch-sizes", default="1,8,32,128,256", show_default=True, help="--shape sweep.")
 @click.option("--contexts", default="512,1024", show_default=True, help="--shape sweep.")
 @click.option("--steps", default=16, show_default=True, help="--shape: timed steps per point.")
+@click.option(
+    "--shared-prefix",
+    type=int,
+    default=0,
+    show_default=True,
+    help="--target: tokens every prompt starts with; also runs without prefix caching.",
+)
 @click.option("--tau", default="3,5,6.5", show_default=True, help="--shape: projected tau.")
 @click.option(
     "--acceptance-from",
@@ -104,6 +111,7 @@ def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:
         prompt_len=opts["prompt_len"],
         max_tokens=opts["max_tokens"],
         hf_baseline=opts["hf_baseline"],
+        shared_prefix=opts["shared_prefix"],
     )
 
 

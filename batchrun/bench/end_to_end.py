@@ -1,5 +1,7 @@
 """`batchrun bench`: throughput of the engine, target-only and with a draft, against transformers'
-generate() measured in the same run on the same prompts, written as JSON."""
+generate() measured in the same run on the same prompts, written as JSON. With a shared prefix
+(every prompt starting with the same tokens, as a system prompt does) it also runs target-only
+without prefix caching, to compare prefill throughput."""
 
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dic
         "wall_seconds": wall,
         "output_tokens": tokens,
         "output_tokens_per_second": tokens / wall,
+        "prompt_tokens_per_second": sum(len(p) for p in prompts) / wall,
         "steps": steps,
         "outputs": [r.output_ids for r in requests],
     }
@@ -95,15 +98,24 @@ def bench(
     prompt_len: int,
     max_tokens: int,
     hf_baseline: bool,
+    shared_prefix: int = 0,
     seed: int = 0,
 ) -> dict[str, Any]:
     target_only = Engine(replace(config, draft=None))
     prompts = synthetic_prompts(target_only.vocab_size, num_prompts, prompt_len, seed)
+    if shared_prefix:
+        prefix = synthetic_prompts(target_only.vocab_size, 1, shared_prefix, seed + 1)[0]
+        prompts = [prefix + p for p in prompts]
     run_engine(target_only, prompts[:2], 4)  # warm-up: first-call allocations, kernels
     results: dict[str, Any] = {"target_only": run_engine(target_only, prompts, max_tokens)}
     info = target_only.info()
     dtype, device = target_only.model.lm_head.weight.dtype, target_only.device
     del target_only
+    if shared_prefix:
+        uncached = Engine(replace(config, draft=None, prefix_caching=False))
+        run_engine(uncached, prompts[:2], 4)
+        results["no_prefix_cache"] = run_engine(uncached, prompts, max_tokens)
+        del uncached
     if config.draft:
         spec = Engine(config)
         run_engine(spec, prompts[:2], 4)
@@ -120,9 +132,15 @@ def bench(
         for name, r in results.items()
         if name != "target_only"
     }
-    if "speculative" in results:
-        ratios["speculative_outputs_identical"] = (
-            results["speculative"]["outputs"] == results["target_only"]["outputs"]
+    for name in ("speculative", "no_prefix_cache"):
+        if name in results:
+            ratios[f"{name}_outputs_identical"] = (
+                results[name]["outputs"] == results["target_only"]["outputs"]
+            )
+    if "no_prefix_cache" in results:
+        ratios["prefix_cache_prefill_speedup"] = (
+            results["target_only"]["prompt_tokens_per_second"]
+            / results["no_prefix_cache"]["prompt_tokens_per_second"]
         )
     for r in results.values():
         r.pop("outputs", None)
@@ -131,6 +149,7 @@ def bench(
             **info,
             "num_prompts": num_prompts,
             "prompt_len": prompt_len,
+            "shared_prefix": shared_prefix,
             "max_tokens": max_tokens,
             "max_batch_size": config.max_batch_size,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
