@@ -70,11 +70,13 @@ def test_a_duplicate_page_stays_private_and_caching_off_matches_nothing() -> Non
     assert off.match(tokens) == []
 
 
-def shared_prefix_jobs(count: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
-    """Prompts made of one of two long shared prefixes and a short tail of their own; every
-    third row sampled."""
+def shared_prefix_jobs(
+    count: int, seed: int, lengths: tuple[int, int]
+) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts made of one of two shared prefixes and a short tail of their own; every third
+    row sampled."""
     gen = torch.Generator().manual_seed(seed)
-    prefixes = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (21, 13)]
+    prefixes = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in lengths]
     jobs = []
     for i in range(count):
         tail = torch.randint(
@@ -107,13 +109,17 @@ def run(target: Path, draft: Path | None, jobs: list, **config: Any) -> tuple[En
 
 
 @pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "dflash"])
-@pytest.mark.parametrize("num_pages", [64, 14], ids=["roomy", "preempting"])
+@pytest.mark.parametrize(
+    ("num_pages", "lengths"),
+    [(64, (21, 13)), (14, (21, 13)), (400, (250, 201))],
+    ids=["roomy", "preempting", "long-prefixes"],  # long: whole page tables arrive in one step
+)
 def test_cached_prefixes_change_no_output(
-    make_model: Any, with_draft: bool, num_pages: int
+    make_model: Any, with_draft: bool, num_pages: int, lengths: tuple[int, int]
 ) -> None:
     target = make_model(num_layers=4, vocab_size=1088, tie_word_embeddings=False)
     draft = trained_draft_beside(target) if with_draft else None
-    jobs = shared_prefix_jobs(12, seed=3)
+    jobs = shared_prefix_jobs(12, seed=3, lengths=lengths)
     _, off = run(target, draft, jobs, prefix_caching=False, num_pages=num_pages)
     engine, on = run(target, draft, jobs, prefix_caching=True, num_pages=num_pages)
     assert [r.output_ids for r in on] == [r.output_ids for r in off]

@@ -78,7 +78,7 @@ class ModelRunner:
         max_pages = pages_for(self.max_kv, page_size)
         self.state = DeviceState(max_batch_size, max_pages, s.vocab_size, device)
         self.step_in = torch.zeros(
-            step_in_size(max_batch_size, max_batched_tokens, self.width, page_size),
+            step_in_size(max_batch_size, max_batched_tokens, max_pages),
             dtype=torch.int64, device=device,
         )  # fmt: skip
         self.drafts = torch.zeros(max_batch_size, max(self.width - 1, 1), dtype=torch.int64,
@@ -258,10 +258,8 @@ class ModelRunner:
         return outputs if features is None else (*outputs, features)
 
 
-def step_in_size(max_batch_size: int, max_batched_tokens: int, width: int, page_size: int) -> int:
-    """The packed step's largest size: request fields, the page-table entries a step can
-    add (every row's pages plus each request's in-flight steps and a partial page), chunk ids
-    and logit rows."""
-    pages = pages_for(max_batched_tokens, page_size)
-    pages += max_batch_size * (pages_for(IN_FLIGHT_STEPS * width, page_size) + 2)
-    return 4 * max_batch_size + 3 * pages + 2 * max_batched_tokens
+def step_in_size(max_batch_size: int, max_batched_tokens: int, max_pages: int) -> int:
+    """The packed step's largest size: request fields, the page-table entries a step can add
+    (a request admitted onto a cached prefix receives a whole table at once, and each entry is
+    sent once), chunk ids and logit rows."""
+    return 4 * max_batch_size + 3 * max_batch_size * max_pages + 2 * max_batched_tokens
