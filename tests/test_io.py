@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -399,7 +400,10 @@ def test_commit_writes_part_then_manifest_and_marks_rows_done(tmp_path: Path) ->
     assert commit_rows(out, [0, 1, 4]).name == "part-000000.parquet"
     assert commit_rows(out, [2]).name == "part-000001.parquet"
     manifest = json.loads((tmp_path / "out/_progress/part-000000.json").read_text())
+    started, written = manifest.pop("run_started"), manifest.pop("written")  # for `report`
     assert manifest == {"part": "part-000000.parquet", "rows": 3, "row_ranges": [[0, 2], [4, 5]]}
+    assert out.part_times(tmp_path / "out" / "part-000000.parquet") == (started, written)
+    assert abs(out.run_started - started) < 0.01 and started <= written <= time.time() + 0.01
     assert out.done_mask(6).tolist() == [True, True, True, False, True, False]
     assert not [p for p in (tmp_path / "out").rglob("*") if p.name.endswith(".tmp")]
 

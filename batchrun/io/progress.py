@@ -94,6 +94,7 @@ class OutputDir:
         self._claim: Claim | None = None
         self._job: str | None = None  # this job's hash, once check() or prepare() saw it
         self._footers: dict[tuple[str, int, int], _Footer] = {}  # parts never change in place
+        self.run_started = time.time()  # for part manifests; prepare() restarts it (engine ready)
 
     # -- the claim --------------------------------------------------------------------------
 
@@ -152,6 +153,7 @@ class OutputDir:
         """
         self._verify_claim()
         self.check(fingerprint, overwrite)  # again, now that this run holds the claim
+        self.run_started = time.time()
         try:
             if overwrite:
                 self._clear()
@@ -215,6 +217,12 @@ class OutputDir:
             is_ours = self.names.number(manifest.stem + ".parquet") is not None
             if (is_ours or self.names.shard is None) and manifest.stem not in own:
                 manifest.unlink(missing_ok=True)
+
+    def use_recorded_job(self) -> None:
+        """For readers (`batchrun stats`, `report`): take the job of _progress/job.json as this
+        one, so that committed_parts() are the parts a run of it counts as done."""
+        recorded = self._recorded_fingerprint()
+        self._job = job_hash(recorded) if recorded is not None else None
 
     def _recorded_fingerprint(self) -> dict[str, Any] | None:
         try:
@@ -301,7 +309,8 @@ class OutputDir:
         try:
             write_part(path, table)
             self._next_number += 1
-            self._write_manifest(path, table.column("row_index").to_numpy())
+            times = {"run_started": round(self.run_started, 3), "written": round(time.time(), 3)}
+            self._write_manifest(path, table.column("row_index").to_numpy(), times)
         except OSError as exc:
             raise JobError(
                 f"cannot write {path.name} in output {str(self.path)!r}: {_reason(exc)}; "
@@ -312,9 +321,22 @@ class OutputDir:
     def _manifest_path(self, part: Path) -> Path:
         return self.progress / f"{part.stem}.json"
 
-    def _write_manifest(self, part: Path, indices: np.ndarray) -> None:
+    def _write_manifest(
+        self, part: Path, indices: np.ndarray, times: dict[str, float] | None = None
+    ) -> None:
+        """times: when the part's run started generating and when the part was written (Unix
+        seconds), for throughput over time; unknown to a manifest rebuilt from its part."""
         manifest = {"part": part.name, "rows": len(indices), "row_ranges": row_ranges(indices)}
-        write_text_atomically(self._manifest_path(part), json.dumps(manifest) + "\n")
+        write_text_atomically(
+            self._manifest_path(part), json.dumps({**manifest, **(times or {})}) + "\n"
+        )
+
+    def part_times(self, part: Path) -> tuple[float | None, float]:
+        """When a part's run started generating (None if its manifest does not say) and when
+        the part was written (else its file's mtime)."""
+        manifest = self._manifest(part) or {}
+        written = manifest.get("written")
+        return manifest.get("run_started"), written if written is not None else part.stat().st_mtime
 
     def _manifest(self, part: Path) -> dict[str, Any] | None:
         try:
