@@ -4,6 +4,7 @@ directory."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from batchrun.errors import JobError
 from batchrun.io.prompts import DEFAULT_PROMPT_COLUMNS, OVERRIDE_COLUMNS, PromptKind
 from batchrun.job import JobSpec, load_job
 from batchrun.pipeline import OpenedJob, open_job, run_job
+from batchrun.shard_env import apply_env_shard
 
 if TYPE_CHECKING:
     from batchrun.preflight import Preflight
@@ -71,7 +73,7 @@ _RUN_OPTIONS = [
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
     click.option("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
     click.option("--dtype", help="auto, float32, bfloat16 or float16."),
-    click.option("--device", help="auto, cpu or cuda."),
+    click.option("--device", help="auto, cpu, cuda or cuda:N."),
     click.option(
         "--attention-backend",
         help="auto (triton on a GPU, torch on a CPU), torch, triton or flashinfer (GPU, eager).",
@@ -95,7 +97,11 @@ _RUN_OPTIONS = [
     click.option(
         "--gpu-memory-fraction", type=float, help="GPU memory batchrun may use (KV pools last)."
     ),
-    click.option("--shard", help='Run the rows with row_index % N == I, as "I/N".'),
+    click.option(
+        "--shard",
+        help='Run shard I of N, as "I/N": about 1/N of the rows, as whole row groups (unset: '
+        "from a Slurm array task or a torchrun rank, if any).",
+    ),
     click.option(
         "--overwrite/--no-overwrite",
         default=None,
@@ -123,7 +129,7 @@ _UNSET_MEANS = {
     "messages_column": f"{DEFAULT_PROMPT_COLUMNS[PromptKind.MESSAGES]}, if the input has it",
     "token_ids_column": f"{DEFAULT_PROMPT_COLUMNS[PromptKind.TOKEN_IDS]}, if the input has it",
     "id_column": "none; rows are named by row_index",
-    "shard": "none; every row",
+    "shard": "from SLURM_ARRAY_TASK_ID/COUNT or RANK/WORLD_SIZE, else every row",
 }
 
 
@@ -157,7 +163,7 @@ def _job(job_file: Path | None, flags: dict[str, Any]) -> JobSpec:
     overrides = {
         key: (value or None) if isinstance(value, tuple) else value for key, value in flags.items()
     }
-    return load_job(job_file, overrides)
+    return apply_env_shard(load_job(job_file, overrides), os.environ)
 
 
 @_help_states_job_defaults
@@ -196,8 +202,10 @@ def _input_lines(opened: OpenedJob) -> list[str]:
     overrides = [c for c in source.schema.names if c in OVERRIDE_COLUMNS]
     done = int(opened.out.done_mask(source.total_rows).sum()) if opened.out.all_parts() else 0
     damaged = opened.out.damaged_parts()
+    rows, shard = opened.rows, opened.job.shard
     return [
         f"input: {len(source.files)} file(s), {source.total_rows} rows",
+        *([f"shard: {shard}, {_row_span(rows)}"] if shard is not None else []),
         f"prompt column: {opened.prompt.name} ({opened.prompt.kind.value})",
         f"id column: {opened.id_column or '(none; row_index)'}",
         f"per-row overrides: {', '.join(overrides) or '(none)'}",
@@ -208,6 +216,10 @@ def _input_lines(opened: OpenedJob) -> list[str]:
         if damaged
         else []
     )
+
+
+def _row_span(rows: range) -> str:
+    return f"rows {rows.start} to {rows.stop - 1} ({len(rows)} rows)" if rows else "no rows"
 
 
 def _model_lines(job: JobSpec, found: Preflight) -> list[str]:

@@ -33,6 +33,7 @@ from batchrun.io.prompts import (
     find_prompt_column,
 )
 from batchrun.io.reader import InputSource, RowSelection, iter_batches, open_input
+from batchrun.io.shards import shard_rows
 from batchrun.job import JobSpec
 from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
 
@@ -78,6 +79,11 @@ class OpenedJob:
     out: OutputDir
     fingerprint: dict[str, Any]
 
+    @property
+    def rows(self) -> range:
+        """The row_index range this run covers: its shard's (whole row groups), or every row."""
+        return shard_rows(self.source, self.job.shard_spec)
+
 
 def open_job(job: JobSpec) -> OpenedJob:
     """Every check that needs no model: inputs, columns, output directory. Raises JobError."""
@@ -89,7 +95,8 @@ def open_job(job: JobSpec) -> OpenedJob:
     prompt = find_prompt_column(source.schema, job)
     id_column = find_id_column(source.schema, job)
     schema = output_schema(source.schema)
-    out = OutputDir(Path(job.output), job.shard_spec)
+    rows = shard_rows(source, job.shard_spec)
+    out = OutputDir(Path(job.output), job.shard_spec, rows)
     fingerprint = job_fingerprint(job, source, prompt)
     out.check(fingerprint, job.overwrite)
     return OpenedJob(job, source, prompt, id_column, schema, out, fingerprint)
@@ -143,10 +150,9 @@ class _Run:
         self.job, self.out, self.engine, self.builder = opened.job, opened.out, engine, builder
         self.opened = opened
         self.clock = clock
-        total = opened.source.total_rows
-        self.selection = RowSelection(self.out.done_mask(total), self.job.shard_spec)
-        shard = self.job.shard_spec
-        self.job_rows = total if shard is None else len(range(shard[0], total, shard[1]))
+        rows = opened.rows
+        self.selection = RowSelection(self.out.done_mask(opened.source.total_rows), rows)
+        self.job_rows = len(rows)
         self.stats = StatsAccumulator()
         for part in self.out.own_parts():
             self.stats.add(pq.read_table(part, columns=STATS_COLUMNS))

@@ -94,7 +94,13 @@ def job_schema() -> dict[str, Any]:
         "dtype": _choice(
             "Model weight and activation dtype.", ["auto", "float32", "bfloat16", "float16"]
         ),
-        "device": _choice("Device to run on.", ["auto", "cpu", "cuda"]),
+        "device": {
+            "type": "string",
+            "pattern": "^(auto|cpu|cuda(:[0-9]+)?)$",
+            "default": "auto",
+            "description": "Device to run on: auto, cpu, cuda or cuda:N (under torchrun, auto "
+            "and cuda become cuda:LOCAL_RANK).",
+        },
         "attention_backend": _choice(
             "Attention implementation.", ["auto", "torch", "triton", "flashinfer"]
         ),
@@ -126,8 +132,10 @@ def job_schema() -> dict[str, Any]:
         "shard": {
             "type": "string",
             "pattern": "^[0-9]+/[0-9]+$",
-            "description": 'Process only rows with row_index % N == I, given as "I/N"; '
-            "shards can share one output directory.",
+            "description": 'Process shard I of N, given as "I/N": whole row groups, one '
+            "contiguous run of them with about 1/N of the rows; shards share one output "
+            "directory. Unset: from SLURM_ARRAY_TASK_ID/COUNT or RANK/WORLD_SIZE if set, else "
+            "every row.",
         },
         "overwrite": _flag(
             "Delete this job's earlier output in the output directory first.", False

@@ -21,6 +21,7 @@ from batchrun.io.progress import OutputDir, row_ranges
 from batchrun.io.progress_bar import ProgressBar
 from batchrun.io.prompts import PromptKind, RequestBuilder, find_id_column, find_prompt_column
 from batchrun.io.reader import RowSelection, iter_batches, open_input, resolve_input_paths
+from batchrun.io.shards import shard_rows
 from batchrun.job import JobSpec
 
 
@@ -75,12 +76,18 @@ def test_single_file_and_sorting_by_path(tmp_path: Path) -> None:
 
 
 def test_shard_and_done_rows_are_skipped(tmp_path: Path) -> None:
-    write_files(tmp_path, [10, 10])
+    write_files(tmp_path, [10, 10])  # row groups of 3, 3, 3 and 1 rows in each file
+    source = open_input(str(tmp_path))
+    assert shard_rows(source, (0, 2)) == range(0, 10)
+    assert shard_rows(source, (1, 3)) == range(6, 13)  # the groups whose middle row is 7 to 13
     done = np.zeros(20, dtype=bool)
     done[[0, 3, 4, 18]] = True
-    indices, numbers = read_all(str(tmp_path), RowSelection(done, shard=(0, 2)))
-    assert indices == numbers == [i for i in range(20) if i % 2 == 0 and i not in (0, 4, 18)]
-    assert RowSelection(done, shard=(1, 3)).count() == len([i for i in range(1, 20, 3) if i != 4])
+    indices, numbers = read_all(str(tmp_path), RowSelection(done, range(0, 10)))
+    assert indices == numbers == [i for i in range(10) if i not in (0, 3, 4)]
+    indices, numbers = read_all(str(tmp_path), RowSelection(done, range(6, 13)))
+    assert indices == numbers == list(range(6, 13))
+    assert RowSelection(done, range(6, 13)).count() == 7
+    assert RowSelection(done, range(13, 20)).count() == 6
 
 
 @pytest.mark.parametrize(

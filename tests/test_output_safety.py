@@ -50,7 +50,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is
 # -- helpers (also used by test_stress.py) -------------------------------------------------------
 
 
-def write_prompts(directory: Path, prompts: Sequence[str], name: str = "prompts.parquet") -> Path:
+def write_prompts(
+    directory: Path,
+    prompts: Sequence[str],
+    name: str = "prompts.parquet",
+    row_group_size: int | None = None,
+) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     table = pa.table(
         {
@@ -59,7 +64,7 @@ def write_prompts(directory: Path, prompts: Sequence[str], name: str = "prompts.
             "n": pa.array(range(len(prompts)), pa.int64()),
         }
     )
-    pq.write_table(table, directory / name)
+    pq.write_table(table, directory / name, row_group_size=row_group_size)
     return directory / name
 
 
@@ -205,16 +210,21 @@ def test_a_second_run_is_refused_and_a_killed_holder_is_taken_over(
 
 
 def test_shards_with_different_rows_run_side_by_side(tmp_path: Path, tiny_model: Path) -> None:
-    write_prompts(tmp_path / "in", PROMPTS)
+    write_prompts(tmp_path / "in", PROMPTS, row_group_size=2)  # 4 row groups: 0-1, 2-3, ...
     job, out = write_job(tmp_path, tiny_model), tmp_path / "out"
-    holder = start_stopped_holder(job, out, "--shard", "0/2")
+    holder = start_stopped_holder(job, out, "--shard", "0/2")  # rows 0-3
     try:
-        done = run_process(job, "--shard", "1/2")
-        assert done.returncode == 0, done.stderr
-        for flags in ([], ["--shard", "0/2"]):
+        for shard in ("1/2", "3/4"):  # rows 4-7, rows 6-7
+            done = run_process(job, "--shard", shard)
+            assert done.returncode == 0, done.stderr
+        holds = f"is being written by pid {holder.pid} on host {HOST} since"
+        for flags, own in (([], ""), (["--shard", "0/2"], " (shard 0/2, rows 0-3)")):
             done = run_process(job, *flags)
-            message = f"is being written by pid {holder.pid} on host {HOST} since"
-            assert_one_line_error(done.returncode, done.stderr, message)
+            assert_one_line_error(done.returncode, done.stderr, f"{own} {holds}")
+        done = run_process(job, "--shard", "1/4")  # rows 2-3, which shard 0/2 holds too
+        message = f"(shard 1/4, rows 2-3) {holds}"
+        assert_one_line_error(done.returncode, done.stderr, message)
+        assert "(shard 0/2, rows 0-3)" in done.stderr
     finally:
         kill(holder)
     assert not (out / "_SUCCESS").exists()
@@ -301,10 +311,22 @@ def test_contenders_for_a_stale_claim_elect_exactly_one(tmp_path: Path) -> None:
 
 
 def test_which_shards_share_rows() -> None:
-    assert claim.rows_overlap(None, None) and claim.rows_overlap(None, (1, 2))
-    assert claim.rows_overlap((1, 2), (1, 2)) and not claim.rows_overlap((0, 2), (1, 2))
-    assert not claim.rows_overlap((0, 2), (1, 4))  # even rows and rows 1 mod 4
-    assert claim.rows_overlap((0, 2), (2, 4)) and claim.rows_overlap((1, 3), (0, 2))
+    overlap = claim.rows_overlap
+    # Different shards conflict iff their row ranges intersect, whatever their N.
+    assert not overlap((0, 2), (0, 50), (1, 2), (50, 100))
+    assert not overlap((0, 2), (0, 50), (3, 4), (75, 100))
+    assert overlap((0, 2), (0, 50), (1, 4), (25, 50)) and overlap((1, 3), (33, 66), (0, 2), (0, 50))
+    assert not overlap((0, 2), (0, 50), (5, 8), (50, 50))  # a shard without rows
+    # The same shard always (same part names), an unsharded run with every run (it owns every
+    # part), and a claim whose rows are unknown (an older batchrun's) with every run.
+    assert overlap((1, 2), (50, 100), (1, 2), (50, 100)) and overlap((1, 4), (0, 0), (1, 4), (0, 0))
+    assert overlap(None, (0, 100), None, (0, 100)) and overlap(None, (0, 100), (7, 8), (0, 0))
+    assert overlap((0, 2), None, (1, 2), (50, 100))
+    older = claim.ClaimInfo.from_json(
+        '{"host": "h", "boot_id": "b", "pid": 1, "start_time": "1", '
+        '"since": 0, "shard": [0, 2], "token": "t"}'
+    )
+    assert older.rows is None and older.overlaps(claim.ClaimInfo.for_this_process((1, 2), (5, 9)))
 
 
 # -- 2. the job fingerprint ----------------------------------------------------------------------
@@ -380,7 +402,7 @@ def test_resume_accepts_what_does_not_change_outputs(tmp_path: Path, tiny_model:
 
 
 def test_shards_never_mix_the_rows_of_two_jobs(tmp_path: Path, tiny_model: Path) -> None:
-    write_prompts(tmp_path / "in", PROMPTS)
+    write_prompts(tmp_path / "in", PROMPTS, row_group_size=4)
     job, out = write_job(tmp_path, tiny_model), tmp_path / "out"
     for shard in ("0/2", "1/2"):
         assert invoke("run", str(job), "--shard", shard).exit_code == 0
@@ -578,12 +600,17 @@ def test_a_zero_row_job_writes_one_readable_empty_part(tmp_path: Path, tiny_mode
 
 
 def test_a_shard_without_rows_writes_one_empty_part(tmp_path: Path, tiny_model: Path) -> None:
-    write_prompts(tmp_path / "in", PROMPTS[:1])
+    write_prompts(tmp_path / "in", PROMPTS[:3])  # one row group: more shards than row groups
     job, out = write_job(tmp_path, tiny_model), tmp_path / "out"
-    assert invoke("run", str(job), "--shard", "1/2").exit_code == 0
-    (part,) = out.glob("part-*.parquet")
-    assert part.name == "part-00001-of-00002-000000.parquet" and pq.read_table(part).num_rows == 0
+    for shard in ("0/3", "2/3"):  # the group's middle row, 1, is in shard 1's share
+        assert invoke("run", str(job), "--shard", shard).exit_code == 0
+    parts = sorted(out.glob("part-*.parquet"))
+    assert [p.name for p in parts] == [
+        "part-00000-of-00003-000000.parquet",
+        "part-00002-of-00003-000000.parquet",
+    ]
+    assert all(pq.read_table(part).num_rows == 0 for part in parts)
     assert not (out / "_SUCCESS").exists()
-    assert invoke("run", str(job), "--shard", "0/2").exit_code == 0
-    assert_complete(out, 1)
-    assert pl.read_parquet(out / "*.parquet").height == 1
+    assert invoke("run", str(job), "--shard", "1/3").exit_code == 0
+    assert_complete(out, 3)
+    assert pl.read_parquet(out / "*.parquet").height == 3

@@ -291,9 +291,10 @@ def test_part_seconds_commits_a_part_before_it_is_full(
 def test_shards_share_one_output_directory(
     tmp_path: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
-    write_input(tmp_path / "in", rows=21)
+    write_input(tmp_path / "in", rows=21)  # row groups of 7, 4 | 7, 3 rows in two files
     first = run_job(make_job(tmp_path, shard="0/2"), FakeEngine(tokenizer))
     assert first["rows"] == 11 and first["shard"] == "0/2"
+    assert read_output(tmp_path / "out").column("row_index").to_pylist() == list(range(11))
     assert not (tmp_path / "out/_SUCCESS").exists() and not (tmp_path / "out/stats.json").exists()
     run_job(make_job(tmp_path, shard="1/2"), FakeEngine(tokenizer))
     assert read_output(tmp_path / "out").column("row_index").to_pylist() == list(range(21))

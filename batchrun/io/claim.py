@@ -4,9 +4,10 @@ Built for shared cluster filesystems (NFS, Lustre), where flock/fcntl locks are 
 exclusive file creation, directory listings, reads and mtimes are used.
 
 Every run creates its own claim file, OUT/_claims/<token>.claim, with O_CREAT|O_EXCL, holding its
-host, boot id, pid, the process start time (so a reused pid is not taken for the holder) and its
-shard; a daemon thread touches the file's mtime as a heartbeat. Then the run lists the other
-claims. A live claim on overlapping rows makes it withdraw its own file and stop; a stale one
+host, boot id, pid, the process start time (so a reused pid is not taken for the holder), its
+shard and the row_index range the shard covers (rows_overlap says which runs conflict); a daemon
+thread touches the file's mtime as a heartbeat. Then the run lists the other claims. A live
+claim on overlapping rows makes it withdraw its own file and stop; a stale one
 (same host and the process gone or started at another time, or another host's heartbeat older
 than STALE_AFTER_SECONDS) it deletes. Of two runs on overlapping rows, the one that lists second
 always sees the other's file, so at most one of them holds a claim. Since each file's name is
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import random
 import socket
@@ -44,12 +44,20 @@ FRESH_SECONDS = 3.0
 ATTEMPTS = 8
 
 Shard = tuple[int, int] | None
+RowRange = tuple[int, int]  # [start, stop) of row_index
 
 
-def rows_overlap(a: Shard, b: Shard) -> bool:
-    """Whether shards a and b (None: every row) share a row: r = i mod n and r = j mod m."""
-    (i, n), (j, m) = a or (0, 1), b or (0, 1)
-    return (i - j) % math.gcd(n, m) == 0
+def rows_overlap(a: Shard, a_rows: RowRange | None, b: Shard, b_rows: RowRange | None) -> bool:
+    """Whether runs of shards a and b (None: unsharded), covering the given row ranges (None:
+    unknown), may not run side by side.
+
+    Two different shards conflict iff their rows intersect. The same shard always conflicts,
+    also without rows (both would write the same part names), and an unsharded run conflicts
+    with every run: it owns every part (an overwrite or a recovery touches all of them).
+    """
+    if a == b or a is None or b is None or a_rows is None or b_rows is None:
+        return True
+    return max(a_rows[0], b_rows[0]) < min(a_rows[1], b_rows[1])
 
 
 def process_start_time(pid: int) -> str | None:
@@ -93,9 +101,10 @@ class ClaimInfo:
     since: float  # seconds since the epoch
     shard: Shard
     token: str  # unique: also the file's name
+    rows: RowRange | None = None  # the rows its run covers; None: unknown, every row
 
     @classmethod
-    def for_this_process(cls, shard: Shard) -> ClaimInfo:
+    def for_this_process(cls, shard: Shard, rows: RowRange | None = None) -> ClaimInfo:
         pid = os.getpid()
         return cls(
             host=socket.gethostname(),
@@ -105,28 +114,42 @@ class ClaimInfo:
             since=time.time(),
             shard=shard,
             token=uuid.uuid4().hex,
+            rows=rows,
         )
 
     @classmethod
     def from_json(cls, text: str) -> ClaimInfo:
         data: dict[str, Any] = json.loads(text)
-        shard = data.get("shard")
+        shard, rows = data.get("shard"), data.get("rows")
         data["shard"] = (int(shard[0]), int(shard[1])) if shard is not None else None
+        data["rows"] = (int(rows[0]), int(rows[1])) if rows is not None else None
         return cls(**data)
+
+    def overlaps(self, other: ClaimInfo) -> bool:
+        return rows_overlap(self.shard, self.rows, other.shard, other.rows)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self)) + "\n"
 
     def describe(self) -> str:
         since = datetime.fromtimestamp(self.since, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-        shard = f" (shard {self.shard[0]}/{self.shard[1]})" if self.shard is not None else ""
-        return f"pid {self.pid} on host {self.host} since {since}{shard}"
+        return f"pid {self.pid} on host {self.host} since {since}{_describe(self.shard, self.rows)}"
 
     def is_stale(self, mtime: float) -> bool:
         """Whether the run that wrote this claim is gone (mtime: the claim file's heartbeat)."""
         if self.host == socket.gethostname() and self.boot_id == _boot_id():
             return not _process_alive(self.pid, self.start_time)
         return time.time() - mtime > STALE_AFTER_SECONDS
+
+
+def _describe(shard: Shard, rows: RowRange | None) -> str:
+    """A claim's shard in words: ' (shard 1/4, rows 250-499)', or '' unsharded."""
+    if shard is None:
+        return ""
+    if rows is None:
+        return f" (shard {shard[0]}/{shard[1]})"
+    what = f"rows {rows[0]}-{rows[1] - 1}" if rows[1] > rows[0] else "no rows"
+    return f" (shard {shard[0]}/{shard[1]}, {what})"
 
 
 def claim_path(out: Path, token: str) -> Path:
@@ -168,7 +191,7 @@ def _live_conflicts(directory: Path, own: ClaimInfo) -> list[_Seen]:
             else:  # its writer died between creating and writing it
                 path.unlink(missing_ok=True)
             continue
-        if not rows_overlap(info.shard, own.shard):
+        if not info.overlaps(own):
             continue
         if info.is_stale(mtime):
             path.unlink(missing_ok=True)  # unique name: this deletes that claim and no other
@@ -177,8 +200,8 @@ def _live_conflicts(directory: Path, own: ClaimInfo) -> list[_Seen]:
     return live
 
 
-def _conflict_message(out: Path, shard: Shard, seen: _Seen) -> str:
-    what = f"output {str(out)!r}" + (f" (shard {shard[0]}/{shard[1]})" if shard else "")
+def _conflict_message(out: Path, own: ClaimInfo, seen: _Seen) -> str:
+    what = f"output {str(out)!r}{_describe(own.shard, own.rows)}"
     holder = seen.info.describe() if seen.info else "a run whose claim is being written"
     return (
         f"{what} is being written by {holder}; wait for it to end or stop it "
@@ -186,8 +209,9 @@ def _conflict_message(out: Path, shard: Shard, seen: _Seen) -> str:
     )
 
 
-def acquire(out: Path, shard: Shard) -> Claim:
-    """Claim out (or its shard) for this process; JobError if another live run holds it."""
+def acquire(out: Path, shard: Shard, rows: RowRange | None = None) -> Claim:
+    """Claim out (or its shard, covering `rows`) for this process; JobError if another live run
+    holds overlapping rows."""
     directory = out / CLAIMS_DIR
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -196,7 +220,7 @@ def acquire(out: Path, shard: Shard) -> Claim:
             f"cannot create output directory {str(out)!r}: {exc.strerror or exc}"
         ) from exc
     for attempt in range(ATTEMPTS):
-        info = ClaimInfo.for_this_process(shard)
+        info = ClaimInfo.for_this_process(shard, rows)
         path = claim_path(out, info.token)
         try:
             create_claim_file(path, info)
@@ -208,7 +232,7 @@ def acquire(out: Path, shard: Shard) -> Claim:
             return Claim(out, path, info)
         path.unlink(missing_ok=True)
         if attempt == ATTEMPTS - 1 or min(s.age for s in conflicts) > FRESH_SECONDS:
-            raise JobError(_conflict_message(out, shard, conflicts[0]))
+            raise JobError(_conflict_message(out, info, conflicts[0]))
         time.sleep(random.uniform(0.02, 0.2))
     raise AssertionError("unreachable")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchrun.errors import JobError
-from batchrun.io.reader import InputFile, InputSource
+from batchrun.io.reader import InputFile, InputSource, parquet_footer
 
 if TYPE_CHECKING:
     from batchrun.io.prompts import PromptColumn
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 FINGERPRINT_VERSION = 2
 # Files of a model directory that shape its outputs: config, weights, tokenizer, chat template.
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".jinja", ".txt", ".model", ".tiktoken")
-_PARQUET_MAGIC = b"PAR1"
 _MISSING = object()  # a key one fingerprint has and the other lacks
 
 
@@ -62,27 +61,15 @@ def job_hash(fingerprint: dict[str, Any]) -> str:
 def input_file_identity(file: InputFile) -> dict[str, Any]:
     try:
         stat = file.path.stat()
-        footer = parquet_footer(file.path)
+        footer_sha256 = file.footer_sha256 or hashlib.sha256(parquet_footer(file.path)).hexdigest()
     except OSError as exc:
         raise JobError(f"cannot read input file {str(file.path)!r}: {exc.strerror or exc}") from exc
     return {
         "size": stat.st_size,
         "mtime_ns": stat.st_mtime_ns,
         "rows": file.num_rows,
-        "footer_sha256": hashlib.sha256(footer).hexdigest(),
+        "footer_sha256": footer_sha256,
     }
-
-
-def parquet_footer(path: Path) -> bytes:
-    """The footer bytes of a Parquet file (its metadata), without reading any data."""
-    with path.open("rb") as file:
-        file.seek(-8, 2)
-        tail = file.read(8)
-        length = int.from_bytes(tail[:4], "little")
-        if tail[4:] != _PARQUET_MAGIC:
-            raise OSError(f"{path} is not a Parquet file")
-        file.seek(-8 - length, 2)
-        return file.read(length)
 
 
 def model_files(model_dir: Path) -> dict[str, list[int]]:

@@ -86,10 +86,13 @@ def _read_footer(part: Path) -> _Footer:
 class OutputDir:
     """One shard's (or the whole job's) view of the output directory."""
 
-    def __init__(self, path: Path, shard: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, path: Path, shard: tuple[int, int] | None = None, rows: range | None = None
+    ) -> None:
         self.path = path
         self.progress = path / PROGRESS_DIR
         self.names = PartNames(shard)
+        self.rows = rows  # the row_index range this run covers (its shard's), for its claim
         self._next_number: int | None = None  # of this shard's next part, found on first commit
         self._claim: Claim | None = None
         self._job: str | None = None  # this job's hash, once check() or prepare() saw it
@@ -100,7 +103,8 @@ class OutputDir:
 
     def acquire(self) -> None:
         """Claim the directory (or this shard's rows of it); JobError if another run holds it."""
-        self._claim = acquire(self.path, self.names.shard)
+        rows = None if self.rows is None else (self.rows.start, self.rows.stop)
+        self._claim = acquire(self.path, self.names.shard, rows)
 
     def release(self) -> None:
         if self._claim is not None:

@@ -2,13 +2,17 @@
 
 Memory does not grow with the input: only one record batch of one row group is decoded at a
 time, and row groups whose rows are all skipped (other shards, already committed) are not read.
+Each file's footer is read once, exactly (open_input), and kept: reading rows then fetches only
+the column chunks of the row groups read, and a file none of whose rows are wanted is never
+opened again.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from batchrun.errors import JobError
 from batchrun.io.parts import PART_PATTERN, PROGRESS_DIR
 
 READ_BATCH_ROWS = 256  # small: a row's pass-through slice pins its batch until the row is written
+_PARQUET_MAGIC = b"PAR1"
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,8 @@ class InputFile:
     path: Path
     first_row: int  # row_index of its first row
     row_group_rows: tuple[int, ...]
+    footer_sha256: str = ""  # of its footer's bytes (the job fingerprint holds it)
+    metadata: pq.FileMetaData | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -50,21 +57,23 @@ class InputBatch:
 
 
 class RowSelection:
-    """Which rows this run processes: this shard's rows that have no committed output yet."""
+    """Which rows this run processes: its rows (a shard's range, or every row) that have no
+    committed output yet."""
 
-    def __init__(self, done: np.ndarray, shard: tuple[int, int] | None = None) -> None:
+    def __init__(self, done: np.ndarray, rows: range | None = None) -> None:
         self.done = done
-        self.shard = shard
+        self.rows = range(len(done)) if rows is None else rows
 
     def mask(self, start: int, stop: int) -> np.ndarray:
         wanted = ~self.done[start:stop]
-        if self.shard is not None:
-            index, count = self.shard
-            wanted &= np.arange(start, stop) % count == index
+        first = min(max(self.rows.start, start), stop) - start
+        last = min(max(self.rows.stop, start), stop) - start
+        wanted[:first] = False
+        wanted[last:] = False
         return wanted
 
     def count(self) -> int:
-        return int(self.mask(0, len(self.done)).sum())
+        return int((~self.done[self.rows.start : self.rows.stop]).sum())
 
 
 def resolve_input_paths(spec: str, exclude: Path | None = None) -> list[Path]:
@@ -127,7 +136,8 @@ def open_input(spec: str, exclude: Path | None = None) -> InputSource:
     first_row = 0
     for path in resolve_input_paths(spec, exclude):
         try:
-            parquet = pq.ParquetFile(path)
+            footer = parquet_footer(path)
+            parquet = pq.ParquetFile(pa.BufferReader(footer_file(footer)))
             metadata = parquet.metadata
             # schema_arrow restores the writer's Arrow types (large_string, time zones, ...).
             file_schema = parquet.schema_arrow.remove_metadata()
@@ -147,10 +157,29 @@ def open_input(spec: str, exclude: Path | None = None) -> InputSource:
                 f"but the first file has {_describe(schema)}"
             )
         rows = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
-        files.append(InputFile(path=path, first_row=first_row, row_group_rows=rows))
+        sha256 = hashlib.sha256(footer).hexdigest()
+        files.append(InputFile(path, first_row, rows, sha256, metadata))
         first_row += sum(rows)
     assert schema is not None  # resolve_input_paths never returns an empty list
     return InputSource(files=tuple(files), schema=schema)
+
+
+def parquet_footer(path: Path) -> bytes:
+    """The footer bytes of a Parquet file (its metadata), read exactly, without any data."""
+    with path.open("rb") as file:
+        file.seek(-8, 2)
+        tail = file.read(8)
+        length = int.from_bytes(tail[:4], "little")
+        if tail[4:] != _PARQUET_MAGIC:
+            raise OSError(f"{path} is not a Parquet file")
+        file.seek(-8 - length, 2)
+        return file.read(length)
+
+
+def footer_file(footer: bytes) -> bytes:
+    """The smallest Parquet file with this footer: what pyarrow needs to parse it (opening the
+    file itself would read its last 64 KiB, more than the footer of a small file)."""
+    return _PARQUET_MAGIC + footer + len(footer).to_bytes(4, "little") + _PARQUET_MAGIC
 
 
 def _duplicated_name(schema: pa.Schema) -> str | None:
@@ -186,7 +215,7 @@ def _read_file(
         start, group_start = group_start, group_start + num_rows
         if not selection.mask(start, group_start).any():
             continue
-        reader = reader or pq.ParquetFile(file.path)
+        reader = reader or pq.ParquetFile(file.path, metadata=file.metadata)
         for batch in reader.iter_batches(
             batch_size=READ_BATCH_ROWS, row_groups=[group], columns=columns
         ):
