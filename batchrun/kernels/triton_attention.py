@@ -194,8 +194,8 @@ def _paged_attention_kernel(
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         # The combine reads each row's split count (one writer per row: kv head 0, split 0).
-        writer = (kv_head == 0) & (split == 0)
-        tl.store(active_ptr + rows, active, mask=row_ok & (offs_m % GROUP == 0) & writer)
+        if (kv_head == 0) & (split == 0):
+            tl.store(active_ptr + rows, active, mask=row_ok & (offs_m % GROUP == 0))
         if active == 1:
             tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
