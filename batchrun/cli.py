@@ -170,10 +170,32 @@ def _job(job_file: Path | None, flags: dict[str, Any]) -> JobSpec:
 @cli.command()
 @click.argument("job_file", required=False, type=click.Path(path_type=Path))
 @_run_options
-def run(job_file: Path | None, **flags: Any) -> None:
+@click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Run on a Ray cluster (pip install 'batchrun[ray]'): the one at ADDRESS, else the "
+    "one RAY_ADDRESS or this machine runs, else a new local one. Write it after JOB_FILE.",
+)
+@click.option(
+    "--replicas",
+    type=int,
+    help="With --ray: engine actors [default: one per GPU of the cluster, 1 without GPUs].",
+)
+def run(job_file: Path | None, ray_address: str | None, replicas: int | None, **flags: Any) -> None:
     """Run a job: JOB_FILE (TOML), overridden by flags. Prints a summary line when done."""
     job = _job(job_file, flags)
-    stats = run_job(job)
+    if ray_address is not None:
+        from batchrun.ray.run import run_job_ray
+
+        stats = run_job_ray(job, ray_address or None, replicas)
+    elif replicas is not None:
+        raise click.UsageError("--replicas needs --ray")
+    else:
+        stats = run_job(job)
     click.echo(
         f"batchrun: {stats['rows']} rows ({stats['ok_rows']} ok, "
         f"{stats['error_rows']} errors), {stats['completion_tokens']} completion tokens "

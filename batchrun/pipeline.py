@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,7 +20,6 @@ import pyarrow.parquet as pq
 
 from batchrun.engine.request import Request
 from batchrun.errors import JobError
-from batchrun.io.cells import row_values
 from batchrun.io.fingerprint import job_fingerprint
 from batchrun.io.output_schema import OutputRow, build_table, error_row, finished_row, output_schema
 from batchrun.io.part_writer import PartWriter
@@ -38,8 +38,6 @@ from batchrun.job import JobSpec
 from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from transformers import PreTrainedTokenizerBase
 
 QUEUE_FACTOR = 4  # requests queued in the engine, per unit of max_batch_size
@@ -107,6 +105,24 @@ def build_engine(job: JobSpec, tokenizer: PreTrainedTokenizerBase | None = None)
     from batchrun.engine.engine import Engine  # the model stack loads only when a job runs
 
     return Engine(job.engine_config(), tokenizer)
+
+
+def generate(
+    engine: EngineLike, requests: Iterator[Request], max_queued: int
+) -> Iterator[list[Request]]:
+    """Feed `requests` to the engine, keeping at most max_queued unfinished, and step it until
+    every one has finished; yields each step's finished requests (often none)."""
+    exhausted = False
+    while True:
+        while not exhausted and engine.num_unfinished < max_queued:
+            request = next(requests, None)
+            if request is None:
+                exhausted = True
+            else:
+                engine.add(request)
+        if engine.num_unfinished == 0:
+            return  # and the input is exhausted, else the queue would not be empty
+        yield engine.step()
 
 
 def run_job(job: JobSpec, engine: EngineLike | None = None) -> dict[str, Any]:
@@ -181,19 +197,9 @@ class _Run:
         return self._finish()
 
     def _loop(self) -> None:
-        rows = self._input_rows()
-        max_queued = QUEUE_FACTOR * self.job.max_batch_size
-        exhausted = False
-        while True:
-            while not exhausted and self.engine.num_unfinished < max_queued:
-                row = next(rows, None)
-                if row is None:
-                    exhausted = True
-                else:
-                    self._admit(*row)
-            if self.engine.num_unfinished == 0:
-                break  # and the input is exhausted, else the queue would not be empty
-            for request in self.engine.step():
+        requests = (r for row in self._input_rows() if (r := self._admit(*row)) is not None)
+        for finished in generate(self.engine, requests, QUEUE_FACTOR * self.job.max_batch_size):
+            for request in finished:
                 self._buffer(self.pending.pop(request.row_index), finished_row(request))
                 self._count(request)
             self.writer.maybe_commit()
@@ -201,16 +207,14 @@ class _Run:
     def _input_rows(self) -> Iterator[tuple[int, pa.RecordBatch, dict[str, Any], Request | str]]:
         """Each selected row, its input columns, its values and its request (or why not),
         read and tokenized ahead on a background thread (with its own tokenizer)."""
-        columns = self.builder.columns
-        if self.opened.id_column is not None and self.opened.id_column not in columns:
-            columns = [*columns, self.opened.id_column]
+        id_columns = [self.opened.id_column] if self.opened.id_column is not None else []
 
         def rows() -> Iterator[tuple[int, pa.RecordBatch, dict[str, Any], Request | str]]:
             for batch in iter_batches(self.opened.source, self.selection):
-                values = row_values(batch.batch, columns)  # a bad cell spoils only its own row
-                for i, row_index in enumerate(batch.row_indices.tolist()):
-                    request = self.builder.build(row_index, values[i])
-                    yield row_index, batch.batch.slice(i, 1), values[i], request
+                row_indices = batch.row_indices.tolist()
+                built = self.builder.build_batch(batch.batch, row_indices, id_columns)
+                for i, (values, request) in enumerate(built):
+                    yield row_indices[i], batch.batch.slice(i, 1), values, request
 
         return prefetch(rows(), depth=PREFETCH_ROWS)
 
@@ -220,14 +224,15 @@ class _Run:
         inputs: pa.RecordBatch,
         values: dict[str, Any],
         request: Request | str,
-    ) -> None:
+    ) -> Request | None:
+        """The request for the engine, or None: the row's error row is buffered."""
         if isinstance(request, Request):
             self.pending[row_index] = inputs
-            self.engine.add(request)
-            return
+            return request
         self._log_error(row_index, values, request)
         self._buffer(inputs, error_row(row_index, request))
         self.writer.maybe_commit()
+        return None
 
     def _count(self, request: Request) -> None:
         self.run_tokens += len(request.output_ids)

@@ -1,7 +1,8 @@
 """Finished rows to committed parts, written on a background thread: building, writing and
 fsyncing a part never stall the engine's steps. Parts are committed one at a time, in order; a
 write that fails is raised on the job's thread at its next call, and its rows are simply redone
-by the next run (nothing is committed for them)."""
+by the next run (nothing is committed for them). Rows come one at a time (a local run) or as
+tables already in the output schema (the output batches of Ray actors)."""
 
 from __future__ import annotations
 
@@ -28,21 +29,34 @@ class PartWriter:
         self.rows_per_part, self.part_seconds = rows_per_part, part_seconds
         self.inputs: list[pa.RecordBatch] = []
         self.rows: list[OutputRow] = []
+        self.tables: list[pa.Table] = []
+        self.table_rows = 0
         self.since = 0.0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-parts")
         self.writes: list[Future[None]] = []
 
+    @property
+    def buffered(self) -> int:
+        return len(self.rows) + self.table_rows
+
     def add(self, inputs: pa.RecordBatch, row: OutputRow) -> None:
-        if not self.rows:
+        if not self.buffered:
             self.since = time.monotonic()
         self.inputs.append(inputs)
         self.rows.append(row)
 
+    def add_table(self, table: pa.Table) -> None:
+        """Rows already in the output schema."""
+        if not self.buffered:
+            self.since = time.monotonic()
+        self.tables.append(table.cast(self.schema))
+        self.table_rows += table.num_rows
+
     def maybe_commit(self) -> None:
         """Commit the buffer when it holds rows_per_part rows or has waited part_seconds."""
         self._raise_failed()
-        full = len(self.rows) >= self.rows_per_part
-        if full or (self.rows and time.monotonic() - self.since >= self.part_seconds):
+        full = self.buffered >= self.rows_per_part
+        if full or (self.buffered and time.monotonic() - self.since >= self.part_seconds):
             self._submit()
 
     def flush(self) -> None:
@@ -56,14 +70,17 @@ class PartWriter:
         self.pool.shutdown(wait=True)
 
     def _submit(self) -> None:
-        if not self.rows:
+        if not self.buffered:
             return
-        inputs, rows = self.inputs, self.rows
-        self.inputs, self.rows = [], []
-        self.writes.append(self.pool.submit(self._write, inputs, rows))
+        inputs, rows, tables = self.inputs, self.rows, self.tables
+        self.inputs, self.rows, self.tables, self.table_rows = [], [], [], 0
+        self.writes.append(self.pool.submit(self._write, inputs, rows, tables))
 
-    def _write(self, inputs: list[pa.RecordBatch], rows: list[OutputRow]) -> None:
-        table = build_table(self.schema, inputs, rows)
+    def _write(
+        self, inputs: list[pa.RecordBatch], rows: list[OutputRow], tables: list[pa.Table]
+    ) -> None:
+        built = [build_table(self.schema, inputs, rows)] if rows else []
+        table = pa.concat_tables(built + tables) if tables else built[0]
         self.out.commit(table)
         self.committed(table)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.errors import JobError
-from batchrun.io.cells import BadCell
+from batchrun.io.cells import BadCell, row_values
 from batchrun.io.overrides import (
     OVERRIDE_COLUMNS,
     BadOverride,
@@ -156,6 +156,18 @@ class RequestBuilder:
     def columns(self) -> list[str]:
         """The input columns `build` reads."""
         return [self.prompt.name, *(c for c in self.overrides if c != self.prompt.name)]
+
+    def build_batch(
+        self, batch: pa.RecordBatch, row_indices: Sequence[int], extra_columns: Sequence[str] = ()
+    ) -> list[tuple[dict[str, Any], Request | str]]:
+        """For each row of `batch` (whose row_index is row_indices[i]): its values of the columns
+        `build` reads and of extra_columns (an id column, for logs), and its request or why not."""
+        columns = [*self.columns, *(c for c in extra_columns if c not in self.columns)]
+        values = row_values(batch, columns)  # a bad cell spoils only its own row
+        return [
+            (row, self.build(row_index, row))
+            for row_index, row in zip(row_indices, values, strict=True)
+        ]
 
     def build(self, row_index: int, values: Mapping[str, Any]) -> Request | str:
         params = self._params(row_index, values)
