@@ -45,6 +45,27 @@ PREFETCH_ROWS = 512  # input rows read and tokenized ahead of the engine
 MAX_LOGGED_ERRORS = 10
 
 
+class ErrorLog:
+    """Error rows on the progress bar's log: the first MAX_LOGGED_ERRORS, then one line saying
+    more follow (nothing when quiet)."""
+
+    def __init__(self, bar: ProgressBar, quiet: bool, id_column: str | None) -> None:
+        self.bar, self.quiet, self.id_column = bar, quiet, id_column
+        self.count = 0
+
+    def log(self, row_index: int, values: dict[str, Any], message: str) -> None:
+        if self.quiet:
+            return
+        self.count += 1
+        if self.count > MAX_LOGGED_ERRORS + 1:
+            return
+        if self.count > MAX_LOGGED_ERRORS:
+            self.bar.log("batchrun: more error rows follow; see the output's error column")
+            return
+        name = f" ({self.id_column}={values[self.id_column]!r})" if self.id_column else ""
+        self.bar.log(f"batchrun: row {row_index}{name}: {message}")
+
+
 class EngineLike(Protocol):
     """What the pipeline needs of an engine (batchrun.engine.engine.Engine, or a test fake)."""
 
@@ -180,8 +201,8 @@ class _Run:
         self.run_tokens = 0  # generated in this run, for tokens/s
         self.run_spec_tokens = 0
         self.run_spec_rounds = 0
-        self.errors_logged = 0
         self.bar = ProgressBar(self.job_rows, enabled=not self.job.quiet)
+        self.error_log = ErrorLog(self.bar, self.job.quiet, opened.id_column)
 
     def execute(self) -> dict[str, Any]:
         try:
@@ -229,7 +250,7 @@ class _Run:
         if isinstance(request, Request):
             self.pending[row_index] = inputs
             return request
-        self._log_error(row_index, values, request)
+        self.error_log.log(row_index, values, request)
         self._buffer(inputs, error_row(row_index, request))
         self.writer.maybe_commit()
         return None
@@ -239,19 +260,6 @@ class _Run:
         if request.spec_hist is not None:
             self.run_spec_tokens += len(request.output_ids) - 1
             self.run_spec_rounds += request.spec_rounds
-
-    def _log_error(self, row_index: int, values: dict[str, Any], message: str) -> None:
-        if self.job.quiet:
-            return
-        self.errors_logged += 1
-        if self.errors_logged > MAX_LOGGED_ERRORS + 1:
-            return
-        if self.errors_logged > MAX_LOGGED_ERRORS:
-            self.bar.log("batchrun: more error rows follow; see the output's error column")
-            return
-        id_column = self.opened.id_column
-        name = f" ({id_column}={values[id_column]!r})" if id_column is not None else ""
-        self.bar.log(f"batchrun: row {row_index}{name}: {message}")
 
     def _buffer(self, inputs: pa.RecordBatch, row: OutputRow) -> None:
         self.writer.add(inputs, row)

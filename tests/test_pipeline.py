@@ -331,3 +331,24 @@ def test_startup_failures_happen_before_any_work(
     with pytest.raises(JobError, match=message):
         run_job(make_job(tmp_path, **keys), engine)
     assert engine.added == 0 and not (tmp_path / "out").exists()
+
+
+def test_error_log_names_the_first_rows_then_says_more_follow() -> None:
+    from batchrun.pipeline import MAX_LOGGED_ERRORS, ErrorLog
+
+    class Bar:
+        def __init__(self) -> None:
+            self.lines: list[str] = []
+
+        def log(self, line: str) -> None:
+            self.lines.append(line)
+
+    bar = Bar()
+    log = ErrorLog(bar, quiet=False, id_column="id")  # type: ignore[arg-type]
+    for i in range(MAX_LOGGED_ERRORS + 5):
+        log.log(i, {"id": f"r{i}"}, "prompt is empty")
+    assert bar.lines[0] == "batchrun: row 0 (id='r0'): prompt is empty"
+    assert len(bar.lines) == MAX_LOGGED_ERRORS + 1 and "more error rows follow" in bar.lines[-1]
+    quiet = Bar()
+    ErrorLog(quiet, quiet=True, id_column=None).log(0, {}, "x")  # type: ignore[arg-type]
+    assert quiet.lines == []

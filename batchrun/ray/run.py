@@ -48,7 +48,7 @@ from batchrun.io.progress_bar import ProgressBar
 from batchrun.io.prompts import PromptColumn, find_prompt_column
 from batchrun.io.reader import open_input
 from batchrun.job import JobSpec
-from batchrun.pipeline import MAX_LOGGED_ERRORS, QUEUE_FACTOR, OpenedJob, open_job
+from batchrun.pipeline import QUEUE_FACTOR, ErrorLog, OpenedJob, open_job
 from batchrun.ray.processor import ROW_INDEX, BatchrunProcessor, processor_settings
 from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator
 
@@ -255,8 +255,8 @@ class _Committer:
         self.run_spec_tokens = 0
         self.run_spec_rounds = 0
         self.duplicates = 0  # rows of a batch that Ray ran twice, returned again: dropped
-        self.errors_logged = 0
         self.bar = ProgressBar(self.total, enabled=not self.job.quiet)
+        self.error_log = ErrorLog(self.bar, self.job.quiet, opened.id_column)
 
     def execute(self, outputs: Callable[[np.ndarray], Iterable[pa.Table]]) -> dict[str, Any]:
         try:
@@ -303,24 +303,11 @@ class _Committer:
         columns = [ROW_INDEX, "completion_tokens", "spec_rounds", "spec_accept_hist", "error"]
         for row in table.select(columns + ([id_column] if id_column else [])).to_pylist():
             if row["error"] is not None:
-                self._log_error(row)
+                self.error_log.log(row[ROW_INDEX], row, row["error"])
             elif row["spec_accept_hist"] is not None:
                 self.run_spec_tokens += row["completion_tokens"] - 1
                 self.run_spec_rounds += row["spec_rounds"]
             self.run_tokens += row["completion_tokens"]  # 0 in error rows
-
-    def _log_error(self, row: dict[str, Any]) -> None:
-        if self.job.quiet:
-            return
-        self.errors_logged += 1
-        if self.errors_logged > MAX_LOGGED_ERRORS + 1:
-            return
-        if self.errors_logged > MAX_LOGGED_ERRORS:
-            self.bar.log("batchrun: more error rows follow; see the output's error column")
-            return
-        id_column = self.opened.id_column
-        name = f" ({id_column}={row[id_column]!r})" if id_column is not None else ""
-        self.bar.log(f"batchrun: row {row[ROW_INDEX]}{name}: {row['error']}")
 
     def _committed(self, table: pa.Table) -> None:
         """After each part (on the writer thread): its rows count, stats.json is rewritten."""
