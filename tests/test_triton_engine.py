@@ -4,6 +4,9 @@ and with a DFlash draft, with preemption, sampled rows and mixed acceptance leng
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,9 @@ import pytest
 import torch
 from dflash_train import trained_draft_beside, training_prompts
 
+from batchrun.attention.base import AttentionBackend, GraphKey, GraphShape
+from batchrun.attention.meta import AttentionMeta
+from batchrun.attention.torch_backend import TorchAttention
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
@@ -59,15 +65,19 @@ def run(
     draft: Path | None,
     work: list[tuple[list[int], SamplingParams]],
     emulate_graphs: bool = False,
+    backend: AttentionBackend | None = None,
     **config: Any,
 ) -> tuple[Engine, list[Request]]:
     """Every job through one engine; with emulate_graphs (a CPU), the steady-state steps go
-    through the graphs' persistent buffers and padding, run eagerly."""
+    through the graphs' persistent buffers and padding, run eagerly. `backend` replaces the
+    configured attention backend."""
     settings: dict[str, Any] = {
         "device": DEVICE, "dtype": "float32", "max_batch_size": 8, "max_batched_tokens": 96,
         "num_pages": 80, "page_size": 4, "verify_width": "full",
     }  # fmt: skip
     engine = Engine(EngineConfig(target=target, draft=draft, **(settings | config)))
+    if backend is not None:
+        engine.runner.backend = backend
     if emulate_graphs:
         engine.runner.capture_graphs(engine.config.max_batch_size, engine.widths)
     for i, (prompt, params) in enumerate(work):
@@ -101,10 +111,42 @@ def test_triton_matches_torch_with_preemption(
         assert len(lengths) >= 3, lengths
 
 
+class HostPlannedTorch(TorchAttention):
+    """The torch reference planned as flashinfer is in graphs: inside a graph's capture or
+    replay, `plan` ignores the graph's own meta and attention uses what `replaying` was given,
+    the meta the runner builds eagerly before the replay. Outputs equal to eager ones show that
+    this meta is the graph's."""
+
+    host_planned = True
+
+    def __init__(self) -> None:
+        self.bound: str | None = None
+        self.replayed: Counter[GraphKey] = Counter()
+
+    @contextmanager
+    def capturing(self, key: GraphKey, shape: GraphShape) -> Iterator[None]:
+        assert shape.num_requests == key[1] and shape.page_size > 0
+        self.bound = "capture"
+        yield
+        self.bound = None
+
+    @contextmanager
+    def replaying(self, key: GraphKey, meta: AttentionMeta) -> Iterator[None]:
+        super().plan(meta)
+        self.replayed[key] += 1
+        self.bound = "replay"
+        yield
+        self.bound = None
+
+    def plan(self, meta: AttentionMeta) -> None:
+        if self.bound != "replay":  # (a capture's warm-up runs the padding step: plan it)
+            super().plan(meta)
+
+
 @pytest.mark.parametrize(
     ("backend", "with_draft", "width"),
     [("torch", False, 1), ("torch", True, "full"), ("torch", True, 1), ("torch", True, 2),
-     ("triton", True, "full")],
+     ("triton", True, "full"), ("host-planned", False, 1), ("host-planned", True, "auto")],
 )  # fmt: skip
 def test_graph_buffers_and_padding_replay_like_eager(
     target: Path, trained: Path, with_draft: bool, backend: str, width: int | str
@@ -118,12 +160,17 @@ def test_graph_buffers_and_padding_replay_like_eager(
         pytest.skip("the GPU runs real graphs: test_graphs_replay_like_eager_at_every_ladder_size")
     draft = trained if with_draft else None
     work = jobs(8, seed=4, max_tokens=16)
-    config = {"attention_backend": backend, "cuda_graphs": False, "verify_width": width}
+    host_planned = HostPlannedTorch() if backend == "host-planned" else None
+    config = {"attention_backend": "torch" if host_planned else backend, "cuda_graphs": False,
+              "verify_width": width}  # fmt: skip
     _, eager = run(target, draft, work, **config)
-    engine, emulated = run(target, draft, work, emulate_graphs=True, **config)
+    engine, emulated = run(target, draft, work, emulate_graphs=True, backend=host_planned,
+                           **config)  # fmt: skip
     sizes = {size for (_, size) in engine.runner.replays}
     assert len(sizes) >= 3, sizes
     assert_same(eager, emulated)
+    if host_planned is not None:  # every replay was planned from its eager meta
+        assert host_planned.replayed == engine.runner.replays
 
 
 @pytest.mark.gpu

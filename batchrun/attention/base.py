@@ -1,23 +1,43 @@
 """The one interface every attention backend implements.
 
-A backend object lives with its model runner. Once per forward, outside any CUDA graph, `plan`
-takes the forward's AttentionMeta; then every layer writes its new K/V rows and attends. A
-backend whose `graphable` is True reads nothing but the meta's tensors after `plan`, so a graph
-captured after planning on persistent buffers replays correctly once those buffers are refilled.
+A backend object lives with its model runner. Once per forward `plan` takes the forward's
+AttentionMeta; then every layer writes its new K/V rows and attends.
+
+CUDA graphs. A backend planned on the device (`host_planned` False: Triton) reads nothing but
+the meta's tensors after `plan`, so a graph captured with its planning inside replays correctly
+once the persistent buffers it reads are refilled. A backend planned on the host (`host_planned`
+True: flashinfer, whose scheduler runs on the CPU) gives each graph fixed-size planning buffers:
+the runner opens `capturing` around a graph's capture and `replaying`, with the step's meta
+built eagerly, around each replay; `plan` inside either does no host work.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from batchrun.attention.meta import AttentionMeta
 
+GraphKey = tuple[str, int]  # (graph set, batch size)
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """The largest step a graph serves: what a host-planned backend sizes its buffers for."""
+
+    num_requests: int
+    q_len: int  # rows per request
+    max_kv: int
+    page_size: int
+
 
 class AttentionBackend(Protocol):
     name: str
     graphable: bool
+    host_planned: bool
 
     def plan(self, meta: AttentionMeta) -> None: ...
 
@@ -36,4 +56,16 @@ class AttentionBackend(Protocol):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """q [T, Hq, D] over the planned requests' cached K/V -> [T, Hq, D]."""
+        ...
+
+
+class HostPlanned(AttentionBackend, Protocol):
+    """A backend whose graphs are planned on the host before each replay."""
+
+    def capturing(self, key: GraphKey, shape: GraphShape) -> AbstractContextManager[None]:
+        """Around a graph's warm-up and capture."""
+        ...
+
+    def replaying(self, key: GraphKey, meta: AttentionMeta) -> AbstractContextManager[None]:
+        """Around a replay: plans the graph's buffers for this step's meta."""
         ...

@@ -1,36 +1,41 @@
 """Paged attention through flashinfer's planned wrappers (flashinfer-python 0.7.2).
 
 Every forward (prefill and extend chunks, decode, verify, the non-causal DFlash draft block) runs
-through one `BatchPrefillWithPagedKVCacheWrapper`; its kernels handle q_len 1 with GQA too, so
+through a `BatchPrefillWithPagedKVCacheWrapper`; its kernels handle q_len 1 with GQA too, so
 decode needs no second wrapper (nor a second JIT module). The caches are flashinfer's "NHD"
 layout with separate K and V tensors, [num_pages, page_size, num_kv_heads, head_dim], passed as
 the tuple (k_cache, v_cache). RoPE is applied by the model before attention (pos_encoding_mode
 "NONE").
 
-`plan` turns the meta into flashinfer's CSR page lists (qo_indptr, paged_kv_indptr,
+`paged_plan` turns the meta into flashinfer's CSR page lists (qo_indptr, paged_kv_indptr,
 paged_kv_indices, paged_kv_last_page_len) with vectorised torch ops: request r's pages are the
-first ceil(kv_lens[r] / page_size) entries of its page_table row. flashinfer's own plan schedules
-the work on the host, so `plan` reads the meta back to the host, one device sync per forward. In
-this engine a step's metadata is built on the device from per-slot state; a host-side plan would
-need that sync inside every step, so this backend is not captured in CUDA graphs
-(`graphable = False`): the engine runs it eagerly. The wrapper itself is planned at the first
-`attend` of a forward, once the heads, head dim and dtypes are known (the target and the DFlash
-draft share one backend), and not again within the forward.
+first ceil(kv_lens[r] / page_size) entries of its page_table row. flashinfer schedules the work
+on the host, so planning reads the meta back to the host: one device sync per planned forward.
 
-Requests with no query rows (q_len 0, graph padding) or no K/V are left out of the plan; rows
-past cu_q[R] belong to no request and come back zero. flashinfer computes in float16 and bfloat16
-only. K/V rows are stored with the same write as the other backends (the Triton kernel when
-triton imports, else torch indexing); a slot of -1 stores nothing.
+Eager forwards share one wrapper, planned at the first `attend` of a forward (the heads, head
+dim and dtypes are known then; the target and the DFlash draft share the backend) and not again
+within it. CUDA graphs (attention/base.py) get a wrapper each, in flashinfer's CUDA-graph mode:
+fixed-size page-list buffers that a graph's kernels read. It is planned for the largest step
+the graph serves during the warm-up before its capture, and for the real step, from the meta
+the runner builds eagerly, before each replay; the replay then needs no planning. Graph steps
+keep every request (padding ones too, with one page that no row reads), as the wrapper's batch
+size is fixed.
+
+Rows past cu_q[R] belong to no request and come back zero. flashinfer computes in float16 and
+bfloat16 only. K/V rows are stored with the same write as the other backends (the Triton kernel
+when triton imports, else torch indexing); a slot of -1 stores nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from batchrun.attention.base import GraphKey, GraphShape
 from batchrun.attention.meta import AttentionMeta
 from batchrun.attention.torch_backend import write_kv_torch
 from batchrun.errors import JobError
@@ -52,8 +57,8 @@ def check_dtype(dtype: torch.dtype) -> None:
 
 @dataclass
 class PagedPlan:
-    """One forward's requests in flashinfer's CSR form, on the host (int32). Only requests with
-    query rows are kept; their rows are rows[0]:rows[1] of the forward's batch."""
+    """One forward's requests in flashinfer's CSR form, on the host (int32); their rows are
+    rows[0]:rows[1] of the forward's batch."""
 
     qo_indptr: torch.Tensor  # [n + 1]
     kv_indptr: torch.Tensor  # [n + 1], in pages
@@ -67,23 +72,26 @@ class PagedPlan:
         return self.last_page_len.shape[0]
 
 
-def paged_plan(meta: AttentionMeta) -> PagedPlan:
-    """The meta's requests as flashinfer's page lists; one device -> host copy (the only sync)."""
+def paged_plan(meta: AttentionMeta, keep_all: bool = False) -> PagedPlan:
+    """The meta's requests as flashinfer's page lists: the lengths come back to the host (a
+    device sync), then the page-table columns they use.
+    Requests with no query rows or no K/V are left out, unless keep_all (a graph's fixed batch):
+    then each keeps at least one page, which no row reads."""
     num_req, page_size = meta.num_requests, meta.page_size
-    # Only the table columns the longest context can use come back to the host.
-    width = min(meta.page_table.shape[1], -(-meta.max_kv // page_size))
-    packed = torch.cat(
-        [meta.cu_q.int(), meta.kv_lens.int(), meta.page_table[:, :width].int().reshape(-1)]
-    ).cpu()
-    cu_q = packed[: num_req + 1].long()
-    kv_lens = packed[num_req + 1 : 2 * num_req + 1].long()
-    table = packed[2 * num_req + 1 :].view(num_req, width)
+    lens = torch.cat([meta.cu_q.int(), meta.kv_lens.int()]).cpu()
+    cu_q, kv_lens = lens[: num_req + 1].long(), lens[num_req + 1 :].long()
     q_lens = cu_q[1:] - cu_q[:-1]
-    keep = (q_lens > 0) & (kv_lens > 0)
-    q_lens, kv_lens, table = q_lens[keep], kv_lens[keep], table[keep]
+    if keep_all:
+        keep = torch.ones(num_req, dtype=torch.bool)
+        kv_lens = kv_lens.clamp(min=1)
+    else:
+        keep = (q_lens > 0) & (kv_lens > 0)
+    q_lens, kv_lens = q_lens[keep], kv_lens[keep]
     num_pages = (kv_lens + page_size - 1) // page_size
-    if num_pages.numel() and int(num_pages.max()) > width:
+    width = int(num_pages.max()) if num_pages.numel() else 0
+    if width > min(meta.page_table.shape[1], _pages(meta.max_kv, page_size)):
         raise ValueError(f"a request's K/V is longer than meta.max_kv {meta.max_kv}")
+    table = meta.page_table[:, :width].int().cpu()[keep]  # the columns the longest one uses
     zero = torch.zeros(1, dtype=torch.long)
     used = torch.arange(width)[None, :] < num_pages[:, None]  # row-major: request by request
     return PagedPlan(
@@ -96,24 +104,108 @@ def paged_plan(meta: AttentionMeta) -> PagedPlan:
     )
 
 
+def largest_plan(shape: GraphShape, causal: bool) -> PagedPlan:
+    """The largest step a graph serves, over page 0: what its wrapper is first planned for."""
+    n, q_len, page_size = shape.num_requests, shape.q_len, shape.page_size
+    pages = _pages(shape.max_kv, page_size)
+    return PagedPlan(
+        qo_indptr=(torch.arange(n + 1) * q_len).int(),
+        kv_indptr=(torch.arange(n + 1) * pages).int(),
+        kv_indices=torch.zeros(n * pages, dtype=torch.int32),
+        last_page_len=torch.full((n,), shape.max_kv - (pages - 1) * page_size, dtype=torch.int32),
+        rows=(0, n * q_len),
+        causal=causal,
+    )
+
+
+@dataclass(frozen=True)
+class Params:
+    """What a wrapper is planned for besides the page lists."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    scale: float
+    causal: bool
+
+
+@dataclass
+class GraphWrapper:
+    """A graph's own wrapper, its page-list buffers fixed in size and address."""
+
+    wrapper: Any
+    shape: GraphShape
+    params: Params | None = None  # set at the warm-up's first attend
+
+
 class FlashInferAttention:
     name = "flashinfer"
-    graphable = False  # flashinfer plans on the host: one sync per forward (module docstring)
+    graphable = True
+    host_planned = True
 
     def __init__(self, device: torch.device, write: WriteKV | None = None):
         import flashinfer
 
+        self._flashinfer = flashinfer
+        self.device = device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper: Any = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._write: WriteKV = write or write_kv_torch
+        self.graphs: dict[GraphKey, GraphWrapper] = {}
         self.paged: PagedPlan | None = None
         self.slot_mapping: torch.Tensor | None = None
-        self._planned: tuple[Any, ...] | None = None  # what the wrapper is planned for
+        self.causal = True
+        self._planned: Params | None = None  # what the eager wrapper is planned for
+        self._bound: GraphWrapper | None = None  # inside a graph's capture or replay
+
+    # -- graphs -------------------------------------------------------------------------------
+
+    @contextmanager
+    def capturing(self, key: GraphKey, shape: GraphShape) -> Iterator[None]:
+        if key not in self.graphs:
+            n, pages = shape.num_requests, _pages(shape.max_kv, shape.page_size)
+            buffers = {
+                "qo_indptr_buf": torch.zeros(n + 1, dtype=torch.int32, device=self.device),
+                "paged_kv_indptr_buf": torch.zeros(n + 1, dtype=torch.int32, device=self.device),
+                "paged_kv_indices_buf": torch.zeros(n * pages, dtype=torch.int32,
+                                                    device=self.device),
+                "paged_kv_last_page_len_buf": torch.zeros(n, dtype=torch.int32,
+                                                          device=self.device),
+            }  # fmt: skip
+            wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, **buffers
+            )
+            self.graphs[key] = GraphWrapper(wrapper, shape)
+        with self._bind(self.graphs[key]):
+            yield
+
+    @contextmanager
+    def replaying(self, key: GraphKey, meta: AttentionMeta) -> Iterator[None]:
+        graph = self.graphs[key]
+        assert graph.params is not None, "captured before replayed"
+        _plan(graph.wrapper, paged_plan(meta, keep_all=True), graph.params)
+        with self._bind(graph):
+            yield
+
+    @contextmanager
+    def _bind(self, graph: GraphWrapper) -> Iterator[None]:
+        self._bound = graph
+        try:
+            yield
+        finally:
+            self._bound = None
+
+    # -- a forward ----------------------------------------------------------------------------
 
     def plan(self, meta: AttentionMeta) -> None:
-        self.paged = paged_plan(meta)
         self.slot_mapping = meta.slot_mapping
-        self._planned = None
+        self.causal = meta.causal
+        if self._bound is None:  # a graph's wrapper is planned around its capture or replay
+            self.paged = paged_plan(meta)
+            self._planned = None
 
     def write_kv(
         self,
@@ -131,6 +223,13 @@ class FlashInferAttention:
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
+        check_dtype(q.dtype)
+        params = Params(
+            q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], q.dtype, k_cache.dtype,
+            scale, self.causal,
+        )  # fmt: skip
+        if self._bound is not None:
+            return self._attend_graph(self._bound, params, q, k_cache, v_cache)
         plan = self.paged
         assert plan is not None, "plan() first"
         start, end = plan.rows
@@ -139,16 +238,40 @@ class FlashInferAttention:
         out[end:].zero_()
         if plan.num_requests == 0:
             return out
-        num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
-        key = (num_heads, num_kv_heads, head_dim, k_cache.shape[1], q.dtype, k_cache.dtype, scale)
-        if key != self._planned:
-            check_dtype(q.dtype)
-            self.wrapper.plan(
-                plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len,
-                num_heads, num_kv_heads, head_dim, k_cache.shape[1],
-                causal=plan.causal, pos_encoding_mode="NONE", sm_scale=scale,
-                q_data_type=q.dtype, kv_data_type=k_cache.dtype,
-            )  # fmt: skip
-            self._planned = key
+        if params != self._planned:
+            _plan(self.wrapper, plan, params)
+            self._planned = params
         self.wrapper.run(q[start:end].contiguous(), (k_cache, v_cache), out=out[start:end])
         return out
+
+    def _attend_graph(
+        self,
+        graph: GraphWrapper,
+        params: Params,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """A graph's forward: every row goes in (the planned rows start at 0); rows past the
+        planned ones stay zero."""
+        if graph.params is None:  # the warm-up before capture: plan for the largest step
+            _plan(graph.wrapper, largest_plan(graph.shape, params.causal), params)
+            graph.params = params
+        elif params != graph.params:
+            raise RuntimeError("a graph's attention layers must share heads, dtypes and mask")
+        out = torch.zeros_like(q)
+        graph.wrapper.run(q, (k_cache, v_cache), out=out)
+        return out
+
+
+def _plan(wrapper: Any, plan: PagedPlan, params: Params) -> None:
+    wrapper.plan(
+        plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len,
+        params.num_heads, params.num_kv_heads, params.head_dim, params.page_size,
+        causal=params.causal, pos_encoding_mode="NONE", sm_scale=params.scale,
+        q_data_type=params.q_dtype, kv_data_type=params.kv_dtype,
+    )  # fmt: skip
+
+
+def _pages(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)

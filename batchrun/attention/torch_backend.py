@@ -30,6 +30,7 @@ def write_kv_torch(
 class TorchAttention:
     name = "torch"
     graphable = False
+    host_planned = False
 
     def plan(self, meta: AttentionMeta) -> None:
         device = meta.positions.device

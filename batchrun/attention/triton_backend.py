@@ -27,6 +27,7 @@ MAX_SPLITS = 16
 class TritonAttention:
     name = "triton"
     graphable = True
+    host_planned = False
 
     def __init__(self, max_decode_rows: int, num_heads: int, num_kv_heads: int, head_dim: int):
         self.max_decode_rows = max_decode_rows  # forwards of at most this many rows may split

@@ -11,6 +11,7 @@ their outputs are read before the next replay.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ import torch
 BATCH_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
 Outputs = tuple[torch.Tensor, ...]
+Scope = Callable[[int], AbstractContextManager[Any]]  # around a size's warm-up and capture
 
 
 def batch_ladder(max_batch_size: int) -> list[int]:
@@ -48,21 +50,26 @@ class GraphSet:
         self.emulated = device.type != "cuda"
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, Outputs]] = {}
 
-    def capture(self, sizes: list[int], pool: Any) -> None:
+    def capture(self, sizes: list[int], pool: Any, scope: Scope | None = None) -> None:
+        """Capture each size; `scope` (a host-planned attention backend's) is open around its
+        warm-up and capture, which emulated graphs then run too."""
         for size in sorted(sizes, reverse=True):
-            if self.emulated:
-                self.graphs[size] = (None, ())
-                continue
             self.clear(size)  # every request padding: the capture writes nothing
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.fn(size)  # warm-up: lazy initialisation stays out of the graph
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = self.fn(size)
-            self.graphs[size] = (graph, outputs)
+            with scope(size) if scope is not None else nullcontext():
+                if self.emulated:
+                    if scope is not None:
+                        self.fn(size)  # the warm-up plans what a replay needs
+                    self.graphs[size] = (None, ())
+                    continue
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self.fn(size)  # warm-up: lazy initialisation stays out of the graph
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs = self.fn(size)
+                self.graphs[size] = (graph, outputs)
 
     def bucket(self, num_requests: int) -> int | None:
         return min((s for s in self.graphs if s >= num_requests), default=None)

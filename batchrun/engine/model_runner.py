@@ -12,13 +12,16 @@ runs the same code eagerly.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, cast
 
 import torch
 
-from batchrun.attention.base import AttentionBackend
-from batchrun.attention.meta import allocate_kv
+from batchrun.attention.base import AttentionBackend, GraphShape, HostPlanned
+from batchrun.attention.meta import AttentionMeta, allocate_kv
 from batchrun.engine.cuda_graphs import GraphSet, batch_ladder
 from batchrun.engine.device_state import DeviceState, staged
 from batchrun.engine.page_pool import pages_for
@@ -101,11 +104,11 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         sizes = batch_ladder(max_batch_size)
         for width in sorted(widths, reverse=True):
+            name = f"target{width}"
             graphs = GraphSet(
-                f"target{width}", partial(self._target_graph, width=width), self._clear,
-                self.device,
-            )  # fmt: skip
-            graphs.capture(sizes, pool)
+                name, partial(self._target_graph, width=width), self._clear, self.device
+            )
+            graphs.capture(sizes, pool, self._capture_scope(name, width))
             self.target_graphs[width] = graphs
         if self.draft is not None and max(widths) > 1:
             rows, width = max_batch_size * self.width, self.model.shape.hidden_size
@@ -114,7 +117,27 @@ class ModelRunner:
                 device=self.device,
             )  # fmt: skip
             self.draft_graphs = GraphSet("draft", self._draft_graph, self._clear, self.device)
-            self.draft_graphs.capture(sizes, pool)
+            self.draft_graphs.capture(sizes, pool, self._capture_scope("draft", self.width))
+
+    def _capture_scope(
+        self, name: str, q_len: int
+    ) -> Callable[[int], AbstractContextManager[Any]] | None:
+        """A host-planned backend's scope around a graph's capture (None for the others)."""
+        if not self.backend.host_planned:
+            return None
+        backend = cast(HostPlanned, self.backend)
+        return lambda size: backend.capturing(
+            (name, size), GraphShape(size, q_len, self.max_kv, self.page_size)
+        )
+
+    def _replay_scope(
+        self, name: str, size: int, meta: Callable[[], AttentionMeta]
+    ) -> AbstractContextManager[Any]:
+        """A host-planned backend plans a replay from the step's meta, built eagerly by the
+        same code the graph runs."""
+        if not self.backend.host_planned:
+            return nullcontext()
+        return cast(HostPlanned, self.backend).replaying((name, size), meta())
 
     def graph_size(self, num_requests: int, width: int) -> int | None:
         """The graph size a step of num_requests decoding requests replays at (None: eager)."""
@@ -156,8 +179,10 @@ class ModelRunner:
             assert self.draft_graphs is not None and self.ctx_features is not None
             if context is not None:
                 self.ctx_features[: context.shape[0]].copy_(context)
-            self.replays["draft", plan.num_requests] += 1
-            return self.draft_graphs.replay(plan.num_requests)[0][:num_dec]
+            size = plan.num_requests
+            self.replays["draft", size] += 1
+            with self._replay_scope("draft", size, lambda: self._draft_inputs(slots).meta):
+                return self.draft_graphs.replay(size)[0][:num_dec]
         return self._draft(slots, context)
 
     @torch.inference_mode()
@@ -217,8 +242,11 @@ class ModelRunner:
         self.context_pending = self.draft is not None and width > 1 and plan.num_decoding > 0
         graphs = self.target_graphs.get(width)
         if plan.uniform and graphs is not None:
-            logits, row_slot, row_step, *features = graphs.replay(plan.num_requests)
-            self.replays[graphs.name, plan.num_requests] += 1
+            size = plan.num_requests
+            inputs = partial(self._graph_target_inputs, size, width)
+            with self._replay_scope(graphs.name, size, lambda: inputs().meta):
+                logits, row_slot, row_step, *features = graphs.replay(size)
+            self.replays[graphs.name, size] += 1
             self.features = features[0] if features else None
             return TargetOutput(logits, row_slot, row_step)
         inputs = target_inputs(
@@ -247,11 +275,14 @@ class ModelRunner:
             )  # fmt: skip
         return hidden, features
 
-    def _target_graph(self, size: int, width: int) -> tuple[torch.Tensor, ...]:
-        inputs = target_inputs(
+    def _graph_target_inputs(self, size: int, width: int) -> TargetInputs:
+        return target_inputs(
             self._head(size), self.state, self.drafts[:size], size * width, width,
             self.page_size, width, self.max_kv,
         )  # fmt: skip
+
+    def _target_graph(self, size: int, width: int) -> tuple[torch.Tensor, ...]:
+        inputs = self._graph_target_inputs(size, width)
         hidden, features = self._forward(inputs, store_context=width == 1)
         logits = self.model.logits(hidden)
         outputs = (logits, inputs.row_slot, inputs.row_step)
