@@ -243,8 +243,8 @@ class ModelRunner:
         graphs = self.target_graphs.get(width)
         if plan.uniform and graphs is not None:
             size = plan.num_requests
-            inputs = partial(self._graph_target_inputs, size, width)
-            with self._replay_scope(graphs.name, size, lambda: inputs().meta):
+            meta = partial(self._graph_target_meta, size, width)
+            with self._replay_scope(graphs.name, size, meta):
                 logits, row_slot, row_step, *features = graphs.replay(size)
             self.replays[graphs.name, size] += 1
             self.features = features[0] if features else None
@@ -280,6 +280,9 @@ class ModelRunner:
             self._head(size), self.state, self.drafts[:size], size * width, width,
             self.page_size, width, self.max_kv,
         )  # fmt: skip
+
+    def _graph_target_meta(self, size: int, width: int) -> AttentionMeta:
+        return self._graph_target_inputs(size, width).meta
 
     def _target_graph(self, size: int, width: int) -> tuple[torch.Tensor, ...]:
         inputs = self._graph_target_inputs(size, width)
