@@ -15,6 +15,7 @@ import torch
 
 from batchrun.engine.config import check_batch_budget
 from batchrun.engine.loading import (
+    auto_candidates,
     backend_name,
     check_backend_dtype,
     load_tokenizer,
@@ -58,6 +59,9 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     target = qwen3_shape(target_config)
     dtype = resolve_dtype(config.dtype, target_config, device)
     check_backend_dtype(backend, dtype)
+    candidates = auto_candidates(device, dtype)
+    if config.attention_backend == "auto" and len(candidates) > 1:
+        backend = f"{' or '.join(candidates)}, the faster measured at start-up"
     draft = check_draft(config.draft, target) if config.draft is not None else None
     check_batch_budget(config.max_batched_tokens, draft.block_size if draft is not None else 1)
     tokenizer = load_tokenizer(config.target)

@@ -23,6 +23,7 @@ from test_triton_kernels import ATTN_TOL, DEVICE, Batch, _gen, _randn, make_batc
 from test_triton_kernels import reference_attention as torch_reference
 
 from batchrun.attention.base import GraphShape
+from batchrun.attention.choice import Workload
 from batchrun.attention.flashinfer_backend import (
     FlashInferAttention,
     PagedPlan,
@@ -41,6 +42,7 @@ needs_flashinfer = pytest.mark.skipif(
 )
 gpu = pytest.mark.gpu
 BOGUS_PAGE = 10**8  # page-table padding that must never reach flashinfer
+WORKLOAD = Workload(4, 2, 16, "bfloat16", 16, 8, 1, 2, 0, 64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,7 +59,7 @@ def test_flashinfer_refused_with_one_line(monkeypatch: pytest.MonkeyPatch, cuda:
         device = torch.device("cpu")
     for attempt in (
         lambda: backend_name("flashinfer", device),
-        lambda: attention_backend("flashinfer", device, 8, 4, 2, 16),
+        lambda: attention_backend("flashinfer", device, WORKLOAD),
     ):
         with pytest.raises(JobError) as refused:
             attempt()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from batchrun.attention.choice import MEASURED_CONTEXT, Workload
 from batchrun.engine.config import EngineConfig, check_batch_budget, verify_widths
 from batchrun.engine.cuda_graphs import ladder_bucket
 from batchrun.engine.loading import (
@@ -129,11 +130,18 @@ class Engine:
         if self.max_model_len < 2:
             raise JobError(f"the KV pool ({num_pages} pages of {config.page_size}) is too small")
         self.pool = PagePool(num_pages, config.page_size, config.prefix_caching)
-        heads = max(shape.num_heads, draft.shape.num_heads if draft else 0)
-        backend, ops = attention_backend(
-            config.attention_backend, self.device, config.max_batch_size * width, heads,
-            shape.num_kv_heads, shape.head_dim,
+        workload = Workload(
+            num_heads=max(shape.num_heads, draft.shape.num_heads if draft else 0),
+            num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+            dtype=str(model.lm_head.weight.dtype).removeprefix("torch."),
+            page_size=config.page_size, batch=config.max_batch_size,
+            block_size=width, num_layers=shape.num_layers,
+            draft_layers=draft.shape.num_layers if draft else 0,
+            context=min(MEASURED_CONTEXT, self.max_model_len - width),
         )  # fmt: skip
+        backend, ops, self.backend_ms = attention_backend(
+            config.attention_backend, self.device, workload
+        )
         use_ops(model, ops)
         if draft is not None:
             use_ops(draft, ops)
@@ -174,6 +182,7 @@ class Engine:
             "dtype": self._dtype,
             "device": str(self.device),
             "attention_backend": self._backend_name,
+            "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
             "cuda_graphs": bool(self.runner.target_graphs),
             "prefix_cache_hit_rate": self.pool.hit_rate,
         }

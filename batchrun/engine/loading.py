@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from batchrun.attention.base import AttentionBackend
+from batchrun.attention.choice import Workload, fastest
 from batchrun.attention.torch_backend import TorchAttention
 from batchrun.errors import JobError
 from batchrun.layers.ops import TORCH_OPS, TorchOps
@@ -41,9 +44,10 @@ FLASHINFER_NEEDS = (
 
 def backend_name(name: str, device: torch.device) -> str:
     """The backend `name` resolves to on `device`; JobError if it cannot run here. `auto` is
-    Triton on a GPU and the torch reference on a CPU (where `triton` runs under Triton's
-    interpreter, for tests). `flashinfer` runs on a CUDA GPU only; whether it is installed is
-    checked here without importing it (its import is slow), the import itself when it is built."""
+    Triton on a GPU (or flashinfer where it is installed and measures faster: `auto_candidates`)
+    and the torch reference on a CPU (where `triton` runs under Triton's interpreter, for tests).
+    `flashinfer` runs on a CUDA GPU only; whether it is installed is checked here without
+    importing it (its import is slow), the import itself when it is built."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
@@ -59,6 +63,17 @@ def backend_name(name: str, device: torch.device) -> str:
             f"attention backend {name!r} is not available; use auto, triton, flashinfer or torch"
         )
     return name
+
+
+def auto_candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """What `auto` chooses between: Triton and, where it is installed and computes in this
+    dtype, flashinfer, on a GPU; the torch reference on a CPU."""
+    if device.type != "cuda":
+        return ("torch",)
+    half = dtype in (torch.float16, torch.bfloat16)
+    if half and importlib.util.find_spec("flashinfer") is not None:
+        return ("triton", "flashinfer")
+    return ("triton",)
 
 
 def check_backend_dtype(name: str, dtype: torch.dtype) -> None:
@@ -78,15 +93,28 @@ def _has_triton() -> bool:
 
 
 def attention_backend(
-    name: str,
-    device: torch.device,
-    max_decode_rows: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-) -> tuple[AttentionBackend, TorchOps]:
-    """The attention backend and the layers' small ops that go with it."""
+    name: str, device: torch.device, workload: Workload
+) -> tuple[AttentionBackend, TorchOps, dict[str, float] | None]:
+    """The attention backend, the layers' small ops that go with it and, when `auto` measured
+    its candidates (attention/choice.py), their milliseconds per step's attention."""
+    measured = None
+    candidates = auto_candidates(device, getattr(torch, workload.dtype))
+    if name == "auto" and len(candidates) > 1:
+        makers: dict[str, Callable[[], AttentionBackend]] = {
+            c: partial(_attention_only, c, device, workload) for c in candidates
+        }
+        name, measured = fastest(makers, workload, device)
     name = backend_name(name, device)
+    return (*_backend(name, device, workload), measured)
+
+
+def _attention_only(name: str, device: torch.device, workload: Workload) -> AttentionBackend:
+    return _backend(name, device, workload)[0]
+
+
+def _backend(
+    name: str, device: torch.device, workload: Workload
+) -> tuple[AttentionBackend, TorchOps]:
     if name == "torch":
         return TorchAttention(), TORCH_OPS
     if name == "flashinfer":
@@ -94,7 +122,9 @@ def attention_backend(
     from batchrun.attention.triton_backend import TritonAttention
     from batchrun.layers.triton_ops import TritonOps
 
-    return TritonAttention(max_decode_rows, num_heads, num_kv_heads, head_dim), TritonOps()
+    w = workload
+    rows = w.batch * w.block_size  # forwards of at most this many rows may split K/V
+    return TritonAttention(rows, w.num_heads, w.num_kv_heads, w.head_dim), TritonOps()
 
 
 def _flashinfer_backend(device: torch.device) -> tuple[AttentionBackend, TorchOps]:
