@@ -54,3 +54,21 @@ def test_sweep_projects_full_width_and_adaptive_dflash() -> None:
     assert small["adaptive_vs_target_only"] == pytest.approx(6.5 * 5.0 / 6.6)
     assert large["adaptive_width"] == 1 and large["adaptive_vs_full_width"] > 1
     assert large["adaptive_vs_target_only"] == pytest.approx(13.0 / 13.2)
+
+
+def test_backends_side_by_side() -> None:
+    from batchrun.bench.sweep import side_by_side
+
+    points = [
+        {"mode": m, "batch": b, "context": 1024, "width": w, "attention_backend": a, "ms_per_step": ms}
+        for m, b, w, a, ms in [
+            ("dflash", 8, 16, "triton", 7.0), ("dflash", 8, 16, "flashinfer", 6.5),
+            ("target_only", 8, 1, "triton", 5.0), ("target_only", 8, 1, "flashinfer", 5.5),
+        ]
+    ]  # fmt: skip
+    assert side_by_side(points) == [
+        {"mode": "dflash", "batch": 8, "context": 1024, "width": 16, "triton_ms": 7.0,
+         "flashinfer_ms": 6.5},
+        {"mode": "target_only", "batch": 8, "context": 1024, "width": 1, "triton_ms": 5.0,
+         "flashinfer_ms": 5.5},
+    ]  # fmt: skip

@@ -73,7 +73,12 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
 @click.option("--max-batched-tokens", default=4096, show_default=True, help="--target.")
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="--target.")
-@click.option("--attention-backend", default="auto", show_default=True)
+@click.option(
+    "--attention-backend",
+    default="auto",
+    show_default=True,
+    help="--shape: a comma list sweeps each, side by side (e.g. triton,flashinfer).",
+)
 @click.option("--hf-baseline/--no-hf-baseline", default=True, help="--target: time generate().")
 @click.option("--out", type=click.Path(path_type=Path), help="Write the result JSON here.")
 def bench(out: Path | None, **opts: Any) -> None:
@@ -144,7 +149,7 @@ def _sweep(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> 
         hf_eager=opts["hf_eager"],
         hf_compiled_batches=_ints(opts["hf_compiled_batches"]),
         dtype=dtype.get(opts["dtype"], torch.float32),
-        attention_backend=opts["attention_backend"],
+        attention_backends=tuple(opts["attention_backend"].split(",")),
         cuda_graphs=opts["cuda_graphs"],
     )
     return run_sweep(plan, progress)

@@ -45,7 +45,7 @@ class SweepPlan:
     hf_eager: bool
     hf_compiled_batches: tuple[int, ...]  # batch sizes to run compiled generate() at
     dtype: torch.dtype
-    attention_backend: str
+    attention_backends: tuple[str, ...]  # each sweeps every point; the first is summarized
     cuda_graphs: bool
 
 
@@ -139,38 +139,42 @@ def run_sweep(
     max_len = max(plan.contexts) + 4 * plan.steps + 64
     draft = random_draft(model, plan.shape.max_position_embeddings + 1024) if plan.draft else None
     width = draft.block_size if draft is not None else 1
-    config = EngineConfig(
-        target=Path(f"random-{plan.shape_name}"), device="cuda",
-        dtype=str(plan.dtype).removeprefix("torch."),
-        attention_backend=plan.attention_backend, cuda_graphs=plan.cuda_graphs,
-        max_batch_size=max_batch, max_batched_tokens=max(8192, max_batch * width),
-        max_model_len=max_len, verify_width="auto",
-    )  # fmt: skip
     points: list[dict[str, Any]] = []
     profiles: dict[str, str] = {}
     element = model.lm_head.weight.element_size()
-    for with_draft in [False, True] if draft is not None else [False]:
-        engine = Engine.from_models(
-            config, model, draft if with_draft else None, num_pages=_pages(config, max_len, width)
-        )
-        for batch in plan.batch_sizes:
-            for context in plan.contexts:
-                for point in measure_point(engine, batch, context, plan.steps):
-                    point["mode"] = "dflash" if with_draft else "target_only"
-                    if not with_draft:
-                        floor = step_floor_ms(plan.shape, element, batch, context, 1, ceilings)
-                        point["roofline"] = floor
-                        point["fraction_of_memory_roofline"] = (
-                            floor["memory_ms"] / point["ms_per_step"]
-                        )
-                    points.append(point)
-                    print(_row(point), flush=True)
-        for batch in plan.profile_batches:
-            name = f"{'dflash' if with_draft else 'target_only'} batch {batch}"
-            profiles[name] = profile_point(engine, batch, plan.contexts[0], 4)
-        del engine
-        gc.collect()  # the engine's graphs hold reference cycles; free its KV pools now
-        torch.cuda.empty_cache()
+    for backend in plan.attention_backends:
+        config = EngineConfig(
+            target=Path(f"random-{plan.shape_name}"), device="cuda",
+            dtype=str(plan.dtype).removeprefix("torch."),
+            attention_backend=backend, cuda_graphs=plan.cuda_graphs,
+            max_batch_size=max_batch, max_batched_tokens=max(8192, max_batch * width),
+            max_model_len=max_len, verify_width="auto",
+        )  # fmt: skip
+        for with_draft in [False, True] if draft is not None else [False]:
+            engine = Engine.from_models(
+                config, model, draft if with_draft else None,
+                num_pages=_pages(config, max_len, width),
+            )  # fmt: skip
+            mode = "dflash" if with_draft else "target_only"
+            used = engine.info()["attention_backend"]  # what `auto` resolved to
+            for batch in plan.batch_sizes:
+                for context in plan.contexts:
+                    for point in measure_point(engine, batch, context, plan.steps):
+                        point |= {"mode": mode, "attention_backend": used}
+                        if not with_draft:
+                            floor = step_floor_ms(plan.shape, element, batch, context, 1, ceilings)
+                            point["roofline"] = floor
+                            point["fraction_of_memory_roofline"] = (
+                                floor["memory_ms"] / point["ms_per_step"]
+                            )
+                        points.append(point)
+                        print(_row(point), flush=True)
+            for batch in plan.profile_batches:
+                name = f"{used} {mode} batch {batch}"
+                profiles[name] = profile_point(engine, batch, plan.contexts[0], 4)
+            del engine
+            gc.collect()  # the engine's graphs hold reference cycles; free its KV pools now
+            torch.cuda.empty_cache()
     baselines: list[dict[str, Any]] = []
     result = _result(plan, ceilings, points, baselines, profiles)
     progress(result)
@@ -192,12 +196,16 @@ def _result(
 ) -> dict[str, Any]:
     device = torch.device("cuda")
     accept = acceptance_profiles(plan)
+    by_backend: dict[str, list[dict[str, Any]]] = {}
+    for p in points:
+        by_backend.setdefault(p["attention_backend"], []).append(p)
+    first = next(iter(by_backend.values()), [])
     return {
         "setup": {
             "shape_name": plan.shape_name,
             "shape": asdict(plan.shape),
             "dtype": str(plan.dtype),
-            "attention_backend": plan.attention_backend,
+            "attention_backends": list(plan.attention_backends),
             "cuda_graphs": plan.cuda_graphs,
             "steps": plan.steps,
             "gpu": torch.cuda.get_device_name(device),
@@ -207,7 +215,11 @@ def _result(
         "points": points,
         "hf_generate": baselines,
         "acceptance_profiles": accept,
-        "summary": summarize(points, baselines, accept),
+        "summary": summarize(first, baselines, accept),
+        "summary_by_backend": {
+            name: summarize(ps, baselines, accept) for name, ps in by_backend.items()
+        },
+        "step_ms_by_backend": side_by_side(points),
         "profiles": profiles,
     }
 
@@ -295,6 +307,17 @@ def summarize(
     return rows
 
 
+def side_by_side(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Milliseconds per step of each attention backend at each (mode, batch, context, width)."""
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for p in points:
+        key = (p["mode"], p["batch"], p["context"], p["width"])
+        names = ("mode", "batch", "context", "width")
+        row = rows.setdefault(key, dict(zip(names, key, strict=True)))
+        row[f"{p['attention_backend']}_ms"] = p["ms_per_step"]
+    return list(rows.values())
+
+
 def _projection(
     batch: int, accept: list[float], costs: dict[int, float], target_only: float
 ) -> dict[str, Any]:
@@ -316,7 +339,8 @@ def _projection(
 
 def _row(p: dict[str, Any]) -> str:
     return (
-        f"{p['mode']:>11} width {p['width']:>2} batch {p['batch']:>4} context {p['context']:>5}: "
+        f"{p['attention_backend']:>10} {p['mode']:>11} width {p['width']:>2} "
+        f"batch {p['batch']:>4} context {p['context']:>5}: "
         f"{p['ms_per_step']:7.2f} ms/step (draft {p['draft_ms']:.2f}, target "
         f"{p['target_ms']:.2f}, host {p['host_ms']:.2f}), {p['tokens_per_second']:9.1f} tok/s"
     )
