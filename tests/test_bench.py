@@ -60,7 +60,8 @@ def test_backends_side_by_side() -> None:
     from batchrun.bench.sweep import side_by_side
 
     points = [
-        {"mode": m, "batch": b, "context": 1024, "width": w, "attention_backend": a, "ms_per_step": ms}
+        {"mode": m, "batch": b, "context": 1024, "width": w, "attention_backend": a,
+         "ms_per_step": ms}
         for m, b, w, a, ms in [
             ("dflash", 8, 16, "triton", 7.0), ("dflash", 8, 16, "flashinfer", 6.5),
             ("target_only", 8, 1, "triton", 5.0), ("target_only", 8, 1, "flashinfer", 5.5),
