@@ -456,9 +456,10 @@ def test_every_verify_width_is_lossless(
         assert req.spec_hist is not None and not any(req.spec_hist[widest:])
     if kind == "trained" and width != "auto":  # the trained draft fills a round of any width
         assert max(len(t.committed) for t in engine.round_trace or []) == widest
-    if width == "auto":  # every width was measured, and the policy saw the acceptance
+    if width == "auto":  # widths were measured, widest first, and the policy saw acceptance
         assert engine.width_policy is not None
-        assert {w for w, _ in engine.width_policy.costs} == set(engine.widths)
+        measured = {w for w, _ in engine.width_policy.samples}
+        assert measured <= set(engine.widths) and {block, block // 2} <= measured
         assert sum(engine.width_policy.trials) > 0
 
 

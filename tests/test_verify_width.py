@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from batchrun.speculative.verify_width import (
+    MIN_SAMPLES,
     PRIOR_ACCEPT,
-    PROBE_EVERY,
+    RECENT_SAMPLES,
+    REMEASURE_EVERY,
     WidthPolicy,
     best_width,
     candidate_widths,
@@ -56,14 +58,14 @@ def test_the_current_width_stays_unless_another_is_clearly_better() -> None:
     assert best_width(accept, {1: 1.0, 2: 1.2}, current=1) == 2  # 25% more: switch
 
 
-def test_the_policy_measures_each_width_once_per_bucket_then_chooses() -> None:
+def test_the_policy_measures_each_width_per_bucket_then_chooses() -> None:
     policy = WidthPolicy(16, WIDTHS)
     seen = []
-    for _ in WIDTHS:
+    for _ in range(MIN_SAMPLES * len(WIDTHS)):
         width = policy.choose(bucket=32)
         seen.append(width)
         policy.record_cost(width, 32, {1: 5.0, 2: 6.0, 4: 6.1, 8: 6.2, 16: 6.3}[width])
-    assert sorted(seen) == list(WIDTHS)
+    assert seen == sorted(WIDTHS * MIN_SAMPLES, reverse=True)  # widest first, one at a time
     for _ in range(200):  # rounds at full width that accept four drafts each
         policy.record_round(16, 4)
     assert policy.choose(bucket=32) in (4, 8)
@@ -80,16 +82,33 @@ def test_acceptance_is_counted_per_position_given_the_ones_before() -> None:
     assert accept[0] > PRIOR_ACCEPT and accept[3] == PRIOR_ACCEPT
 
 
-def test_cost_is_a_running_mean() -> None:
+def test_cost_is_the_median_of_recent_steps() -> None:
+    """One hiccup (a step stalled by the host) moves nothing; old steps age out."""
     policy = WidthPolicy(4, (1, 4))
     policy.record_cost(4, 8, 10.0)
-    policy.record_cost(4, 8, 20.0)
-    assert 10.0 < policy.costs[4, 8] < 20.0
+    assert policy.cost(4, 8) is None  # not measured enough yet
+    for ms in (11.0, 500.0, 12.0):
+        policy.record_cost(4, 8, ms)
+    assert policy.cost(4, 8) == 11.5
+    for _ in range(RECENT_SAMPLES):
+        policy.record_cost(4, 8, 7.0)
+    assert policy.cost(4, 8) == 7.0
 
 
-def test_a_policy_stuck_at_width_one_probes_the_block() -> None:
+def test_a_width_not_run_for_long_is_measured_again() -> None:
+    """A width that lost on one unlucky measurement gets another chance: after REMEASURE_EVERY
+    steps it is run again, and wins once its real cost shows."""
     policy = WidthPolicy(16, WIDTHS)
     for w in WIDTHS:
-        policy.record_cost(w, 1, 1.0 if w == 1 else 100.0)
-    widths = [policy.choose(1) for _ in range(PROBE_EVERY + 2)]
-    assert widths.count(16) == 1 and widths.count(1) == PROBE_EVERY + 1
+        for _ in range(MIN_SAMPLES):
+            policy.record_cost(w, 1, 1.0 if w == 1 else 100.0)  # the wide ones: a bad start
+    widths = []
+    for _ in range(REMEASURE_EVERY + 2 * MIN_SAMPLES * len(WIDTHS)):
+        width = policy.choose(1)
+        widths.append(width)
+        policy.record_cost(width, 1, 1.0 if width == 1 else 1.05)  # what they really cost
+    assert widths[:REMEASURE_EVERY] == [1] * REMEASURE_EVERY
+    assert set(widths[REMEASURE_EVERY:]) >= set(WIDTHS) - {1}
+    for _ in range(50):
+        policy.record_round(16, 15)  # the draft is right: the block is worth its cost
+    assert policy.choose(1) == 16

@@ -166,6 +166,7 @@ class Engine:
         self.round_trace: list[RoundTrace] | None = None  # set to a list to record rounds
         self._launched: Launched | None = None
         self._last_done: float | None = None  # when the host last read a step's results
+        self._last_width = 0  # the width of the step read back before
         self._backend_name = backend.name
         self._dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
 
@@ -205,6 +206,7 @@ class Engine:
         if self._launched is not None and self._launched.ready is not None:
             self._launched.ready.synchronize()
         self._launched = self._last_done = None
+        self._last_width = 0
         for req in list(self.scheduler.running):
             self.scheduler.finish(req)
         for req in self.scheduler.waiting:  # preempted ones may hold no pages; fresh ones none
@@ -326,13 +328,14 @@ class Engine:
         overlapped pipeline, whichever of host and GPU bounds it."""
         done, last = time.perf_counter(), self._last_done
         self._last_done = done
+        switched, self._last_width = launched.width != self._last_width, launched.width
         policy = self.width_policy
         if policy is None:
             return
         for a in accepted if launched.width > 1 else ():
             policy.record_round(launched.width, a)
         seconds = launched.seconds if launched.seconds is not None else done - (last or done)
-        if launched.uniform and seconds > 0:
+        if launched.uniform and seconds > 0 and not switched:
             bucket = ladder_bucket(len(launched.batch), self.config.max_batch_size)
             policy.record_cost(launched.width, bucket, seconds * 1e3)
 

@@ -11,12 +11,15 @@ once drafts 1 .. j-1 were.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 PRIOR_ACCEPT = 0.5  # a position's acceptance before any round has verified it
 PRIOR_WEIGHT = 4.0  # rounds that prior is worth
-COST_SMOOTHING = 0.2  # weight of the newest step time in a cost's running mean
-PROBE_EVERY = 64  # steps at width 1 between two steps at full width: acceptance keeps its data
+MIN_SAMPLES = 2  # step times a width needs in a bucket before it is compared
+RECENT_SAMPLES = 5  # a cost is the median of this many newest step times (robust to hiccups)
+REMEASURE_EVERY = 512  # steps after which a width not run since is measured again
 SWITCH_MARGIN = 0.05  # a width must promise this much more than the current one to replace it
 
 
@@ -61,16 +64,21 @@ def best_width(
 
 
 class WidthPolicy:
-    """Running acceptance per draft position and step cost per (width, batch size bucket);
-    `choose` measures every width once per bucket, then picks the best."""
+    """Running acceptance per draft position and step cost per (width, batch size bucket).
+    `choose` measures every width in a bucket (MIN_SAMPLES steps each), then picks the best;
+    a width left unrun for REMEASURE_EVERY steps is measured again, so one unlucky sample
+    cannot rule it out for the rest of the job (and wide rounds keep feeding acceptance when
+    width 1 wins). The engine drops the time of a step whose width differs from the step
+    before: a switch costs the pipeline more than the width does."""
 
     def __init__(self, block_size: int, widths: Sequence[int]) -> None:
         self.widths = tuple(widths)
         self.hits = [0] * (block_size - 1)  # rounds that accepted draft j, given 1 .. j-1
         self.trials = [0] * (block_size - 1)  # rounds that verified draft j, given 1 .. j-1
-        self.costs: dict[tuple[int, int], float] = {}
+        self.samples: dict[tuple[int, int], deque[float]] = {}  # newest step times, in ms
+        self._measured_at: dict[tuple[int, int], int] = {}  # the step of the newest sample
         self._chosen: dict[int, int] = {}  # bucket -> its width now
-        self._narrow_steps = 0
+        self._step = 0
 
     def accept(self) -> list[float]:
         return [
@@ -78,17 +86,24 @@ class WidthPolicy:
             for h, t in zip(self.hits, self.trials, strict=True)
         ]
 
+    def cost(self, width: int, bucket: int) -> float | None:
+        """Milliseconds of a step at `width` in `bucket` (None: not measured enough)."""
+        times = self.samples.get((width, bucket), ())
+        return statistics.median(times) if len(times) >= MIN_SAMPLES else None
+
     def choose(self, bucket: int) -> int:
-        unmeasured = [w for w in self.widths if (w, bucket) not in self.costs]
+        self._step += 1
+        for w in self.widths:  # stale: forget it, so that it is measured afresh below
+            at = self._measured_at.get((w, bucket))
+            if at is not None and self._step - at > REMEASURE_EVERY:
+                del self.samples[w, bucket], self._measured_at[w, bucket]
+        costs = {w: self.cost(w, bucket) for w in self.widths}
+        unmeasured = [w for w, c in costs.items() if c is None]
         if unmeasured:
-            return unmeasured[-1]
-        costs = {w: self.costs[w, bucket] for w in self.widths}
-        width = best_width(self.accept(), costs, self._chosen.get(bucket))
+            return unmeasured[-1]  # widest first
+        known = {w: c for w, c in costs.items() if c is not None}
+        width = best_width(self.accept(), known, self._chosen.get(bucket))
         self._chosen[bucket] = width
-        self._narrow_steps = self._narrow_steps + 1 if width == 1 else 0
-        if self._narrow_steps > PROBE_EVERY:
-            self._narrow_steps = 0
-            return self.widths[-1]
         return width
 
     def record_round(self, width: int, accepted: int) -> None:
@@ -98,5 +113,6 @@ class WidthPolicy:
             self.hits[j] += j < accepted
 
     def record_cost(self, width: int, bucket: int, ms: float) -> None:
-        old = self.costs.get((width, bucket))
-        self.costs[width, bucket] = ms if old is None else old + COST_SMOOTHING * (ms - old)
+        key = (width, bucket)
+        self.samples.setdefault(key, deque(maxlen=RECENT_SAMPLES)).append(ms)
+        self._measured_at[key] = self._step
