@@ -39,7 +39,8 @@ if [ "${BENCH:-1}" = 1 ]; then
         ${BENCH_ARGS:-} --out "$OUT/bench-${SHAPE:-qwen3-8b}.json" 2>&1 | tee "$OUT/bench.log"
 fi
 if [ "${DEMO:-0}" = 1 ]; then
-    # The demo job for real: no draft, the full block and the adaptive width, at two batch sizes.
+    # The demo job for real: no draft, the full block and the adaptive width, at two batch sizes,
+    # each run REPEATS times (default 3; the median counts: one short job's rate is noisy).
     # A short untimed run of each first: Triton compiles a kernel variant on its first use, and
     # that would count in the measured run's generation time.
     for batch in 4 48; do
@@ -48,12 +49,15 @@ if [ "${DEMO:-0}" = 1 ]; then
             # shellcheck disable=SC2086
             python3 -m batchrun.cli run jobs/demo.toml --max-batch-size "$batch" $mode --quiet \
                 --overwrite --output "/tmp/warm/$name" --max-tokens 32 > /dev/null 2>&1
-            # shellcheck disable=SC2086
-            python3 -m batchrun.cli run jobs/demo.toml --max-batch-size "$batch" $mode --quiet \
-                --overwrite --output "/tmp/demo/$name" > /dev/null 2>&1 || echo "$name failed"
-            python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], \
-                round(d['output_tokens_per_second']), d.get('acceptance_length'))" \
-                "/tmp/demo/$name/stats.json" "$name"
+            for rep in $(seq "${REPEATS:-3}"); do
+                # shellcheck disable=SC2086
+                python3 -m batchrun.cli run jobs/demo.toml --max-batch-size "$batch" $mode \
+                    --quiet --overwrite --output "/tmp/demo/$name-$rep" > /dev/null 2>&1 \
+                    || echo "$name failed"
+            done
+            python3 -c "import json,statistics,sys; d=[json.load(open(f'/tmp/demo/{sys.argv[1]}-{r}/stats.json')) for r in range(1, int(sys.argv[2]) + 1)]; \
+                print(sys.argv[1], 'median', round(statistics.median(x['output_tokens_per_second'] for x in d)), 'runs', [round(x['output_tokens_per_second']) for x in d], 'tau', d[0].get('acceptance_length'))" \
+                "$name" "${REPEATS:-3}"
         done
     done | tee "$OUT/demo-widths.txt"
 fi
