@@ -25,6 +25,7 @@ from click.testing import CliRunner
 from dflash_reference import one_thread
 from dflash_train import trained_draft_beside, training_prompts
 from transformers import (
+    AutoTokenizer,
     Qwen3ForCausalLM,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -379,22 +380,16 @@ def test_a_job_writes_the_columns_polars_reads(tmp_path: Path, target: Path) -> 
         assert all(v is not None and v <= 0 for v in row["prompt_logprobs"][1:])
     # The greedy row's values are generate()'s.
     greedy = ok.filter(pl.col("row_index") == 0).row(0, named=True)
-    prompt_ids = hf_prompt_ids(target, "def f(x):")
-    logits = hf_forward_logits(target, prompt_ids + greedy["completion_token_ids"][:-1])
-    expected = logits.log_softmax(dim=-1)
-    positions = range(len(prompt_ids) - 1, len(prompt_ids) - 1 + greedy["completion_tokens"])
-    want = [float(expected[p, t]) for p, t in zip(positions, greedy["completion_token_ids"])]
-    assert greedy["completion_logprobs"] == pytest.approx(want, abs=TOLERANCE)
+    prompt_ids = AutoTokenizer.from_pretrained(str(target)).encode("def f(x):")
+    assert len(prompt_ids) == greedy["prompt_tokens"]
+    completion = greedy["completion_token_ids"]
+    logits = hf_forward_logits(target, prompt_ids + completion[:-1])[len(prompt_ids) - 1 :]
+    want = logits.log_softmax(dim=-1).gather(1, torch.tensor(completion)[:, None])
+    assert greedy["completion_logprobs"] == pytest.approx(want.squeeze(1).tolist(), abs=TOLERANCE)
     error = df.filter(pl.col("error").is_not_null()).row(0, named=True)
     for name in ("completion_logprobs", "completion_logprob_sum", "top_logprobs"):
         assert error[name] is None
     assert error["prompt_logprobs"] is None
-
-
-def hf_prompt_ids(target: Path, text: str) -> list[int]:
-    from transformers import AutoTokenizer
-
-    return list(AutoTokenizer.from_pretrained(str(target)).encode(text))
 
 
 def test_without_logprobs_the_schema_is_unchanged(tmp_path: Path, target: Path) -> None:
