@@ -204,7 +204,7 @@ def test_sampled_logprobs_are_transformers_processed_distribution(target: Path) 
             assert {len(t) for t in top} == {3}
 
 
-def test_token_logprobs_use_the_samplers_own_candidates() -> None:
+def test_token_logprobs_use_the_samplers_own_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every token the sampler draws has a finite logprob; the filtered rows' distributions are
     transformers' warped ones; chunks of a few rows give the same values as one chunk."""
     gen = torch.Generator().manual_seed(0)
@@ -224,12 +224,8 @@ def test_token_logprobs_use_the_samplers_own_candidates() -> None:
         expected = hf_processed(p, logits[i : i + 1])[0]
         assert chosen[i] == pytest.approx(float(expected[tokens[i]]), abs=1e-6)
         assert torch.equal(values[i].isfinite(), expected[ids[i]].isfinite())
-    original = logprobs_module.rows_per_chunk
-    try:
-        logprobs_module.rows_per_chunk = lambda rows, vocab: 5  # type: ignore[assignment]
-        again = token_logprobs(logits, batch, tokens, K, any_filtered=True)
-    finally:
-        logprobs_module.rows_per_chunk = original
+    monkeypatch.setattr(logprobs_module, "rows_per_chunk", lambda rows, vocab: 5)
+    again = token_logprobs(logits, batch, tokens, K, any_filtered=True)
     for a, b in zip((chosen, values, ids), again, strict=True):
         assert torch.equal(a, b)
 
@@ -292,19 +288,17 @@ def check_prompt_logprobs(target: Path, jobs: list[Job], finished: list[Request]
         assert got[1:] == pytest.approx(want, abs=TOLERANCE), f"row {row}"
 
 
-def test_prompt_logprobs_are_a_transformers_forward(target: Path, draft: Path) -> None:
+def test_prompt_logprobs_are_a_transformers_forward(
+    target: Path, draft: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Chunked prefill (chunks of 7 rows, some prompts of several chunks), prompt rows scored a
     few at a time, and a repeated prompt, which prefix caching would have served from cache."""
     jobs = [(p, SamplingParams(max_tokens=4)) for p in prompts()]
     jobs.append(jobs[9])
-    original = logprobs_module.PROMPT_CHUNK_BYTES
-    try:
-        logprobs_module.PROMPT_CHUNK_BYTES = 3 * 8 * TARGET_SHAPE["vocab_size"]  # 3 rows
-        engine, finished = run(
-            target, draft, jobs, max_batched_tokens=7, logprobs=None, prompt_logprobs=True
-        )
-    finally:
-        logprobs_module.PROMPT_CHUNK_BYTES = original
+    monkeypatch.setattr(logprobs_module, "PROMPT_CHUNK_BYTES", 3 * 8 * TARGET_SHAPE["vocab_size"])
+    engine, finished = run(
+        target, draft, jobs, max_batched_tokens=7, logprobs=None, prompt_logprobs=True
+    )
     assert not engine.pool.prefix_caching and engine.config.prefix_caching
     check_prompt_logprobs(target, jobs, finished)
     assert all(r.logprobs is not None and r.logprobs.tokens is None for r in finished)

@@ -59,7 +59,7 @@ def _processed(
     """log_softmax of the distribution each of the rows samples from (the module docstring)."""
     t, top_k, top_p = batch.temperature[rows], batch.top_k[rows], batch.top_p[rows]
     scale = torch.where(t > 0, t, 1.0)[:, None]  # x / 1 is exact
-    scaled = logits.to(torch.float32, copy=True).div_(scale)
+    scaled = logits.to(torch.float32, copy=True).div_(scale)  # the sampler's logits stay
     if any_filtered:
         index = ((t > 0) & ((top_k > 0) | (top_p < 1))).nonzero().squeeze(1)
         if index.numel():
