@@ -295,7 +295,8 @@ def test_prompt_logprobs_are_a_transformers_forward(
     few at a time, and a repeated prompt, which prefix caching would have served from cache."""
     jobs = [(p, SamplingParams(max_tokens=4)) for p in prompts()]
     jobs.append(jobs[9])
-    monkeypatch.setattr(logprobs_module, "PROMPT_CHUNK_BYTES", 3 * 8 * TARGET_SHAPE["vocab_size"])
+    three_rows = 3 * logprobs_module.PROMPT_BYTES_PER_LOGIT * TARGET_SHAPE["vocab_size"]
+    monkeypatch.setattr(logprobs_module, "PROMPT_CHUNK_BYTES", three_rows)
     engine, finished = run(
         target, draft, jobs, max_batched_tokens=7, logprobs=None, prompt_logprobs=True
     )

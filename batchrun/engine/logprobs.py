@@ -29,7 +29,9 @@ from batchrun.engine.request import Logprobs, Request
 from batchrun.engine.sampler import SamplingBatch, filter_candidates, rows_per_chunk
 from batchrun.engine.scheduler import Scheduled
 
-PROMPT_CHUNK_BYTES = 64 << 20  # a prompt chunk's float32 logits and their log_softmax
+PROMPT_CHUNK_BYTES = 64 << 20
+# A prompt row's logits in the model's dtype (up to 2 bytes), in float32 and log-softmaxed.
+PROMPT_BYTES_PER_LOGIT = 10
 
 
 def token_logprobs(
@@ -79,7 +81,7 @@ def prompt_token_logprobs(
     """[M] float32: log_softmax(logits(hidden[rows[i]]))[targets[i]], a chunk of rows at a
     time (logits: the target's float32 logits [*, vocab] of hidden rows)."""
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
-    size = max(1, PROMPT_CHUNK_BYTES // (8 * vocab))
+    size = max(1, PROMPT_CHUNK_BYTES // (PROMPT_BYTES_PER_LOGIT * vocab))
     for start in range(0, rows.shape[0], size):
         chunk = slice(start, start + size)
         scores = logits(hidden[rows[chunk]]).log_softmax(dim=-1)
