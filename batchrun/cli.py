@@ -72,6 +72,18 @@ _RUN_OPTIONS = [
     click.option("--seed", type=int, help="Job seed; each row gets its own from it."),
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
     click.option("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
+    click.option(
+        "--logprobs",
+        type=int,
+        metavar="K",
+        help="Write each completion token's log-probability, and with K > 0 its K (up to 20) "
+        "most probable tokens.",
+    ),
+    click.option(
+        "--prompt-logprobs/--no-prompt-logprobs",
+        default=None,
+        help="Write each prompt token's log-probability (turns prefix caching off).",
+    ),
     click.option("--dtype", help="auto, float32, bfloat16 or float16."),
     click.option("--device", help="auto, cpu, cuda or cuda:N."),
     click.option(
@@ -129,6 +141,7 @@ _UNSET_MEANS = {
     "messages_column": f"{DEFAULT_PROMPT_COLUMNS[PromptKind.MESSAGES]}, if the input has it",
     "token_ids_column": f"{DEFAULT_PROMPT_COLUMNS[PromptKind.TOKEN_IDS]}, if the input has it",
     "id_column": "none; rows are named by row_index",
+    "logprobs": "off",
     "shard": "from SLURM_ARRAY_TASK_ID/COUNT or RANK/WORLD_SIZE, else every row",
 }
 

@@ -38,6 +38,8 @@ class JobSpec:
     seed: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: off; k: each token's log-probability and its top k
+    prompt_logprobs: bool = False
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
@@ -96,6 +98,8 @@ class JobSpec:
             cuda_graphs=self.cuda_graphs,
             verify_width=self.verify_width,
             prefix_caching=self.prefix_caching,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             max_batch_size=self.max_batch_size,
             max_batched_tokens=self.max_batched_tokens,
             gpu_memory_fraction=self.gpu_memory_fraction,

@@ -113,7 +113,7 @@ def open_job(job: JobSpec) -> OpenedJob:
     source = open_input(job.input, exclude=Path(job.output))
     prompt = find_prompt_column(source.schema, job)
     id_column = find_id_column(source.schema, job)
-    schema = output_schema(source.schema)
+    schema = output_schema(source.schema, job.logprobs, job.prompt_logprobs)
     rows = shard_rows(source, job.shard_spec)
     out = OutputDir(Path(job.output), job.shard_spec, rows)
     fingerprint = job_fingerprint(job, source, prompt)

@@ -13,7 +13,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchrun.io.output_schema import OUTPUT_FIELDS
+from batchrun.io.output_schema import (
+    COMPLETION_LOGPROB_FIELDS,
+    PROMPT_LOGPROBS_FIELD,
+    TOP_LOGPROBS_FIELD,
+    output_fields,
+)
 
 _PATH_NOTE = "Relative paths in a job file resolve against the job file's directory."
 
@@ -91,6 +96,20 @@ def job_schema() -> dict[str, Any]:
             "default": [],
             "description": "Default token ids that end generation (in addition to EOS).",
         },
+        "logprobs": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": 20,
+            "description": "Adds completion_logprobs and completion_logprob_sum (each completion "
+            "token's log-probability under the distribution it was sampled from, after "
+            "temperature, top_k and top_p) and, when above 0, top_logprobs: that many most "
+            "probable tokens per position. Unset: off.",
+        },
+        "prompt_logprobs": _flag(
+            "Adds prompt_logprobs: each prompt token's log-probability under the target given "
+            "the tokens before it. Prompts are then computed in full (no prefix caching).",
+            False,
+        ),
         "dtype": _choice(
             "Model weight and activation dtype.", ["auto", "float32", "bfloat16", "float16"]
         ),
@@ -167,21 +186,34 @@ def job_schema() -> dict[str, Any]:
 def _type_name(arrow_type: pa.DataType) -> str:
     if pa.types.is_list(arrow_type):
         return f"list<{_type_name(arrow_type.value_type)}>"
+    if pa.types.is_struct(arrow_type):
+        members = ", ".join(f"{f.name} {_type_name(f.type)}" for f in arrow_type)
+        return f"struct<{members}>"
     if pa.types.is_floating(arrow_type):
         return f"float{arrow_type.bit_width}"  # Arrow says "float"/"double"; be explicit
     return str(arrow_type)
 
 
+# When a column that not every job has is there.
+_ONLY_WHEN = {
+    **{field.name: "logprobs is set" for field in COMPLETION_LOGPROB_FIELDS},
+    TOP_LOGPROBS_FIELD.name: "logprobs is above 0",
+    PROMPT_LOGPROBS_FIELD.name: "prompt_logprobs is true",
+}
+
+
 def output_schema_json() -> list[dict[str, Any]]:
-    """The columns batchrun adds after the input's own columns, for users to read."""
+    """The columns batchrun adds after the input's own columns, for users to read: every
+    column a job can have, in order; `only_when` marks those that only some jobs have."""
     return [
         {
             "name": field.name,
             "type": _type_name(field.type),
             "nullable": field.nullable,
+            **({"only_when": _ONLY_WHEN[field.name]} if field.name in _ONLY_WHEN else {}),
             "description": field.metadata[b"description"].decode(),
         }
-        for field in OUTPUT_FIELDS
+        for field in output_fields(logprobs=1, prompt_logprobs=True)
     ]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import jsonschema
 import pyarrow as pa
 
-from batchrun.io.output_schema import OUTPUT_FIELDS, OutputRow, output_schema
+from batchrun.io.output_schema import OUTPUT_FIELDS, OutputRow, output_fields, output_schema
 from batchrun.job import JobSpec
 from batchrun.schemas import default_schema_dir, job_schema, schema_files, write_schema_files
 
@@ -58,12 +58,20 @@ def test_output_schema_file_lists_the_output_columns_in_order() -> None:
         "spec_rounds",
         "spec_accept_hist",
         "acceptance_length",
+        "completion_logprobs",
+        "completion_logprob_sum",
+        "top_logprobs",
+        "prompt_logprobs",
         "error",
     ]
     assert [c["type"] for c in listed][:3] == ["int64", "string", "list<int32>"]
     assert listed[8]["type"] == "float32"
+    assert listed[11]["type"] == "list<list<struct<token_id int32, logprob float32>>>"
     assert all(c["description"] for c in listed)
-    assert [f.name for f in dataclasses.fields(OutputRow)] == [f.name for f in OUTPUT_FIELDS]
+    only_some_jobs = {c["name"] for c in listed if "only_when" in c}
+    assert only_some_jobs == {c["name"] for c in listed} - {f.name for f in OUTPUT_FIELDS}
+    every_column = output_fields(logprobs=1, prompt_logprobs=True)
+    assert {f.name for f in dataclasses.fields(OutputRow)} == {f.name for f in every_column}
 
 
 def test_output_schema_keeps_input_columns_first() -> None:

@@ -25,6 +25,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     verify_width: int | str = "auto"  # rows verified per request and step: auto, full, 1 .. B
     prefix_caching: bool = True  # reuse the K/V of full pages whose tokens a request shares
+    logprobs: int | None = None  # score each output token and its k most probable; None: off
+    prompt_logprobs: bool = False  # score the prompt tokens (turns prefix caching off)
 
 
 def verify_widths(verify_width: int | str, block_size: int | None) -> tuple[int, ...]:

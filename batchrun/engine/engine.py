@@ -25,11 +25,20 @@ from transformers import PreTrainedTokenizerBase
 from batchrun.attention.choice import MEASURED_CONTEXT, Workload
 from batchrun.engine.config import EngineConfig, check_batch_budget, verify_widths
 from batchrun.engine.cuda_graphs import ladder_bucket
+from batchrun.engine.device_state import to_host
 from batchrun.engine.loading import (
     attention_backend,
     eos_token_ids,
     load_tokenizer,
     resolve_device,
+)
+from batchrun.engine.logprobs import (
+    PromptRows,
+    ReadLogprobs,
+    StepLogprobs,
+    asked_logprobs,
+    prompt_rows,
+    score_step,
 )
 from batchrun.engine.memory import kv_pages
 from batchrun.engine.model_runner import IN_FLIGHT_STEPS, ModelRunner, TargetOutput
@@ -65,6 +74,7 @@ class Launched:
     width: int  # the step's verify width
     uniform: bool  # every request decoded
     seconds: float | None  # off a GPU the launch ran the step: its time
+    logprobs: StepLogprobs | None = None  # when the job asks for them
 
 
 class Engine:
@@ -129,7 +139,9 @@ class Engine:
         self.max_model_len = min(limit, capacity - IN_FLIGHT_STEPS * width)
         if self.max_model_len < 2:
             raise JobError(f"the KV pool ({num_pages} pages of {config.page_size}) is too small")
-        self.pool = PagePool(num_pages, config.page_size, config.prefix_caching)
+        # A cached prefix has no logits: prompt log-probabilities need every prompt computed.
+        caching = config.prefix_caching and not config.prompt_logprobs
+        self.pool = PagePool(num_pages, config.page_size, caching)
         workload = Workload(
             num_heads=max(shape.num_heads, draft.shape.num_heads if draft else 0),
             num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
@@ -199,6 +211,8 @@ class Engine:
     def add(self, request: Request) -> None:
         if self.block_size and request.spec_hist is None:
             request.spec_hist = [0] * self.block_size
+        if request.logprobs is None:
+            request.logprobs = asked_logprobs(self.config.logprobs, self.config.prompt_logprobs)
         self.scheduler.add(request)
 
     def abort_all(self) -> None:
@@ -237,6 +251,7 @@ class Engine:
         pad_to = runner.graph_size(len(batch), width) if all_decoding else None
         runner.state.admit(self.scheduler.admitted)  # before planning: it resends their pages
         plan = plan_step(batch, samples, width, self.pool.page_size, runner.state.num_slots, pad_to)
+        prompt = prompt_rows(batch) if self.config.prompt_logprobs else None
         for it in batch:  # the host's view moves on; decode rows commit when read back
             req = it.req
             if it.decoding:
@@ -254,7 +269,11 @@ class Engine:
         elif self.draft is not None and num_dec and runner.context_pending:
             runner.write_pending_context(args, plan)
         self.timer.mark()
-        tokens = self._sample(runner.target_step(args, plan, drafts), batch, samples)
+        out = runner.target_step(args, plan, drafts)
+        tokens = self._sample(out, batch, samples)
+        scores = None
+        if self.config.logprobs is not None or (prompt is not None and prompt.rows):
+            scores = self._score(out, batch, samples, tokens[: sum(samples)], prompt)
         if drafts is not None:
             accepted = accepted_lengths(drafts, tokens[: num_dec * width].view(num_dec, width))
         else:
@@ -274,7 +293,7 @@ class Engine:
         return Launched(
             batch, samples, [it.req.epoch for it in batch], host, ready,
             num_drafts=width - 1 if traced else 0, width=width, uniform=plan.uniform,
-            seconds=None if ready is not None else time.perf_counter() - started,
+            seconds=None if ready is not None else time.perf_counter() - started, logprobs=scores,
         )  # fmt: skip
 
     def _sample(
@@ -284,9 +303,25 @@ class Engine:
         params = [it.req.params for it, k in zip(batch, samples, strict=True) if k]
         if all(p.temperature == 0 for p in params):
             return out.logits.argmax(dim=-1)
-        filtered = any(p.top_k or p.top_p < 1 for p in params if p.temperature > 0)
         rows = self.runner.state.sampling(out.row_slot, out.row_step)
-        return sample(out.logits, rows, any_filtered=filtered)
+        return sample(out.logits, rows, any_filtered=_any_filtered(batch, samples))
+
+    def _score(
+        self,
+        out: TargetOutput,
+        batch: list[Scheduled],
+        samples: list[int],
+        tokens: torch.Tensor,
+        prompt: PromptRows | None,
+    ) -> StepLogprobs:
+        """The log-probabilities the job asks for, of the sampled rows (padding left out) and
+        of the prompt rows, on their way to the host."""
+        n = tokens.shape[0]
+        rows = self.runner.state.sampling(out.row_slot[:n], out.row_step[:n])
+        return score_step(
+            out.logits, out.hidden, rows, tokens, self.config.logprobs,
+            _any_filtered(batch, samples), prompt, self.model.logits,
+        )  # fmt: skip
 
     def _read_back(self, launched: Launched) -> list[Request]:
         """Commit a launched step's tokens on the host: stop checks, outputs, finished ones."""
@@ -296,11 +331,13 @@ class Engine:
         num_sampled = sum(launched.samples)
         num_dec = sum(it.decoding for it in launched.batch)
         post_all, values = values[:num_sampled], values[num_sampled:]
+        scores = ReadLogprobs(launched.logprobs) if launched.logprobs is not None else None
         accepted, drafts = values[:num_dec], values[num_dec:]
         self._learn(launched, accepted)
         d = launched.num_drafts
         finished, pos, dec = [], 0, 0
-        for it, k, epoch in zip(launched.batch, launched.samples, launched.epochs, strict=True):
+        items = zip(launched.batch, launched.samples, launched.epochs, strict=True)
+        for i, (it, k, epoch) in enumerate(items):
             req = it.req
             post = post_all[pos : pos + k]
             pos += k
@@ -308,11 +345,14 @@ class Engine:
                 dec += 1
             if req.epoch != epoch:  # finished or preempted since: this result is dropped
                 continue
+            before = len(req.output_ids)
             if it.decoding:
                 req.in_flight -= it.num_new
                 self._commit_round(req, post, accepted[dec - 1], drafts[(dec - 1) * d : dec * d])
             elif post:  # the first token, sampled from the prompt's last row
                 self.stopper.commit(req, post)
+            if scores is not None:  # the rows of the tokens kept (stop rules cut the rest)
+                scores.commit(req, i, pos - k, len(req.output_ids) - before)
             if req.finish_reason:
                 self.scheduler.finish(req)
                 finished.append(req)
@@ -352,12 +392,18 @@ class Engine:
                 self.round_trace.append(RoundTrace(req.row_index, p, anchor, drafts, committed))
 
 
+def _any_filtered(batch: list[Scheduled], samples: list[int]) -> bool:
+    """Some sampled row has top-k or top-p (known on the host: no search on the device)."""
+    params = (it.req.params for it, k in zip(batch, samples, strict=True) if k)
+    return any(p.top_k or p.top_p < 1 for p in params if p.temperature > 0)
+
+
 def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """An asynchronous copy into pinned memory on a GPU, and the event that marks it done."""
+    """An asynchronous copy into pinned memory on a GPU, and the event that marks it (and
+    every copy issued before it) done."""
+    host = to_host(values)
     if values.device.type != "cuda":
-        return values, None
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
+        return host, None
     ready = torch.cuda.Event()
     ready.record()
     return host, ready

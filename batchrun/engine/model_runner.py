@@ -44,6 +44,7 @@ class TargetOutput:
     logits: torch.Tensor  # [N, V] float32, the sampled rows (a graph step: every padded row)
     row_slot: torch.Tensor  # [N] the slot each row samples for
     row_step: torch.Tensor  # [N] the output-token index it draws
+    hidden: torch.Tensor | None = None  # an eager step's every row, pre-norm (prompt logprobs)
 
 
 class ModelRunner:
@@ -255,11 +256,11 @@ class ModelRunner:
         )  # fmt: skip
         chunks = plan.num_rows > plan.num_decoding * width
         hidden, self.features = self._forward(inputs, chunks or width == 1)
-        row_slot, row_step = inputs.row_slot, inputs.row_step
+        row_slot, row_step, sampled = inputs.row_slot, inputs.row_step, hidden
         if args.logit_rows is not None:
             rows = args.logit_rows
-            hidden, row_slot, row_step = hidden[rows], row_slot[rows], row_step[rows]
-        return TargetOutput(self.model.logits(hidden), row_slot, row_step)
+            sampled, row_slot, row_step = hidden[rows], row_slot[rows], row_step[rows]
+        return TargetOutput(self.model.logits(sampled), row_slot, row_step, hidden)
 
     def _forward(
         self, inputs: TargetInputs, store_context: bool

@@ -58,6 +58,16 @@ def _show(value: float) -> str:
     return repr(value)
 
 
+@dataclass
+class Logprobs:
+    """Log-probabilities committed with a request's tokens (engine/logprobs.py); a list is
+    None when the job does not ask for it."""
+
+    tokens: list[float] | None  # one per output token
+    top: list[list[tuple[int, float]]] | None  # per output token: (token id, logprob), best first
+    prompt: list[float | None] | None  # per prompt token; the first has none
+
+
 class Status(enum.Enum):
     WAITING = "waiting"  # not admitted, or preempted (its KV freed, recomputed on resume)
     RUNNING = "running"
@@ -84,6 +94,7 @@ class Request:
     in_flight: int = 0  # decode/verify rows launched whose tokens the host has not read yet
     epoch: int = 0  # bumped when preempted or finished: results launched before are dropped
     stop_scan: StopScan | None = None  # stop-string search state, made on the first token
+    logprobs: Logprobs | None = None  # set by the engine when the job asks for them
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """tokens[start:end] without building the whole list."""

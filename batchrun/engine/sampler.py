@@ -112,11 +112,22 @@ def _draw_plain(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) 
 
 
 def _draw_filtered(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
-    """Keeps each row's top-k, then the smallest most probable set whose renormalised mass
-    reaches top_p (at least one token), and draws among them."""
-    scaled = _scaled(logits, batch, rows)
+    """Draws among each row's candidates (filter_candidates)."""
+    values, ids = filter_candidates(
+        _scaled(logits, batch, rows), batch.top_k[rows], batch.top_p[rows]
+    )
+    choice = values.add_(gumbel_noise(batch.seed[rows], batch.step[rows], ids)).argmax(dim=-1)
+    return ids.gather(1, choice[:, None]).squeeze(1)
+
+
+def filter_candidates(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens a row of temperature-scaled logits [N, V] keeps: its top-k, then the
+    smallest most probable set whose renormalised mass reaches top_p (at least one token).
+    Returns (values, ids) [N, M], most probable first, M the most any row keeps; the values of
+    tokens a row drops are -inf. Takes `scaled` over (it may be freed)."""
     vocab = scaled.shape[-1]
-    top_k, top_p = batch.top_k[rows], batch.top_p[rows]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     widest = int(k.max())
     if widest < vocab:
@@ -133,6 +144,4 @@ def _draw_filtered(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tenso
     del mass_before
     values.masked_fill_(drop, float("-inf"))
     kept = int((values > float("-inf")).sum(dim=-1).max())  # the kept tokens lead every row
-    values, ids = values[:, :kept], ids[:, :kept]
-    choice = values.add_(gumbel_noise(batch.seed[rows], batch.step[rows], ids)).argmax(dim=-1)
-    return ids.gather(1, choice[:, None]).squeeze(1)
+    return values[:, :kept], ids[:, :kept]

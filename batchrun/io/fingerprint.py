@@ -3,10 +3,11 @@ jobs are never mixed in one output directory.
 
 Covered: each input file's identity (resolved path, size, mtime, a hash of its Parquet footer,
 which holds its row counts and column statistics), the prompt column and its kind, the resolved
-dtype, the target's and draft's files (names, sizes, mtimes) and the sampling defaults. Not
-covered, as they do not change outputs: the id column, batch sizes, part sizes, the shard. The
-context length comes from the target's config.json (no job key sets it), so the model files
-cover it.
+dtype, the target's and draft's files (names, sizes, mtimes), the sampling defaults and the
+log-probability columns asked for (a job without them has no such key, as before they
+existed). Not covered, as they do not change outputs: the id column, batch sizes, part sizes,
+the shard. The context length comes from the target's config.json (no job key sets it), so the
+model files cover it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
             "stop_token_ids": list(job.stop_token_ids),
         },
     }
+    if job.logprobs is not None or job.prompt_logprobs:  # columns of their own; unset: none
+        fingerprint["logprobs"] = {"logprobs": job.logprobs, "prompt": job.prompt_logprobs}
     data: dict[str, Any] = json.loads(json.dumps(fingerprint))  # tuples become lists, as on disk
     return data
 

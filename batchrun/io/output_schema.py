@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import pyarrow as pa
 
@@ -12,6 +12,11 @@ from batchrun.errors import JobError
 
 # Parquet names a list's item "element"; using it here keeps parts equal to this schema on read.
 _INT32_LIST = pa.list_(pa.field("element", pa.int32()))
+_FLOAT32_LIST = pa.list_(pa.field("element", pa.float32()))
+_TOP_LOGPROB = pa.struct(
+    [pa.field("token_id", pa.int32(), nullable=False), pa.field("logprob", pa.float32(), False)]
+)
+_TOP_LOGPROBS = pa.list_(pa.field("element", pa.list_(pa.field("element", _TOP_LOGPROB))))
 
 
 def _field(name: str, arrow_type: pa.DataType, nullable: bool, description: str) -> pa.Field:
@@ -59,24 +64,75 @@ OUTPUT_FIELDS: tuple[pa.Field, ...] = (
     ),
     _field("error", pa.string(), True, "Null, or why this row failed (it was not generated)."),
 )
-OUTPUT_NAMES: tuple[str, ...] = tuple(field.name for field in OUTPUT_FIELDS)
+
+_PROCESSED = (
+    "under the distribution the token was sampled from: log_softmax(logits / temperature) "
+    "with the tokens top_k/top_p leave out at -inf, or log_softmax(logits) for a greedy row "
+    "(vLLM's processed logprobs; the same with and without a draft)"
+)
+# Columns only a job that asks for them has (`logprobs`, `prompt_logprobs`), before `error`.
+COMPLETION_LOGPROB_FIELDS: tuple[pa.Field, ...] = (
+    _field(
+        "completion_logprobs",
+        _FLOAT32_LIST,
+        True,
+        f"With logprobs: each completion token's log-probability {_PROCESSED}; aligned with "
+        "completion_token_ids. Null on error.",
+    ),
+    _field(
+        "completion_logprob_sum",
+        pa.float64(),
+        True,
+        "With logprobs: the sum of completion_logprobs (the completion's log-probability). "
+        "Null on error.",
+    ),
+)
+TOP_LOGPROBS_FIELD = _field(
+    "top_logprobs",
+    _TOP_LOGPROBS,
+    True,
+    "With logprobs = k > 0: per completion token, the k most probable tokens of the same "
+    "distribution as completion_logprobs, by logprob descending (fewer where top_k/top_p keep "
+    "fewer). Null on error.",
+)
+PROMPT_LOGPROBS_FIELD = _field(
+    "prompt_logprobs",
+    _FLOAT32_LIST,
+    True,
+    "With prompt_logprobs: each prompt token's log-probability under the target given the "
+    "tokens before it, log_softmax(logits), whatever the sampling; prompt_tokens entries, the "
+    "first null (nothing predicts it). Null on error.",
+)
 
 
-def output_schema(input_schema: pa.Schema) -> pa.Schema:
-    """Every input column unchanged, in input order, then OUTPUT_FIELDS."""
-    collisions = [name for name in input_schema.names if name in OUTPUT_NAMES]
+def output_fields(logprobs: int | None = None, prompt_logprobs: bool = False) -> list[pa.Field]:
+    """The columns a job appends after the input's: OUTPUT_FIELDS with the log-probability
+    columns it asks for (logprobs = k, None: off) before `error`."""
+    extra = list(COMPLETION_LOGPROB_FIELDS) if logprobs is not None else []
+    extra += [TOP_LOGPROBS_FIELD] if logprobs else []
+    extra += [PROMPT_LOGPROBS_FIELD] if prompt_logprobs else []
+    return [*OUTPUT_FIELDS[:-1], *extra, OUTPUT_FIELDS[-1]]
+
+
+def output_schema(
+    input_schema: pa.Schema, logprobs: int | None = None, prompt_logprobs: bool = False
+) -> pa.Schema:
+    """Every input column unchanged, in input order, then output_fields(...)."""
+    fields = output_fields(logprobs, prompt_logprobs)
+    names = [field.name for field in fields]
+    collisions = [name for name in input_schema.names if name in names]
     if collisions:
         raise JobError(
             f"input column {collisions[0]!r} has the name of an output column; rename it "
-            f"(output columns: {', '.join(OUTPUT_NAMES)})"
+            f"(output columns: {', '.join(names)})"
         )
     # Schema metadata (e.g. pandas') describes the input table, not ours: leave it out.
-    return pa.schema(list(input_schema.remove_metadata()) + list(OUTPUT_FIELDS))
+    return pa.schema(list(input_schema.remove_metadata()) + fields)
 
 
 @dataclass(frozen=True)
 class OutputRow:
-    """Values of OUTPUT_FIELDS for one row, in the same order."""
+    """Values of the output columns for one row (the log-probability ones: when asked for)."""
 
     row_index: int
     completion: str | None
@@ -88,6 +144,10 @@ class OutputRow:
     spec_accept_hist: list[int] | None
     acceptance_length: float | None
     error: str | None
+    completion_logprobs: list[float] | None = None
+    completion_logprob_sum: float | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
 
 
 def finished_row(request: Request) -> OutputRow:
@@ -98,6 +158,8 @@ def finished_row(request: Request) -> OutputRow:
     tau = None
     if request.spec_hist is not None and request.spec_rounds > 0:
         tau = (completion_tokens - 1) / request.spec_rounds
+    scored = request.logprobs
+    tokens = scored.tokens if scored is not None else None
     return OutputRow(
         row_index=request.row_index,
         completion=request.completion,
@@ -109,6 +171,10 @@ def finished_row(request: Request) -> OutputRow:
         spec_accept_hist=list(request.spec_hist) if request.spec_hist is not None else None,
         acceptance_length=tau,
         error=None,
+        completion_logprobs=list(tokens) if tokens is not None else None,
+        completion_logprob_sum=sum(tokens) if tokens is not None else None,
+        top_logprobs=scored.top if scored is not None else None,
+        prompt_logprobs=scored.prompt if scored is not None else None,
     )
 
 
@@ -131,16 +197,15 @@ def build_table(
     schema: pa.Schema, passthrough: Sequence[pa.RecordBatch], rows: Sequence[OutputRow]
 ) -> pa.Table:
     """One part: the input columns of each row (one-row batches) beside its output columns."""
-    num_inputs = len(schema) - len(OUTPUT_FIELDS)
+    num_inputs = schema.get_field_index("row_index")  # the first output column
     input_columns = [
         pa.concat_arrays([batch.column(i) for batch in passthrough])
         if passthrough
         else pa.array([], type=schema.field(i).type)
         for i in range(num_inputs)
     ]
-    values = list(zip(*(astuple(row) for row in rows), strict=True)) or [()] * len(OUTPUT_FIELDS)
     output_columns = [
-        pa.array(column, type=field.type)
-        for column, field in zip(values, OUTPUT_FIELDS, strict=True)
+        pa.array([getattr(row, field.name) for row in rows], type=field.type)
+        for field in list(schema)[num_inputs:]
     ]
     return pa.Table.from_arrays(input_columns + output_columns, schema=schema)

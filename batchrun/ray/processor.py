@@ -101,7 +101,7 @@ class BatchrunProcessor:
     def process(self, table: pa.Table) -> pa.Table:
         """The output rows of the input rows of `table`, in the same order."""
         row_indices, inputs = _row_indices(table)
-        schema = output_schema(inputs.schema)
+        schema = output_schema(inputs.schema, self.job.logprobs, self.job.prompt_logprobs)
         inputs = inputs.replace_schema_metadata(None)
         if inputs.num_rows == 0:
             return build_table(schema, [], [])

@@ -1,0 +1,214 @@
+"""Log-probabilities of the sampled tokens (and of the prompt's tokens), computed on the device
+from the step's logits when the job asks, and brought back with the step's results.
+
+A sampled token's log-probability is the one under the distribution the sampler draws from
+(vLLM's processed logprobs): log_softmax(logits / T) with the tokens that top-k/top-p drop at
+-inf (sampler.filter_candidates, the sampler's own filter), and for a greedy row (T = 0) the
+plain log_softmax(logits). A verify row's logits are the target's at that position, so a
+committed token's values are the same with and without a draft. A prompt token's
+log-probability is the plain log_softmax of the target's logits at the position before it
+(a prompt is not sampled); the first prompt token has none.
+
+Rows are scored in chunks, so the vocabulary-sized temporaries stay bounded: the sampled rows'
+under the sampler's budget, the prompt rows' (whose logits exist only here) under
+PROMPT_CHUNK_BYTES. The values leave the device through asynchronous copies issued before the
+event that marks the step's results ready, so scoring adds no synchronisation of its own (rows
+with top-k/top-p synchronise in the filter, as they do in the sampler).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from batchrun.engine.device_state import to_device, to_host
+from batchrun.engine.request import Logprobs, Request
+from batchrun.engine.sampler import SamplingBatch, filter_candidates, rows_per_chunk
+from batchrun.engine.scheduler import Scheduled
+
+PROMPT_CHUNK_BYTES = 64 << 20
+# A prompt row's logits in the model's dtype (up to 2 bytes), in float32 and log-softmaxed.
+PROMPT_BYTES_PER_LOGIT = 10
+
+
+def token_logprobs(
+    logits: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor, k: int, any_filtered: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For logits [N, V] and the tokens [N] drawn from them: each token's log-probability [N]
+    float32 and the k most probable tokens of each row, (values [N, k] float32 descending,
+    ids [N, k] int64). any_filtered=False: no row has top-k/top-p (no search for them)."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    chosen = torch.empty(num_rows, dtype=torch.float32, device=device)
+    top_values = torch.empty(num_rows, k, dtype=torch.float32, device=device)
+    top_ids = torch.empty(num_rows, k, dtype=torch.int64, device=device)
+    size = rows_per_chunk(num_rows, vocab)
+    for start in range(0, num_rows, size):
+        rows = slice(start, start + size)
+        scores = _processed(logits[rows], batch, rows, any_filtered)
+        chosen[rows] = scores.gather(1, tokens[rows, None]).squeeze(1)
+        if k:
+            top_values[rows], top_ids[rows] = scores.topk(k, dim=-1)
+    return chosen, top_values, top_ids
+
+
+def _processed(
+    logits: torch.Tensor, batch: SamplingBatch, rows: slice, any_filtered: bool
+) -> torch.Tensor:
+    """log_softmax of the distribution each of the rows samples from (the module docstring)."""
+    t, top_k, top_p = batch.temperature[rows], batch.top_k[rows], batch.top_p[rows]
+    scale = torch.where(t > 0, t, 1.0)[:, None]  # x / 1 is exact
+    scaled = logits.to(torch.float32, copy=True).div_(scale)  # the sampler's logits stay
+    if any_filtered:
+        index = ((t > 0) & ((top_k > 0) | (top_p < 1))).nonzero().squeeze(1)
+        if index.numel():
+            values, ids = filter_candidates(scaled[index], top_k[index], top_p[index])
+            kept = torch.full((index.numel(), scaled.shape[1]), float("-inf"), device=ids.device)
+            scaled[index] = kept.scatter_(1, ids, values)
+    return scaled.log_softmax(dim=-1)
+
+
+def prompt_token_logprobs(
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    logits: Callable[[torch.Tensor], torch.Tensor],
+    vocab: int,
+) -> torch.Tensor:
+    """[M] float32: log_softmax(logits(hidden[rows[i]]))[targets[i]], a chunk of rows at a
+    time (logits: the target's float32 logits [*, vocab] of hidden rows)."""
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
+    size = max(1, PROMPT_CHUNK_BYTES // (PROMPT_BYTES_PER_LOGIT * vocab))
+    for start in range(0, rows.shape[0], size):
+        chunk = slice(start, start + size)
+        scores = logits(hidden[rows[chunk]]).log_softmax(dim=-1)
+        out[chunk] = scores.gather(1, targets[chunk, None]).squeeze(1)
+    return out
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """The step's rows that score prompt tokens: a prefill row at position i scores prompt
+    token i + 1. Per batch item, (first prompt position scored, how many); their rows and
+    tokens in item order."""
+
+    spans: list[tuple[int, int]]
+    rows: list[int]
+    targets: list[int]
+
+
+def prompt_rows(batch: list[Scheduled]) -> PromptRows:
+    """Built at launch, before the prefill chunks advance num_cached. Positions a request has
+    scored already are left out: recomputed after a preemption, which drops the results of its
+    steps still in flight, and readmits it in a later pass, once they have been read back."""
+    spans: list[tuple[int, int]] = []
+    rows: list[int] = []
+    targets: list[int] = []
+    row = 0
+    for it in batch:
+        req, span = it.req, (0, 0)
+        scored = req.logprobs.prompt if req.logprobs is not None else None
+        if not it.decoding and scored is not None:
+            start = req.num_cached
+            first = max(start + 1, len(scored))
+            end = min(start + it.num_new + 1, len(req.prompt_ids))
+            if end > first:
+                span = (first, end - first)
+                rows.extend(range(row + first - 1 - start, row + end - 1 - start))
+                targets.extend(req.prompt_ids[first:end])
+        spans.append(span)
+        row += it.num_new
+    return PromptRows(spans, rows, targets)
+
+
+@dataclass(frozen=True)
+class StepLogprobs:
+    """A step's log-probabilities, on their way to the host: `values` holds the sampled
+    rows' chosen tokens' [N], their top-k values [N * k], then the prompt rows' [M]."""
+
+    values: torch.Tensor  # float32
+    top_ids: torch.Tensor  # int64 [N * k]
+    num_sampled: int  # N (0: sampled tokens are not scored)
+    k: int
+    prompt_spans: list[tuple[int, int]]  # per batch item, PromptRows.spans
+
+
+def score_step(
+    logits: torch.Tensor,
+    hidden: torch.Tensor | None,
+    batch: SamplingBatch,
+    tokens: torch.Tensor,
+    k: int | None,
+    any_filtered: bool,
+    prompt: PromptRows | None,
+    model_logits: Callable[[torch.Tensor], torch.Tensor],
+) -> StepLogprobs:
+    """Scores the step's N sampled rows (logits [>= N, V], tokens [N]; k None: not asked) and
+    its prompt rows, and starts their copies to the host."""
+    device = logits.device
+    parts, top_ids, num_sampled = [], torch.zeros(0, dtype=torch.int64, device=device), 0
+    if k is not None:
+        num_sampled = tokens.shape[0]
+        chosen, top_values, ids = token_logprobs(
+            logits[:num_sampled], batch, tokens, k, any_filtered
+        )
+        parts += [chosen, top_values.view(-1)]
+        top_ids = ids.view(-1)
+    if prompt is not None and prompt.rows:
+        assert hidden is not None, "a step with prefill chunks runs eagerly"
+        rows = to_device(torch.tensor(prompt.rows, dtype=torch.int64), device)
+        targets = to_device(torch.tensor(prompt.targets, dtype=torch.int64), device)
+        parts.append(prompt_token_logprobs(hidden, rows, targets, model_logits, logits.shape[1]))
+    values = torch.cat(parts) if parts else torch.zeros(0, device=device)
+    spans = prompt.spans if prompt is not None else []
+    return StepLogprobs(to_host(values), to_host(top_ids), num_sampled, k or 0, spans)
+
+
+class ReadLogprobs:
+    """A step's log-probabilities on the host (read once its results are ready), committed to
+    requests along with their tokens."""
+
+    def __init__(self, step: StepLogprobs) -> None:
+        values, n, k = step.values.tolist(), step.num_sampled, step.k
+        self.k = k
+        self.chosen = values[:n]
+        self.top_values = values[n : n + n * k]
+        self.top_ids = step.top_ids.tolist()
+        self.prompt = values[n + n * k :]
+        self.prompt_spans = step.prompt_spans
+        self.prompt_at = [0]  # where each item's prompt values start
+        for _, count in step.prompt_spans:
+            self.prompt_at.append(self.prompt_at[-1] + count)
+
+    def commit(self, req: Request, item: int, row: int, kept: int) -> None:
+        """The request (batch item `item`) kept the tokens of sampled rows row .. row+kept-1."""
+        scored = req.logprobs
+        if scored is None:
+            return
+        if scored.tokens is not None:
+            scored.tokens.extend(self.chosen[row : row + kept])
+        if scored.top is not None:
+            k = self.k
+            for r in range(row, row + kept):
+                cut = slice(r * k, (r + 1) * k)
+                pairs = zip(self.top_ids[cut], self.top_values[cut], strict=True)
+                # Tokens the filter dropped are no part of the distribution.
+                scored.top.append([(i, v) for i, v in pairs if v > -math.inf])
+        if scored.prompt is not None and item < len(self.prompt_spans):
+            first, count = self.prompt_spans[item]
+            assert not count or first == len(scored.prompt), "prompt positions come in order"
+            scored.prompt.extend(self.prompt[self.prompt_at[item] : self.prompt_at[item] + count])
+
+
+def asked_logprobs(k: int | None, prompt: bool) -> Logprobs | None:
+    """What a request records for a job's logprobs = k (None: off) and prompt_logprobs."""
+    if k is None and not prompt:
+        return None
+    return Logprobs(
+        tokens=[] if k is not None else None,
+        top=[] if k else None,
+        prompt=[None] if prompt else None,
+    )
