@@ -155,6 +155,8 @@ class StatsAccumulator:
             "dtype": info.get("dtype"),
             "device": info.get("device"),
             "attention_backend": info.get("attention_backend"),
+            "attention_backend_ms": info.get("attention_backend_ms"),
+            "verify_width_steps": info.get("verify_width_steps"),
             "prefix_cache_hit_rate": info.get("prefix_cache_hit_rate"),
             "versions": versions(),
             "finish_reasons": dict(sorted(self.finish_reasons.items())),

@@ -82,17 +82,18 @@ def test_acceptance_is_counted_per_position_given_the_ones_before() -> None:
     assert accept[0] > PRIOR_ACCEPT and accept[3] == PRIOR_ACCEPT
 
 
-def test_cost_is_the_median_of_recent_steps() -> None:
-    """One hiccup (a step stalled by the host) moves nothing; old steps age out."""
+def test_cost_is_the_least_recent_step_time() -> None:
+    """Hiccups (steps stalled by the host) move nothing; old steps age out."""
     policy = WidthPolicy(4, (1, 4))
-    policy.record_cost(4, 8, 10.0)
+    for ms in (500.0, 11.0)[: MIN_SAMPLES - 1]:
+        policy.record_cost(4, 8, ms)
     assert policy.cost(4, 8) is None  # not measured enough yet
     for ms in (11.0, 500.0, 12.0):
         policy.record_cost(4, 8, ms)
-    assert policy.cost(4, 8) == 11.5
+    assert policy.cost(4, 8) == 11.0
     for _ in range(RECENT_SAMPLES):
-        policy.record_cost(4, 8, 7.0)
-    assert policy.cost(4, 8) == 7.0
+        policy.record_cost(4, 8, 13.0)
+    assert policy.cost(4, 8) == 13.0  # the faster ones aged out
 
 
 def test_a_width_not_run_for_long_is_measured_again() -> None:

@@ -15,6 +15,7 @@ finishes or a preemption drops runs once more in step N+1; that result is droppe
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,7 @@ class Engine:
             else None
         )
         self.pinned_width: int | None = None  # set by `batchrun bench` to time one width
+        self.width_steps: Counter[int] = Counter()  # verify width -> steps that decoded at it
         if config.cuda_graphs and backend.graphable and self.device.type == "cuda":
             self.runner.capture_graphs(config.max_batch_size, self.widths)
         self.scheduler = Scheduler(
@@ -196,6 +198,7 @@ class Engine:
             "device": str(self.device),
             "attention_backend": self._backend_name,
             "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
+            "verify_width_steps": dict(sorted(self.width_steps.items())) or None,
             "cuda_graphs": bool(self.runner.target_graphs),
             "prefix_cache_hit_rate": self.pool.hit_rate,
         }
@@ -237,6 +240,8 @@ class Engine:
             bucket = ladder_bucket(len(self.scheduler.running), self.config.max_batch_size)
             width = self.width_policy.choose(bucket)
         batch = self.scheduler.schedule(width)
+        if self.block_size and any(it.decoding for it in batch):
+            self.width_steps[width] += 1
         launched = self._launch(batch, width) if batch else None
         finished = self._read_back(self._launched) if self._launched is not None else []
         self._launched = launched

@@ -11,14 +11,13 @@ once drafts 1 .. j-1 were.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 
 PRIOR_ACCEPT = 0.5  # a position's acceptance before any round has verified it
 PRIOR_WEIGHT = 4.0  # rounds that prior is worth
-MIN_SAMPLES = 2  # step times a width needs in a bucket before it is compared
-RECENT_SAMPLES = 5  # a cost is the median of this many newest step times (robust to hiccups)
+MIN_SAMPLES = 3  # step times a width needs in a bucket before it is compared
+RECENT_SAMPLES = 8  # a cost is the least of this many newest step times
 REMEASURE_EVERY = 512  # steps after which a width not run since is measured again
 SWITCH_MARGIN = 0.05  # a width must promise this much more than the current one to replace it
 
@@ -87,9 +86,11 @@ class WidthPolicy:
         ]
 
     def cost(self, width: int, bucket: int) -> float | None:
-        """Milliseconds of a step at `width` in `bucket` (None: not measured enough)."""
+        """Milliseconds of a step at `width` in `bucket` (None: not measured enough): the least
+        recent step time, as the host's hiccups (a collection, a part written, a graph's first
+        replay) only ever add time."""
         times = self.samples.get((width, bucket), ())
-        return statistics.median(times) if len(times) >= MIN_SAMPLES else None
+        return min(times) if len(times) >= MIN_SAMPLES else None
 
     def choose(self, bucket: int) -> int:
         self._step += 1
