@@ -39,11 +39,12 @@ if [ "${BENCH:-1}" = 1 ]; then
         ${BENCH_ARGS:-} --out "$OUT/bench-${SHAPE:-qwen3-8b}.json" 2>&1 | tee "$OUT/bench.log"
 fi
 if [ "${DEMO:-0}" = 1 ]; then
-    # The demo job for real: no draft, the full block and the adaptive width, at two batch sizes,
+    # The demo job for real: no draft, the full block and the adaptive width, at two batch sizes
+    # (DEMO_BATCHES, default "4 48"),
     # each run REPEATS times (default 3; the median counts: one short job's rate is noisy).
     # A short untimed run of each first: Triton compiles a kernel variant on its first use, and
     # that would count in the measured run's generation time.
-    for batch in 4 48; do
+    for batch in ${DEMO_BATCHES:-4 48}; do
         for mode in "--draft none" "--verify-width full" "--verify-width auto"; do
             name="b$batch-$(echo "$mode" | tr -dc 'a-z')"
             # shellcheck disable=SC2086
@@ -56,7 +57,7 @@ if [ "${DEMO:-0}" = 1 ]; then
                     || echo "$name failed"
             done
             python3 -c "import json,statistics,sys; d=[json.load(open(f'/tmp/demo/{sys.argv[1]}-{r}/stats.json')) for r in range(1, int(sys.argv[2]) + 1)]; \
-                print(sys.argv[1], 'median', round(statistics.median(x['output_tokens_per_second'] for x in d)), 'runs', [round(x['output_tokens_per_second']) for x in d], 'tau', d[0].get('acceptance_length'))" \
+                print(sys.argv[1], 'median', round(statistics.median(x['output_tokens_per_second'] for x in d)), 'runs', [round(x['output_tokens_per_second']) for x in d], 'tau', d[0].get('acceptance_length'), 'widths', [x.get('verify_width_steps') for x in d])" \
                 "$name" "${REPEATS:-3}"
         done
     done | tee "$OUT/demo-widths.txt"
