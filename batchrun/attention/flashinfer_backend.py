@@ -19,7 +19,8 @@ fixed-size page-list buffers that a graph's kernels read. It is planned for the 
 the graph serves during the warm-up before its capture, and for the real step, from the meta
 the runner builds eagerly, before each replay; the replay then needs no planning. Graph steps
 keep every request (padding ones too, with one page that no row reads), as the wrapper's batch
-size is fixed.
+size is fixed. Each graph wrapper holds flashinfer's own 8 MiB scheduling workspace (and its
+pinned host copy); the 128 MiB float workspace is shared, as one forward runs at a time.
 
 Rows past cu_q[R] belong to no request and come back zero. flashinfer computes in float16 and
 bfloat16 only. K/V rows are stored with the same write as the other backends (the Triton kernel
