@@ -61,6 +61,7 @@ class PagedPlan:
     last_page_len: torch.Tensor  # [n], 1 .. page_size
     rows: tuple[int, int]
     causal: bool
+    window_left: int = -1  # a sliding window of W positions is W - 1 here; -1: none
 
     @property
     def num_requests(self) -> int:
@@ -93,6 +94,7 @@ def paged_plan(meta: AttentionMeta) -> PagedPlan:
         last_page_len=(kv_lens - (num_pages - 1) * page_size).int(),
         rows=(int(cu_q[0]), int(cu_q[-1])),
         causal=meta.causal,
+        window_left=-1 if meta.window is None else meta.window - 1,
     )
 
 
@@ -140,13 +142,15 @@ class FlashInferAttention:
         if plan.num_requests == 0:
             return out
         num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
-        key = (num_heads, num_kv_heads, head_dim, k_cache.shape[1], q.dtype, k_cache.dtype, scale)
+        key = (num_heads, num_kv_heads, head_dim, k_cache.shape[1], q.dtype, k_cache.dtype, scale,
+               plan.window_left)  # fmt: skip
         if key != self._planned:
             check_dtype(q.dtype)
             self.wrapper.plan(
                 plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len,
                 num_heads, num_kv_heads, head_dim, k_cache.shape[1],
                 causal=plan.causal, pos_encoding_mode="NONE", sm_scale=scale,
+                window_left=plan.window_left,
                 q_data_type=q.dtype, kv_data_type=k_cache.dtype,
             )  # fmt: skip
             self._planned = key

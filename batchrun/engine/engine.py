@@ -46,6 +46,7 @@ from batchrun.models.dflash_loader import load_dflash
 from batchrun.models.loader import load_qwen3
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.speculative.acceptance import RoundTrace, accepted_lengths
+from batchrun.speculative.sliding_window import ring_pages
 from batchrun.speculative.verify_width import WidthPolicy
 
 ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their tokens are cut
@@ -115,11 +116,16 @@ class Engine:
         self.block_size = draft.block_size if draft else None
         width = self.block_size or 1
         check_batch_budget(config.max_batched_tokens, width)  # before the KV pools are allocated
+        # A draft's sliding-window layers: their window W, and their rings (one per slot).
+        window = draft.attention.window if draft else None
+        rings = ring_pages(window, width, config.page_size) if window else 0
+        rings *= config.max_batch_size + 1
 
         num_pages = num_pages or kv_pages(
             config, shape, draft.shape if draft else None,
             len(draft.target_layer_ids) if draft else 0,
             model.lm_head.weight.element_size(), width, self.device,
+            draft_paged_layers=draft.attention.num_full if draft else 0, ring_pages=rings,
         )  # fmt: skip
         capacity = num_pages * config.page_size
         limit = min(
@@ -130,16 +136,18 @@ class Engine:
             raise JobError(f"the KV pool ({num_pages} pages of {config.page_size}) is too small")
         self.pool = PagePool(num_pages, config.page_size, config.prefix_caching)
         heads = max(shape.num_heads, draft.shape.num_heads if draft else 0)
-        backend, ops = attention_backend(
+        backend_args = (
             config.attention_backend, self.device, config.max_batch_size * width, heads,
             shape.num_kv_heads, shape.head_dim,
         )  # fmt: skip
+        backend, ops = attention_backend(*backend_args)
+        window_backend = attention_backend(*backend_args)[0] if window else None
         use_ops(model, ops)
         if draft is not None:
             use_ops(draft, ops)
         self.runner = ModelRunner(
             model, draft, backend, num_pages, config.page_size, config.max_batch_size,
-            config.max_batched_tokens, self.max_model_len, self.device,
+            config.max_batched_tokens, self.max_model_len, self.device, window_backend,
         )  # fmt: skip
         self.widths = verify_widths(config.verify_width, self.block_size)
         self.width_policy = (
@@ -150,9 +158,11 @@ class Engine:
         self.pinned_width: int | None = None  # set by `batchrun bench` to time one width
         if config.cuda_graphs and backend.graphable and self.device.type == "cuda":
             self.runner.capture_graphs(config.max_batch_size, self.widths)
+        # The first block after a prefill reads W - 1 positions back: they are recomputed.
         self.scheduler = Scheduler(
-            self.pool, config.max_batch_size, config.max_batched_tokens, decode_width=width
-        )
+            self.pool, config.max_batch_size, config.max_batched_tokens, decode_width=width,
+            recompute_tail=max(window - 1, 1) if window else 1,
+        )  # fmt: skip
         self.stopper = Stopper(tokenizer, eos, self.max_model_len)
         self.timer = StepTimer(self.device)
         self.round_trace: list[RoundTrace] | None = None  # set to a list to record rounds

@@ -32,6 +32,7 @@ from batchrun.engine.step_inputs import (
 from batchrun.models.dflash import DFlashDraft
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.speculative.drafter import DraftInputs, context_feature_rows, draft_inputs
+from batchrun.speculative.sliding_window import DraftRing
 
 IN_FLIGHT_STEPS = 2  # a request's pages cover the step being read back and the one launched
 
@@ -55,27 +56,38 @@ class ModelRunner:
         max_batched_tokens: int,
         max_model_len: int,
         device: torch.device,
+        window_backend: AttentionBackend | None = None,
     ) -> None:
+        """window_backend: a second backend of the same kind, planned for a draft's
+        sliding-window layers (its blocks read their ring, through a window)."""
         s = model.shape
         self.model, self.draft, self.backend = model, draft, backend
+        self.window_backend = window_backend
         self.device, self.page_size, self.num_pages = device, page_size, num_pages
         self.width = draft.block_size if draft is not None else 1
         dtype = model.lm_head.weight.dtype
         self.kv_caches = allocate_kv(
             s.num_layers, num_pages, page_size, s.num_kv_heads, s.head_dim, dtype, device
         )
-        # The draft cache is indexed by the target's page tables: position i of a request
-        # lives in the same slot of both.
-        self.draft_kv = []
-        if draft is not None:
-            d = draft.shape
-            self.draft_kv = allocate_kv(
-                d.num_layers, num_pages, page_size, d.num_kv_heads, d.head_dim, dtype, device
-            )
         self.capture_layers = draft.target_layer_ids if draft is not None else ()
         # Positions a step can touch: the context, the step being read back and this one.
         self.max_kv = max_model_len + IN_FLIGHT_STEPS * self.width
         max_pages = pages_for(self.max_kv, page_size)
+        # A full-attention draft layer's cache is indexed by the target's page tables: position
+        # i of a request lives in the same slot of both. A sliding layer's lives in its ring.
+        self.draft_kv = []
+        self.ring: DraftRing | None = None
+        if draft is not None:
+            d, attention = draft.shape, draft.attention
+            if attention.window is not None:
+                self.ring = DraftRing(
+                    max_batch_size, max_pages, attention.window, self.width, page_size, device
+                )
+            for sliding in attention.sliding:
+                pages = self.ring.num_pages if sliding and self.ring else num_pages
+                self.draft_kv += allocate_kv(
+                    1, pages, page_size, d.num_kv_heads, d.head_dim, dtype, device
+                )
         self.state = DeviceState(max_batch_size, max_pages, s.vocab_size, device)
         self.step_in = torch.zeros(
             step_in_size(max_batch_size, max_batched_tokens, max_pages),
@@ -168,10 +180,7 @@ class ModelRunner:
         slots = args.slot[: plan.num_decoding]
         context = self._context(slots)
         if context is not None:
-            inputs = self._draft_inputs(slots)
-            self.draft.write_context(
-                context, inputs.ctx_positions, inputs.ctx_slots, self.backend, self.draft_kv
-            )
+            self._write_context(context, self._draft_inputs(slots))
         self.context_pending = False
 
     def _context(self, slots: torch.Tensor) -> torch.Tensor | None:
@@ -184,20 +193,31 @@ class ModelRunner:
     def _draft_inputs(self, slots: torch.Tensor) -> DraftInputs:
         assert self.draft is not None
         return draft_inputs(
-            self.state, slots, self.width, self.draft.mask_token_id, self.page_size, self.max_kv
-        )
+            self.state, slots, self.width, self.draft.mask_token_id, self.page_size, self.max_kv,
+            self.draft.attention, self.ring,
+        )  # fmt: skip
+
+    def _write_context(self, context: torch.Tensor, inputs: DraftInputs) -> None:
+        assert self.draft is not None
+        self.draft.write_context(
+            context, inputs.ctx_positions, inputs.ctx_slots, inputs.ctx_window_slots,
+            self.backend, self.draft_kv,
+        )  # fmt: skip
 
     def _draft(self, slots: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
         assert self.draft is not None
         inputs = self._draft_inputs(slots)
         if context is not None:
-            self.draft.write_context(
-                context, inputs.ctx_positions, inputs.ctx_slots, self.backend, self.draft_kv
-            )
-        self.backend.plan(inputs.meta)
+            self._write_context(context, inputs)
+        if self.draft.attention.num_full:
+            self.backend.plan(inputs.meta)
+        if inputs.window_meta is not None:
+            assert self.window_backend is not None, "sliding draft layers need window_backend"
+            self.window_backend.plan(inputs.window_meta)
         return self.draft.draft_block(
-            self.model, inputs.block_ids, inputs.meta.positions, self.backend, self.draft_kv
-        )
+            self.model, inputs.block_ids, inputs.meta.positions, self.backend,
+            self.window_backend, self.draft_kv,
+        )  # fmt: skip
 
     def _draft_graph(self, size: int) -> tuple[torch.Tensor, ...]:
         assert self.ctx_features is not None
@@ -241,9 +261,16 @@ class ModelRunner:
             inputs.ids, inputs.meta.positions, self.backend, self.kv_caches, self.capture_layers
         )
         if self.draft is not None and features is not None and store_context:
+            window_slots = None
+            if self.ring is not None:  # a chunk's rows, up to the ring's last positions
+                end = inputs.meta.kv_lens.long()[inputs.row_req]
+                committed = inputs.context_slots >= 0
+                window_slots = self.ring.slots(
+                    inputs.row_slot, inputs.meta.positions, end, committed
+                )
             self.draft.write_context(
-                features, inputs.meta.positions, inputs.context_slots, self.backend,
-                self.draft_kv,
+                features, inputs.meta.positions, inputs.context_slots, window_slots,
+                self.backend, self.draft_kv,
             )  # fmt: skip
         return hidden, features
 

@@ -41,10 +41,18 @@ def prefill_len(req: Request) -> int:
 
 class Scheduler:
     def __init__(
-        self, pool: PagePool, max_batch_size: int, max_batched_tokens: int, decode_width: int
+        self,
+        pool: PagePool,
+        max_batch_size: int,
+        max_batched_tokens: int,
+        decode_width: int,
+        recompute_tail: int = 1,
     ) -> None:
+        """recompute_tail: prefill tokens a request admitted onto a cached prefix computes at
+        least (a draft with sliding-window layers refills its window from them)."""
         check_batch_budget(max_batched_tokens, decode_width)
         self.pool = pool
+        self.recompute_tail = recompute_tail
         self.max_batched_tokens = max_batched_tokens
         self.decode_width = decode_width  # 1, or the draft's block size B
         self.max_running = min(max_batch_size, max_batched_tokens // decode_width)
@@ -110,9 +118,9 @@ class Scheduler:
 
     def _reuse_prefix(self, req: Request) -> int:
         """Start a request being admitted from the longest cached prefix of its tokens (the
-        pool's prefix cache; at least one token is left to compute). Returns how many tokens
-        were looked up."""
-        tokens = req.token_slice(0, prefill_len(req) - 1)
+        pool's prefix cache; at least recompute_tail tokens are left to compute). Returns how
+        many tokens were looked up."""
+        tokens = req.token_slice(0, max(prefill_len(req) - self.recompute_tail, 0))
         req.pages = self.pool.match(tokens)
         req.num_cached = len(req.pages) * self.pool.page_size
         return len(tokens)
