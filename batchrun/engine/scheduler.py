@@ -13,7 +13,8 @@ request preempted in a pass waits at least until the next one.
 The engine launches a step before it reads the previous one's tokens, so a decoding request's
 pages cover its in-flight rows too, and each running request holds a slot of the device state.
 The engine may verify fewer than B rows in a step (the verify width): budgets and reserves are
-those of full blocks, so a narrower step always fits.
+those of full blocks, so a narrower step always fits; its pages still cover the full block the
+draft writes (its K/V rows are read back within the step).
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ class Scheduler:
         self._planned, self._preempted, self.admitted = set(), set(), []
         width = width or self.decode_width
         batch: list[Scheduled] = []
+        # A step that drafts writes the draft's whole block at the anchor, whatever it verifies.
+        rows = self.decode_width if width > 1 else 1
         for req in list(self.running):  # oldest first; preempting the newest if pages run out
             decoding = req.status is Status.RUNNING and req.num_cached == prefill_len(req)
-            if decoding and self._grow_or_preempt(req, req.in_flight + width):
+            if decoding and self._grow_or_preempt(req, req.in_flight + rows):
                 batch.append(self._plan(req, width, decoding=True))
         budget = self.max_batched_tokens - width * len(batch)
         for req in list(self.running):
