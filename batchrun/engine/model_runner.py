@@ -170,7 +170,8 @@ class ModelRunner:
                 self.ctx_features[: context.shape[0]].copy_(context)
             self.replays["draft", plan.num_requests] += 1
             return self.draft_graphs.replay(plan.num_requests)[0][:num_dec]
-        return self._draft(slots, context)
+        # Eager: the blocks end by the step's longest context, with a block, not the graphs'.
+        return self._draft(slots, context, plan.max_kv - plan.width + self.width)
 
     @torch.inference_mode()
     def write_pending_context(self, args: StepArgs, plan: StepPlan) -> None:
@@ -190,11 +191,11 @@ class ModelRunner:
         rows = context_feature_rows(self.state, slots, self.width, self.features.shape[0])
         return self.features.index_select(0, rows)
 
-    def _draft_inputs(self, slots: torch.Tensor) -> DraftInputs:
+    def _draft_inputs(self, slots: torch.Tensor, max_kv: int | None = None) -> DraftInputs:
         assert self.draft is not None
         return draft_inputs(
-            self.state, slots, self.width, self.draft.mask_token_id, self.page_size, self.max_kv,
-            self.draft.attention, self.ring,
+            self.state, slots, self.width, self.draft.mask_token_id, self.page_size,
+            max_kv or self.max_kv, self.draft.attention, self.ring,
         )  # fmt: skip
 
     def _write_context(self, context: torch.Tensor, inputs: DraftInputs) -> None:
@@ -204,9 +205,11 @@ class ModelRunner:
             self.backend, self.draft_kv,
         )  # fmt: skip
 
-    def _draft(self, slots: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+    def _draft(
+        self, slots: torch.Tensor, context: torch.Tensor | None, max_kv: int | None = None
+    ) -> torch.Tensor:
         assert self.draft is not None
-        inputs = self._draft_inputs(slots)
+        inputs = self._draft_inputs(slots, max_kv)
         if context is not None:
             self._write_context(context, inputs)
         if self.draft.attention.num_full:
