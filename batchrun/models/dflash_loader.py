@@ -77,7 +77,9 @@ def check_draft(draft_dir: Path, target: Qwen3Shape) -> DraftSpec:
     )
 
 
-def _target_layer_ids(fields: DraftConfig, shape: Qwen3Shape, target: Qwen3Shape) -> tuple:
+def _target_layer_ids(
+    fields: DraftConfig, shape: Qwen3Shape, target: Qwen3Shape
+) -> tuple[int, ...]:
     ids, base = fields.layer_ids, fields.layer_id_base
     if ids is None:
         n_target = int(fields.num_target_layers or target.num_layers)
