@@ -85,7 +85,7 @@ def draft_for(
         # Full layers, causal in the block (dflash_config.causal: true).
         "causal": lambda: (target, draft(target, **TWO, extra_config=dflash_config(causal=True))),
         # A reduced vocabulary: every third target id (d2t, no t2d).
-        "vocab": lambda: (target, draft(target, draft_vocab=list(range(0, 1088, 3)), drop=["t2d"])),
+        "vocab": lambda: (target, draft(target, draft_vocab=THIRDS, drop=("t2d",))),
         # The speculators format (aux ids [2, 3]); and with a sliding first layer, a reduced
         # vocabulary (d2t and t2d) and a non-causal window.
         "speculators": lambda: (target, draft(target, speculators=True, **TWO)),
@@ -100,7 +100,7 @@ def draft_for(
                 draft_vocab=list(range(3, 900, 2)),
                 extra_config={"sliding_window_non_causal": True},
             ),
-        ),  # fmt: skip
+        ),
         "trained": lambda: (target, trained_draft_beside(target)),
         "trained-sliding": lambda: (target, trained_draft_beside(target, "sliding")),
         "trained-speculators-vocab": lambda: (
@@ -122,6 +122,7 @@ def draft_for(
 
 
 TWO = {"num_layers": 2, "target_layer_ids": [1, 2]}
+THIRDS = list(range(0, 1088, 3))  # a reduced vocabulary: every third target id
 
 
 def dflash_config(**keys: Any) -> dict[str, Any]:
