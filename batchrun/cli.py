@@ -19,6 +19,7 @@ from batchrun.pipeline import OpenedJob, open_job, run_job
 from batchrun.shard_env import apply_env_shard
 
 if TYPE_CHECKING:
+    from batchrun.models.dflash_loader import DraftSpec
     from batchrun.preflight import Preflight
 
 
@@ -264,14 +265,23 @@ def _model_lines(job: JobSpec, found: Preflight) -> list[str]:
         f"target: {job.target} ({t.num_layers} layers, hidden size {t.hidden_size}, "
         f"vocab {t.vocab_size}, context {t.max_position_embeddings}; "
         f"tokenizer: {len(found.tokenizer)} tokens, {template})",
-        f"draft: {job.draft} ({draft.shape.num_layers} layers, block size {draft.block_size}, "
-        f"target layers {list(draft.target_layer_ids)}, mask id {draft.mask_token_id})"
-        if draft is not None
-        else "draft: none",
+        _draft_line(job.draft, draft) if draft is not None else "draft: none",
         f"device: {found.device}, dtype: {str(found.dtype).removeprefix('torch.')}, "
         f"attention backend: {found.attention_backend}",
         f"batch: {job.max_batch_size} requests, {job.max_batched_tokens} tokens per forward",
     ]
+
+
+def _draft_line(path: object, draft: DraftSpec) -> str:
+    attention = draft.attention
+    layers = f"{draft.shape.num_layers} layers"
+    if attention.num_sliding:
+        layers += f" ({attention.num_sliding} sliding over {attention.window} positions)"
+    vocab = f", draft vocabulary {draft.head_rows}" if draft.vocab_map else ""
+    return (
+        f"draft: {path} ({draft.format} format, {layers}, block size {draft.block_size}, "
+        f"target layers {list(draft.target_layer_ids)}, mask id {draft.mask_token_id}{vocab})"
+    )
 
 
 @cli.command()

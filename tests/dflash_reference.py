@@ -1,9 +1,12 @@
-"""A plain DFlash reference, written straight from docs/dflash.md for the tests.
+"""A plain DFlash reference, written straight from docs/dflash.md for the tests, with the
+variants beyond it: sliding-window layers (a row at position q sees positions > q - W; causal
+in the block where the format says so), a reduced draft vocabulary (the draft's own lm_head,
+then target id = draft id + d2t[draft id]) and the speculators config format.
 
 One request at a time, no pages, no batching, no KV cache: the target is transformers' own
 Qwen3ForCausalLM, re-run over the whole sequence every round, and the draft is its safetensors
-tensors used with plain torch ops. Clarity over speed; from batchrun it takes only the default
-target layer ids (a config formula that tests check on their own).
+tensors used with plain torch ops over an explicit mask. Clarity over speed; from batchrun it
+takes only the default target layer ids (a config formula that tests check on their own).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from transformers import Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from batchrun.models.dflash import default_target_layer_ids
 
@@ -33,7 +36,7 @@ class RefRound(NamedTuple):
 
 @dataclass(frozen=True)
 class Draft:
-    weights: dict[str, torch.Tensor]  # the z-lab tensor names, no prefix
+    weights: dict[str, torch.Tensor]  # the z-lab tensor names, no prefix (lm_head, d2t, t2d)
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -43,28 +46,57 @@ class Draft:
     block_size: int
     target_layer_ids: list[int]
     mask_token_id: int
+    windows: list[int | None]  # per layer: W of a sliding layer, None for full attention
+    causal: list[bool]  # per layer: block rows see only the block rows up to their own
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """A reduced vocabulary's tokens as target ids (d2t holds offsets)."""
+        d2t = self.weights.get("d2t")
+        return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
 
 
 def read_draft(draft_dir: Path | str) -> Draft:
     config = json.loads((Path(draft_dir) / "config.json").read_text())
-    dflash = config.get("dflash_config") or {}
-    heads = config["num_attention_heads"]
-    num_layers = config["num_hidden_layers"]
-    layer_ids = dflash.get("target_layer_ids")
-    if layer_ids is None:
-        layer_ids = default_target_layer_ids(num_layers, config["num_target_layers"])
-    rope = config.get("rope_parameters") or {}
+    if "speculators_model_type" in config:  # the draft's own config, defaults filled in
+        layers = Qwen3Config(**config["transformer_layer_config"]).to_dict()
+        block_size, mask_id = config["block_size"], config["mask_token_id"]
+        # Hidden-state index k (0: the embeddings) is the output of target layer k - 1.
+        layer_ids = [k - 1 for k in config["aux_hidden_state_layer_ids"]]
+        causal_override = None
+        sliding_causal = not config.get("sliding_window_non_causal", False)
+    else:
+        layers, dflash = config, config.get("dflash_config") or {}
+        block_size = config.get("block_size", dflash.get("block_size"))
+        mask_id = dflash["mask_token_id"]
+        layer_ids = dflash.get("target_layer_ids")
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(
+                config["num_hidden_layers"], config["num_target_layers"]
+            )
+        causal_override = config.get("is_causal", dflash.get("causal"))
+        sliding_causal = True
+    heads = layers["num_attention_heads"]
+    num_layers = layers["num_hidden_layers"]
+    types = layers.get("layer_types") or ["full_attention"] * num_layers
+    window = layers["sliding_window"] if layers.get("use_sliding_window") else None
+    windows = [window if t == "sliding_attention" else None for t in types]
+    causal = [sliding_causal and w is not None for w in windows]
+    if causal_override is not None:
+        causal = [bool(causal_override)] * num_layers
+    rope = layers.get("rope_parameters") or {}
     return Draft(
         weights=load_file(str(Path(draft_dir) / "model.safetensors")),
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=config.get("rope_theta", rope.get("rope_theta")),
-        block_size=config.get("block_size", dflash.get("block_size")),
+        num_kv_heads=layers.get("num_key_value_heads") or heads,
+        head_dim=layers.get("head_dim") or layers["hidden_size"] // heads,
+        rms_norm_eps=layers.get("rms_norm_eps", 1e-6),
+        rope_theta=layers.get("rope_theta") or rope.get("rope_theta"),
+        block_size=block_size,
         target_layer_ids=list(layer_ids),
-        mask_token_id=dflash["mask_token_id"],
+        mask_token_id=mask_id,
+        windows=windows,
+        causal=causal,
     )
 
 
@@ -141,14 +173,30 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def unmasked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [..., Tq, Hq, d], k/v [..., Tk, Hkv, d] -> [..., Tq, Hq * d]; every query sees every
-    key (GQA: query head h reads kv head h // (Hq / Hkv))."""
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
+    """q [..., Tq, Hq, d], k/v [..., Tk, Hkv, d] -> [..., Tq, Hq * d]; query i sees key j where
+    visible[i, j] (GQA: query head h reads kv head h // (Hq / Hkv))."""
     groups = q.shape[-2] // k.shape[-2]
     k, v = k.repeat_interleave(groups, dim=-2), v.repeat_interleave(groups, dim=-2)
     scores = torch.einsum("...qhd,...khd->...hqk", q, k) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~visible, float("-inf"))
     out = torch.einsum("...hqk,...khd->...qhd", scores.softmax(dim=-1), v)
     return out.flatten(-2)
+
+
+def visible_keys(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool
+) -> torch.Tensor:
+    """[Tq, Tk]: which keys each block row sees. Context keys sit before every row; a sliding
+    layer drops keys at or before q - W; a causal one the block rows after the row's own."""
+    visible = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    if causal:
+        visible &= k_pos[None, :] <= q_pos[:, None]
+    return visible
 
 
 def draft_hidden(
@@ -176,6 +224,7 @@ def draft_hidden(
         )
         return rope(k, pos, draft.rope_theta), heads(rows, a + "v_proj.weight", draft.num_kv_heads)
 
+    k_pos = torch.cat([ctx_pos, blk_pos])
     x = block_embeds
     for i in range(draft.num_layers):
         a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
@@ -184,7 +233,9 @@ def draft_hidden(
         q = rope(q, blk_pos, draft.rope_theta)
         k_ctx, v_ctx = kv(a, ctx, ctx_pos)  # context rows: no layernorm, residual or MLP
         k_blk, v_blk = kv(a, h, blk_pos)
-        o = unmasked_attention(q, torch.cat([k_ctx, k_blk], -3), torch.cat([v_ctx, v_blk], -3))
+        visible = visible_keys(blk_pos, k_pos, draft.windows[i], draft.causal[i])
+        k, v = torch.cat([k_ctx, k_blk], -3), torch.cat([v_ctx, v_blk], -3)
+        o = attention(q, k, v, visible)
         x = x + o @ w[a + "o_proj.weight"].T
         h = rms_norm(x, w[f"layers.{i}.post_attention_layernorm.weight"], eps)
         gated = F.silu(h @ w[m + "gate_proj.weight"].T) * (h @ w[m + "up_proj.weight"].T)
@@ -196,11 +247,13 @@ def draft_block_logits(
     draft: Draft, target: Qwen3ForCausalLM, ctx_features: torch.Tensor, anchors: torch.Tensor
 ) -> torch.Tensor:
     """Logits [..., B-1, V] of block rows 1 .. B-1, for anchors [...] after ctx_features
-    [..., p, n * H], through the target's embedding and lm_head."""
+    [..., p, n * H], through the target's embedding and the target's lm_head (a reduced
+    vocabulary: the draft's own, over its V tokens)."""
     mask = torch.full((*anchors.shape, draft.block_size - 1), draft.mask_token_id)
     block = torch.cat([anchors[..., None], mask], dim=-1)
     hidden = draft_hidden(draft, ctx_features, target.model.embed_tokens.weight[block])
-    return hidden[..., 1:, :] @ target.lm_head.weight.T
+    head = draft.weights.get("lm_head.weight", target.lm_head.weight)
+    return hidden[..., 1:, :] @ head.T
 
 
 # ---- a round (dflash.md section 4, greedy) ----
@@ -224,7 +277,7 @@ def reference_generate(
         p, anchor = len(seq) - 1, out[-1]
         with torch.no_grad():
             draft_logits = draft_block_logits(draft, target, feats[:p], torch.tensor(anchor))
-        drafts = draft_logits.argmax(-1).tolist()
+        drafts = draft.target_ids(draft_logits.argmax(-1)).tolist()
         # The verify pass's features cover p .. p+B-1; rows p .. p+acc are the next context.
         logits, feats = target_pass(target, seq + drafts, layer_ids)
         post = logits[p : p + width].argmax(-1).tolist()
@@ -244,3 +297,20 @@ def _cut(tokens: list[int], eos_ids: Sequence[int], room: int) -> list[int]:
             tokens = tokens[: i + 1]
             break
     return tokens[:room]
+
+
+def reference_drafts(
+    target_dir: Path | str, draft_dir: Path | str, sequence: Sequence[int], positions: list[int]
+) -> dict[int, list[int]]:
+    """The reference's drafts d1 .. d_{B-1} for a block anchored at each of `positions` of a
+    committed sequence. A block's drafts depend only on the tokens before its anchor and the
+    anchor, so one target pass over the whole sequence serves every round, whatever width the
+    engine verified."""
+    target, draft = load_target(target_dir), read_draft(draft_dir)
+    _, feats = target_pass(target, sequence, draft.target_layer_ids)
+    drafts = {}
+    for p in positions:
+        with torch.no_grad():
+            logits = draft_block_logits(draft, target, feats[:p], torch.tensor(sequence[p]))
+        drafts[p] = draft.target_ids(logits.argmax(-1)).tolist()
+    return drafts

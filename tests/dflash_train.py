@@ -11,10 +11,10 @@ one the reference and the engine run.
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from dflash_reference import (
     read_draft,
     target_pass,
 )
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3ForCausalLM
 
 from batchrun.tools.tiny_draft import make_tiny_draft
@@ -61,8 +62,19 @@ def greedy_continuation(target: Qwen3ForCausalLM, prompt: list[int]) -> list[int
     return ids[0].tolist()
 
 
+def continuation_vocab(target_dir: Path | str, seed: int, size: int) -> list[int]:
+    """A reduced draft vocabulary of `size` target ids that holds every token of the target's
+    greedy continuations of training_prompts(seed), then the lowest other ids."""
+    target = load_target(target_dir)
+    seen = {t for p in training_prompts(seed) for t in greedy_continuation(target, p)}
+    others = [i for i in range(target.config.vocab_size) if i not in seen]
+    assert len(seen) <= size, (len(seen), size)
+    return sorted(seen) + others[: size - len(seen)]
+
+
 def train_draft(target_dir: Path | str, draft_dir: Path | str, *, steps: int, seed: int) -> Path:
-    """Train the draft in draft_dir (written by make_tiny_draft) in place; returns draft_dir."""
+    """Train the draft in draft_dir (written by make_tiny_draft, in either format) in place:
+    its float tensors; a reduced vocabulary's maps stay. Returns draft_dir."""
     target, draft = load_target(target_dir), read_draft(draft_dir)
     width, layer_ids = draft.block_size, draft.target_layer_ids
     prompts = training_prompts(seed)
@@ -76,10 +88,16 @@ def train_draft(target_dir: Path | str, draft_dir: Path | str, *, steps: int, se
             by_position.setdefault(p, []).append(i)
     positions = sorted(by_position)
 
+    # Labels in the draft's vocabulary (a reduced one: the draft id of each target id, -100
+    # for those it lacks).
+    to_draft = torch.full((target.config.vocab_size,), -100)
+    head = draft.weights.get("lm_head.weight", target.lm_head.weight)
+    drafted = draft.target_ids(torch.arange(head.shape[0]))
+    to_draft[drafted] = torch.arange(len(drafted))
     rng = random.Random(seed)
-    params = {k: v.clone().requires_grad_(True) for k, v in draft.weights.items()}
+    params = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in draft.weights.items()}
     trainable = dataclasses.replace(draft, weights=params)
-    optimizer = torch.optim.Adam(params.values(), lr=LEARNING_RATE)
+    optimizer = torch.optim.Adam([v for v in params.values() if v.requires_grad], lr=LEARNING_RATE)
     decay = POSITION_DECAY ** torch.arange(width - 1, dtype=torch.float32)
     with one_thread():
         for _ in range(steps):
@@ -87,25 +105,20 @@ def train_draft(target_dir: Path | str, draft_dir: Path | str, *, steps: int, se
             rows = by_position[p]
             ctx = torch.stack([features[i][:p] for i in rows])
             anchors = torch.tensor([sequences[i][p] for i in rows])
-            labels = torch.tensor([sequences[i][p + 1 : p + width] for i in rows])
+            labels = to_draft[torch.tensor([sequences[i][p + 1 : p + width] for i in rows])]
             logits = draft_block_logits(trainable, target, ctx, anchors)
-            per_row = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+            per_row = F.cross_entropy(
+                logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-100
+            )
             loss = (per_row.view(len(rows), -1) * decay).sum(-1).mean() / decay.sum()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
 
-    config = json.loads((Path(draft_dir) / "config.json").read_text())
-    explicit_ids = (config.get("dflash_config") or {}).get("target_layer_ids")
-    return make_tiny_draft(
-        draft_dir,
-        target_dir,
-        num_layers=draft.num_layers,
-        block_size=width,
-        target_layer_ids=explicit_ids,
-        mask_token_id=draft.mask_token_id,
-        state_dict={k: v.detach() for k, v in params.items()},
-    )
+    weights = Path(draft_dir) / "model.safetensors"
+    stored = load_file(str(weights))
+    save_file({k: params[k].detach().to(v.dtype) for k, v in stored.items()}, str(weights))
+    return Path(draft_dir)
 
 
 # The trained draft the tests share: for a 4-layer target, block 4, features of layers 1 and 2.
@@ -116,22 +129,40 @@ TRAIN_STEPS = 300
 TRAIN_SEED = 0
 
 
-def trained_draft_beside(target_dir: Path | str) -> Path:
-    """The tests' trained draft for target_dir, kept in a sibling directory so that every test
-    module of a session reuses one training run (trained under a temporary name, then renamed,
-    so an interrupted run leaves nothing that looks finished)."""
+# The trained variants beyond z-lab's format: make_tiny_draft's options for each (the reduced
+# vocabulary is filled in from the target's continuations).
+TRAINED_VARIANTS: dict[str, dict[str, Any]] = {
+    "": {},
+    # Two layers, the second sliding over 6 positions (causal in the block, as z-lab's are).
+    "sliding": {"num_layers": 2, "sliding_window": 6, "sliding_layers": [1]},
+    # The speculators format, 400 of the target's 1088 ids, the first layer sliding over 5.
+    "speculators-vocab": {
+        "num_layers": 2, "sliding_window": 5, "sliding_layers": [0], "speculators": True,
+        "draft_vocab": 400,
+    },
+}  # fmt: skip
+
+
+def trained_draft_beside(target_dir: Path | str, variant: str = "") -> Path:
+    """The tests' trained draft for target_dir (of a TRAINED_VARIANTS kind), kept in a sibling
+    directory so that every test module of a session reuses one training run (trained under a
+    temporary name, then renamed, so an interrupted run leaves nothing that looks finished)."""
     target = Path(target_dir)
-    out = target.with_name(target.name + "-dflash-trained")
+    suffix = f"-{variant}" if variant else ""
+    out = target.with_name(f"{target.name}-dflash-trained{suffix}")
     if not out.exists():
-        scratch = target.with_name(target.name + "-dflash-training")
+        scratch = target.with_name(f"{target.name}-dflash-training{suffix}")
         shutil.rmtree(scratch, ignore_errors=True)
+        options: dict[str, Any] = {"num_layers": TRAINED_LAYERS, **TRAINED_VARIANTS[variant]}
+        if "draft_vocab" in options:
+            options["draft_vocab"] = continuation_vocab(target, TRAIN_SEED, options["draft_vocab"])
         make_tiny_draft(
             scratch,
             target,
-            num_layers=TRAINED_LAYERS,
             block_size=TRAINED_BLOCK_SIZE,
             target_layer_ids=TRAINED_LAYER_IDS,
             seed=TRAIN_SEED,
+            **options,
         )
         train_draft(target, scratch, steps=TRAIN_STEPS, seed=TRAIN_SEED)
         scratch.rename(out)

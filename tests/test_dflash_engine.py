@@ -3,7 +3,9 @@
 Float32 on the CPU: speculative greedy output must be token-identical to the engine without a
 draft, every verify round must draft exactly the reference's tokens, the speculation statistics
 must add up, and sampling must not change the output (the sampler is keyed by seed and token
-index, so even individual samples match). Bad drafts are refused when the engine starts.
+index, so even individual samples match). So for every kind of draft: z-lab's, with
+sliding-window layers (causal or not in the block), causal full layers, a reduced vocabulary,
+and the speculators format. Bad drafts are refused, by name, when the engine starts.
 """
 
 from __future__ import annotations
@@ -15,9 +17,15 @@ from typing import Any
 
 import pytest
 import torch
-from dflash_reference import RefRound, load_target, one_thread, reference_generate
+from dflash_reference import (
+    RefRound,
+    load_target,
+    one_thread,
+    reference_drafts,
+    reference_generate,
+)
 from dflash_train import CONTINUATION, trained_draft_beside, training_prompts
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from batchrun.engine.config import EngineConfig
@@ -67,13 +75,63 @@ def draft_for(
         ),
         # The last layer's feature is its pre-norm output, not HF's (normed) last hidden state.
         "random-last-layer": lambda: (target, draft(target, target_layer_ids=[0, 3], seed=2)),
+        # A full layer, then one sliding over 6 positions, causal in the block (z-lab's rule).
+        "sliding": lambda: (target, draft(target, sliding_window=6, sliding_layers=[1], **TWO)),
+        # Every layer sliding over 5, non-causal (dflash_config.causal: false).
+        "sliding-noncausal": lambda: (
+            target,
+            draft(target, sliding_window=5, **TWO, extra_config=dflash_config(causal=False)),
+        ),
+        # Full layers, causal in the block (dflash_config.causal: true).
+        "causal": lambda: (target, draft(target, **TWO, extra_config=dflash_config(causal=True))),
+        # A reduced vocabulary: every third target id (d2t, no t2d).
+        "vocab": lambda: (target, draft(target, draft_vocab=THIRDS, drop=("t2d",))),
+        # The speculators format (aux ids [2, 3]); and with a sliding first layer, a reduced
+        # vocabulary (d2t and t2d) and a non-causal window.
+        "speculators": lambda: (target, draft(target, speculators=True, **TWO)),
+        "speculators-sliding-vocab": lambda: (
+            target,
+            draft(
+                target,
+                speculators=True,
+                sliding_window=7,
+                sliding_layers=[0],
+                **TWO,
+                draft_vocab=list(range(3, 900, 2)),
+                extra_config={"sliding_window_non_causal": True},
+            ),
+        ),
         "trained": lambda: (target, trained_draft_beside(target)),
+        "trained-sliding": lambda: (target, trained_draft_beside(target, "sliding")),
+        "trained-speculators-vocab": lambda: (
+            target,
+            trained_draft_beside(target, "speculators-vocab"),
+        ),
     }
 
-    def draft(target_dir: Path, **kw: Any) -> Path:
-        return make_tiny_draft(tmp_path_factory.mktemp("draft"), target_dir, **{"seed": 1, **kw})
+    def draft(target_dir: Path, drop: tuple[str, ...] = (), **kw: Any) -> Path:
+        out = make_tiny_draft(tmp_path_factory.mktemp("draft"), target_dir, **{"seed": 1, **kw})
+        if drop:
+            weights = load_file(str(out / "model.safetensors"))
+            save_file(
+                {k: v for k, v in weights.items() if k not in drop}, str(out / "model.safetensors")
+            )
+        return out
 
     return lambda kind: kinds[kind]()
+
+
+TWO = {"num_layers": 2, "target_layer_ids": [1, 2]}
+THIRDS = list(range(0, 1088, 3))  # a reduced vocabulary: every third target id
+
+
+def dflash_config(**keys: Any) -> dict[str, Any]:
+    return {"dflash_config": {"mask_token_id": 1024, "target_layer_ids": [1, 2], **keys}}
+
+
+TRAINED = ["trained", "trained-sliding", "trained-speculators-vocab"]
+VARIANTS = ["sliding", "sliding-noncausal", "causal", "vocab", "speculators",
+            "speculators-sliding-vocab"]  # fmt: skip
 
 
 def run(
@@ -157,13 +215,14 @@ def check_same_outputs(spec: list[Request], plain: list[Request]) -> None:
 
 
 @pytest.mark.parametrize(
-    "kind", ["random", "random-b8-default-ids", "tied-3-layers", "random-last-layer", "trained"]
+    "kind",
+    ["random", "random-b8-default-ids", "tied-3-layers", "random-last-layer", *VARIANTS, *TRAINED],
 )
 def test_greedy_equals_target_only_and_reference(
     draft_for: Callable[[str], tuple[Path, Path]], kind: str
 ) -> None:
     target, draft = draft_for(kind)
-    if kind == "trained":
+    if kind in TRAINED:
         prompts = training_prompts(seed=0)
         jobs = greedy_jobs(prompts, [CONTINUATION, 3, 17, 1, 26, 9, 40, 30])
     else:
@@ -172,7 +231,7 @@ def test_greedy_equals_target_only_and_reference(
     _, plain = run(target, None, jobs)
     check_same_outputs(spec, plain)
     check_against_reference(target, draft, jobs, engine, spec)
-    if kind == "trained":
+    if kind in TRAINED:
         lengths = Counter(len(t.committed) for t in engine.round_trace or [])
         assert len(lengths) >= 3, lengths  # the commit paths of short and long runs both ran
 
@@ -289,12 +348,12 @@ def test_max_tokens_inside_a_block(target: Path, trained: Path) -> None:
     assert cut_inside >= 3
 
 
-@pytest.mark.parametrize("kind", ["random", "trained"])
+@pytest.mark.parametrize("kind", ["random", "trained", "trained-sliding"])
 def test_preemption_changes_nothing(
     draft_for: Callable[[str], tuple[Path, Path]], kind: str
 ) -> None:
     target, draft = draft_for(kind)
-    prompts = training_prompts(seed=0) if kind == "trained" else random_prompts(seed=7)
+    prompts = training_prompts(seed=0) if kind in TRAINED else random_prompts(seed=7)
     jobs = greedy_jobs(prompts, [30] * len(prompts))
     engine, spec = run(target, draft, jobs, num_pages=40)
     assert engine.num_preemptions > 0
@@ -385,11 +444,18 @@ def test_sampling_distribution_matches_target(target: Path, trained: Path) -> No
 
 
 GOOD_IDS = {"target_layer_ids": [1, 2], "mask_token_id": 1024}
+VOCAB = list(range(0, 1088, 2))  # a reduced vocabulary of 544 target ids
+
+
+def speculators(**config: Any) -> dict[str, Any]:
+    return {"speculators": True, "extra_config": config}
+
+
 BAD_DRAFTS: dict[str, tuple[dict[str, Any], str]] = {
     "hidden-size": ({"extra_config": {"hidden_size": 48}}, r"hidden_size 48"),
     "no-mask-id": ({"extra_config": {"dflash_config": {"target_layer_ids": [1, 2]}}}, "mask"),
     "mask-outside-embedding": ({"mask_token_id": 1088}, r"mask_token_id 1088.*outside"),
-    "layer-id-out-of-range": ({"target_layer_ids": [1, 4]}, "target_layer_ids"),
+    "layer-id-out-of-range": ({"target_layer_ids": [1, 4]}, r"target_layer_ids \[1, 4\] .*0\.\.3"),
     "negative-layer-id": ({"target_layer_ids": [-1, 2]}, "target_layer_ids"),
     "sample-from-anchor": ({"extra_config": {"sample_from_anchor": True}}, "sample_from_anchor"),
     "sample-from-anchor-in-dflash-config": (
@@ -397,19 +463,80 @@ BAD_DRAFTS: dict[str, tuple[dict[str, Any], str]] = {
         "sample_from_anchor",
     ),
     "dflash2": ({"extra_config": {"architectures": ["DFlash2DraftModel"]}}, "DFlash2DraftModel"),
-    "sliding-window": (
-        {"extra_config": {"layer_types": ["sliding_attention"], "sliding_window": 8}},
-        "sliding",
-    ),
-    "use-sliding-window": (
-        {"extra_config": {"use_sliding_window": True, "sliding_window": 8}},
-        "sliding",
-    ),
-    "d2t-tensor": ({"extra_tensors": {"d2t": torch.zeros(512, dtype=torch.int64)}}, "d2t"),
-    "draft-vocab-size": ({"extra_config": {"draft_vocab_size": 512}}, "draft_vocab_size"),
     "yarn-rope-scaling": (
         {"extra_config": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}},
         "rope.*yarn",
+    ),
+    # Sliding windows: transformers reads no window without use_sliding_window.
+    "sliding-without-window": (
+        {"extra_config": {"layer_types": ["sliding_attention"], "sliding_window": 8}},
+        "sliding_attention layers but no window",
+    ),
+    "window-below-block": ({"sliding_window": 3}, "sliding_window 3 smaller than the block size 4"),
+    "unknown-layer-type": (
+        {"extra_config": {"layer_types": ["chunked_attention"]}},
+        "layer type 'chunked_attention' is not supported",
+    ),
+    "layer-types-count": (
+        {"extra_config": {"layer_types": ["full_attention"] * 2}},
+        "layer_types names 2 layers, not 1",
+    ),
+    # Reduced vocabularies.
+    "draft-vocab-without-head": (
+        {"extra_config": {"draft_vocab_size": 512}},
+        "draft_vocab_size 512 needs the draft's own lm_head",
+    ),
+    "draft-vocab-above-target": (
+        {"extra_config": {"draft_vocab_size": 2000}},
+        "draft_vocab_size must be an integer in 1 .. 1088",
+    ),
+    "no-d2t": ({"draft_vocab": VOCAB, "drop_tensors": ("d2t",)}, "needs the d2t map"),
+    "d2t-shape": (
+        {"draft_vocab": VOCAB, "extra_tensors": {"d2t": torch.zeros(10, dtype=torch.int64)}},
+        r"d2t has shape \[10\], expected \[544\]",
+    ),
+    "lm-head-shape": (
+        {"draft_vocab": VOCAB, "extra_tensors": {"lm_head.weight": torch.zeros(500, 64)}},
+        r"lm_head.weight has shape \[500, 64\], expected \[544, 64\]",
+    ),
+    "d2t-out-of-range": (
+        {"draft_vocab": VOCAB, "extra_tensors": {"d2t": torch.full((544,), 600)}},
+        "d2t maps draft tokens outside the target's 1088 ids",
+    ),
+    "t2d-disagrees": (
+        {"draft_vocab": VOCAB, "extra_tensors": {"t2d": torch.ones(1088, dtype=torch.bool)}},
+        "t2d does not mark the target ids that d2t maps to",
+    ),
+    # The speculators format.
+    "speculators-eagle3": (
+        speculators(speculators_model_type="eagle3"),
+        "speculators_model_type 'eagle3' is not supported",
+    ),
+    "speculators-domino": (speculators(projector_type="domino"), "projector_type 'domino'"),
+    "speculators-sample-from-anchor": (
+        speculators(sample_from_anchor=True),
+        "sample_from_anchor: true",
+    ),
+    "speculators-shift-label": (speculators(shift_label=True), "shift_label: true"),
+    "speculators-no-aux-ids": (
+        speculators(aux_hidden_state_layer_ids=None),
+        "aux_hidden_state_layer_ids is missing",
+    ),
+    "speculators-aux-id-of-the-embeddings": (
+        speculators(aux_hidden_state_layer_ids=[0, 2]),
+        r"aux_hidden_state_layer_ids \[0, 2\] must be layers of the target \(1\.\.4\)",
+    ),
+    "speculators-target-hidden-size": (
+        speculators(target_hidden_size=128),
+        "target_hidden_size 128 differs",
+    ),
+    "speculators-llama-layers": (
+        speculators(transformer_layer_config={"model_type": "llama"}),
+        "transformer_layer_config has model_type 'llama'",
+    ),
+    "speculators-bad-layers": (
+        speculators(transformer_layer_config={"model_type": "qwen3", "hidden_size": "wide"}),
+        "transformer_layer_config is not Qwen3's",
     ),
 }
 
@@ -418,11 +545,10 @@ BAD_DRAFTS: dict[str, tuple[dict[str, Any], str]] = {
 def test_bad_draft_is_refused(target: Path, tmp_path: Path, case: str) -> None:
     kw, message = BAD_DRAFTS[case]
     kw = {"num_layers": 1, **GOOD_IDS, **kw}
-    extra = kw.pop("extra_tensors", None)
+    extra, drop = kw.pop("extra_tensors", {}), kw.pop("drop_tensors", ())
     draft = make_tiny_draft(tmp_path / "draft", target, **kw)
-    if extra:
-        weights = load_file(str(draft / "model.safetensors")) | extra
-        make_tiny_draft(draft, target, **kw, state_dict=weights)
+    weights = load_file(str(draft / "model.safetensors")) | extra
+    save_file({k: v for k, v in weights.items() if k not in drop}, str(draft / "model.safetensors"))
     with pytest.raises(JobError, match=message):
         run(target, draft, [])
 
@@ -433,15 +559,18 @@ WIDE = "random-b8-default-ids"  # a block of 8
 @pytest.mark.parametrize(
     ("kind", "width"),
     [(WIDE, 1), (WIDE, 2), (WIDE, 5), (WIDE, "full"), (WIDE, "auto"),
-     ("trained", 2), ("trained", "full"), ("trained", "auto")],
+     ("trained", 2), ("trained", "full"), ("trained", "auto"),
+     ("trained-sliding", 2), ("trained-sliding", "auto")],
 )  # fmt: skip
 def test_every_verify_width_is_lossless(
     draft_for: Callable[[str], tuple[Path, Path]], kind: str, width: int | str
 ) -> None:
     """Greedy outputs at fixed widths 1, 2, 5 and B, and under the adaptive policy, equal
-    target-only's; a round of width w commits 1 .. w tokens, counted in B histogram bins."""
+    target-only's; a round of width w commits 1 .. w tokens, counted in B histogram bins, and
+    drafts what the reference drafts from the same context (a sliding draft's window filled,
+    at width 1, by the target's own steps)."""
     target, draft = draft_for(kind)
-    if kind == "trained":
+    if kind in TRAINED:
         jobs = greedy_jobs(training_prompts(seed=0), [CONTINUATION, 3, 17, 1, 26, 9, 40, 30])
     else:
         jobs = greedy_jobs(random_prompts(seed=0), MAX_TOKENS)
@@ -451,10 +580,17 @@ def test_every_verify_width_is_lossless(
     block = engine.block_size
     assert block is not None
     widest = block if width in ("full", "auto") else int(width)
-    for req in spec:
-        check_stats(req, block, rounds_of(engine, req.row_index))
+    for req, (prompt, _) in zip(spec, jobs, strict=True):
+        rounds = rounds_of(engine, req.row_index)
+        check_stats(req, block, rounds)
         assert req.spec_hist is not None and not any(req.spec_hist[widest:])
-    if kind == "trained" and width != "auto":  # the trained draft fills a round of any width
+        drafted = [r for r in rounds if r.drafts]
+        sequence = prompt + req.output_ids
+        expected = reference_drafts(target, draft, sequence, [r.position for r in drafted])
+        for r in drafted:
+            assert r.anchor == sequence[r.position]
+            assert r.drafts == expected[r.position][: len(r.drafts)], (req.row_index, r)
+    if kind in TRAINED and width != "auto":  # the trained draft fills a round of any width
         assert max(len(t.committed) for t in engine.round_trace or []) == widest
     if width == "auto":  # widths were measured, widest first, and the policy saw acceptance
         assert engine.width_policy is not None

@@ -1,16 +1,31 @@
 """Self-checks of the test-side DFlash pieces, no engine involved: the tiny draft writer, the
-plain reference (lossless against transformers' generate()) and the trained draft."""
+plain reference (lossless against transformers' generate(), for every kind of draft; its
+window masks what it should) and the trained drafts."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from dflash_reference import load_target, one_thread, reference_generate, target_pass
-from dflash_train import CONTINUATION, TRAINED_BLOCK_SIZE, trained_draft_beside, training_prompts
+from dflash_reference import (
+    load_target,
+    one_thread,
+    read_draft,
+    reference_drafts,
+    reference_generate,
+    target_pass,
+)
+from dflash_train import (
+    CONTINUATION,
+    TRAINED_BLOCK_SIZE,
+    TRAINED_VARIANTS,
+    trained_draft_beside,
+    training_prompts,
+)
 from safetensors import safe_open
 
 from batchrun.models.dflash import default_target_layer_ids
@@ -108,6 +123,23 @@ def test_draft_defaults_and_cli(make_model: MakeModel, target: Path, tmp_path: P
     config = json.loads((tmp_path / "b" / "config.json").read_text())
     assert config["dflash_config"] == {"mask_token_id": 1024, "target_layer_ids": [0, 3]}
 
+    tiny_draft.main(
+        [str(tmp_path / "c"), "--target", str(target), "--layers", "3", "--layer-ids", "0,2,3",
+         "--speculators",
+         "--sliding-window", "9", "--sliding-layers", "0,2", "--draft-vocab", "100"]
+    )  # fmt: skip
+    config = json.loads((tmp_path / "c" / "config.json").read_text())
+    layers = config["transformer_layer_config"]
+    assert config["speculators_model_type"] == "dflash" and config["draft_vocab_size"] == 100
+    assert config["aux_hidden_state_layer_ids"] == [1, 3, 4]  # hidden-state indices
+    assert layers["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert (layers["use_sliding_window"], layers["sliding_window"]) == (True, 9)
+    with safe_open(str(tmp_path / "c" / "model.safetensors"), framework="pt") as f:
+        assert list(f.get_slice("lm_head.weight").get_shape()) == [100, 64]
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    ids = torch.arange(100) + d2t  # offsets: target id = draft id + d2t[draft id]
+    assert t2d.sum() == 100 and bool(t2d[ids].all()) and bool((ids[1:] > ids[:-1]).all())
+
 
 def test_features_are_layer_outputs(target: Path) -> None:
     """f_l is the residual stream after layer l: HF's hidden_states[l + 1], except for the last
@@ -124,8 +156,21 @@ def test_features_are_layer_outputs(target: Path) -> None:
     assert not torch.allclose(per_layer[:, 3], hidden[4][0])
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_draft_is_lossless(target: Path, random_draft: Path, seed: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "kind"), [(0, "z-lab"), (1, "z-lab"), (0, "sliding"), (0, "speculators-vocab")]
+)
+def test_random_draft_is_lossless(
+    target: Path, random_draft: Path, tmp_path: Path, seed: int, kind: str
+) -> None:
+    variants: dict[str, dict[str, Any]] = {
+        "sliding": {"sliding_window": 5, "sliding_layers": [1]},
+        "speculators-vocab": {"speculators": True, "draft_vocab": list(range(0, 1088, 5))},
+    }
+    if kind != "z-lab":
+        random_draft = make_tiny_draft(
+            tmp_path / kind, target, num_layers=2, block_size=4, target_layer_ids=[1, 2],
+            **variants[kind],
+        )  # fmt: skip
     for prompt in prompts(1024, seed):
         expected = hf_greedy(target, prompt, 24, [2])
         out, rounds = reference_generate(target, random_draft, prompt, 24, [2])
@@ -138,8 +183,30 @@ def test_random_draft_is_lossless(target: Path, random_draft: Path, seed: int) -
         assert out[-1] == stop and stop not in out[:-1]
 
 
-def test_trained_draft_accepts_often_but_not_always(target: Path) -> None:
-    draft = trained_draft_beside(target)
+def test_a_window_over_the_whole_context_changes_no_draft(target: Path, tmp_path: Path) -> None:
+    """The same weights with every layer sliding, non-causal: a window longer than the context
+    drafts what full attention drafts, a window of 4 does not (it drops context)."""
+    common: dict[str, Any] = {"num_layers": 2, "block_size": 4, "target_layer_ids": [1, 2]}
+    full = make_tiny_draft(tmp_path / "full", target, **common)
+    noncausal = {"dflash_config": {"mask_token_id": 1024, "target_layer_ids": [1, 2],
+                                   "causal": False}}  # fmt: skip
+    drafts = []
+    for window in (1000, 4):
+        sliding = make_tiny_draft(
+            tmp_path / f"w{window}", target, **common, sliding_window=window,
+            extra_config=noncausal,
+        )  # fmt: skip
+        assert read_draft(sliding).windows == [window, window]
+        sequence = prompts(1024, 2)[3] + list(range(40, 60))
+        drafts.append(reference_drafts(target, sliding, sequence, list(range(5, 40))))
+    expected = reference_drafts(target, full, sequence, list(range(5, 40)))
+    assert drafts[0] == expected
+    assert drafts[1] != expected
+
+
+@pytest.mark.parametrize("variant", list(TRAINED_VARIANTS))
+def test_trained_draft_accepts_often_but_not_always(target: Path, variant: str) -> None:
+    draft = trained_draft_beside(target, variant)
     hist = [0] * TRAINED_BLOCK_SIZE
     for prompt in training_prompts(seed=0):
         out, rounds = reference_generate(target, draft, prompt, CONTINUATION, [2])

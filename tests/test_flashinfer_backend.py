@@ -82,8 +82,9 @@ def attend_over_plan(
     scale: float,
 ) -> torch.Tensor:
     """What flashinfer's paged prefill computes from the page lists (its documented semantics:
-    query i of a request with q_len rows over kv_len positions sees positions up to
-    kv_len - q_len + i when causal), one request at a time in float32."""
+    query i of a request with q_len rows over kv_len positions, at q = kv_len - q_len + i, sees
+    positions up to q when causal, and from q - window_left on with a window, causal or not),
+    one request at a time in float32."""
     out = torch.zeros_like(q, dtype=torch.float32)
     page_size, hkv, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     start = plan.rows[0]
@@ -97,10 +98,13 @@ def attend_over_plan(
         group = q.shape[1] // hkv
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         rows = q[start + q0 : start + q1].float()
-        mask = None
+        q_pos = torch.arange(kv_len - (q1 - q0), kv_len, device=q.device)[:, None]
+        kv_pos = torch.arange(kv_len, device=q.device)[None, :]
+        mask = torch.ones(q1 - q0, kv_len, dtype=torch.bool, device=q.device)
         if plan.causal:
-            q_pos = torch.arange(kv_len - (q1 - q0), kv_len, device=q.device)
-            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+            mask &= kv_pos <= q_pos
+        if plan.window_left >= 0:
+            mask &= kv_pos >= q_pos - plan.window_left
         attended = F.scaled_dot_product_attention(
             rows.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
             attn_mask=mask, scale=scale,
@@ -109,16 +113,19 @@ def attend_over_plan(
     return out
 
 
-def check_page_lists(batch: Batch, causal: bool, extra_rows: int, seed: int) -> None:
+def check_page_lists(
+    batch: Batch, causal: bool, extra_rows: int, seed: int, window: int | None = None
+) -> None:
     hq, hkv, dim = 4, 2, 16
     shape = (batch.num_pages, batch.page_size, hkv, dim)
     k_cache = _randn(*shape, dtype=torch.float32, seed=seed + 1)
     v_cache = _randn(*shape, dtype=torch.float32, seed=seed + 2)
     rows = sum(batch.q_lens)
     q = _randn(rows + extra_rows, hq, dim, dtype=torch.float32, seed=seed + 3)
-    meta = batch.meta(causal, torch.zeros(0, dtype=torch.long, device=DEVICE))
+    meta = batch.meta(causal, torch.zeros(0, dtype=torch.long, device=DEVICE), window)
     meta.page_table = batch.table(pad=BOGUS_PAGE)
     plan = paged_plan(meta)
+    assert plan.window_left == (-1 if window is None else window - 1)
     kept = [n > 0 for n in batch.q_lens]
     assert plan.num_requests == sum(kept)
     assert plan.rows == (0, rows)
@@ -127,7 +134,7 @@ def check_page_lists(batch: Batch, causal: bool, extra_rows: int, seed: int) -> 
     last = plan.last_page_len.tolist()
     assert all(1 <= n <= batch.page_size for n in last)
     got = attend_over_plan(plan, q, k_cache, v_cache, dim**-0.5)
-    want = torch_reference(batch, q[:rows], k_cache, v_cache, dim**-0.5, causal)
+    want = torch_reference(batch, q[:rows], k_cache, v_cache, dim**-0.5, causal, window)
     torch.testing.assert_close(got[:rows], want, atol=2e-5, rtol=2e-5)
     assert not got[rows:].any()
 
@@ -140,6 +147,15 @@ def test_page_lists_attend_like_the_reference(causal: bool, page_size: int) -> N
     q_lens = [0, 1, 3, 16, 0, 5, 2]
     ctx = [5, 37, 0, 20, 0, 11, 2 * page_size - 2]
     check_page_lists(make_batch(q_lens, ctx, page_size, seed=3), causal, 3, seed=4)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "draft_block"])
+def test_a_sliding_window_is_window_left(causal: bool) -> None:
+    """A window of W positions (a row at q sees positions > q - W) is flashinfer's
+    window_left = W - 1 (it keeps positions >= q - window_left), causal or not."""
+    q_lens = [4, 4, 0, 1, 16]
+    ctx = [40, 2, 9, 21, 30]
+    check_page_lists(make_batch(q_lens, ctx, 4, seed=5), causal, 2, seed=6, window=7)
 
 
 def test_page_lists_of_no_rows() -> None:
@@ -164,10 +180,12 @@ def run_flashinfer_case(
     extra_rows: int = 0,
     seed: int = 0,
     backend: FlashInferAttention | None = None,
+    window: int | None = None,
 ) -> None:
     """Each request's newest q_len K/V rows are written through the backend (padding rows with
-    slot -1 write nothing), then it attends over the whole cache; TorchAttention does the same
-    on a copy of the cache, in float32."""
+    slot -1 write nothing), then it attends over the whole cache (through a sliding window of
+    that many positions, where given); TorchAttention does the same on a copy of the cache, in
+    float32."""
     batch = make_batch(q_lens, ctx, page_size, seed)
     shape = (batch.num_pages, page_size, num_kv_heads, head_dim)
     k_cache = _randn(*shape, dtype=dtype, seed=seed + 1)
@@ -180,14 +198,14 @@ def run_flashinfer_case(
     scale = head_dim**-0.5
 
     reference = TorchAttention()
-    reference.plan(batch.meta(causal, slots))
+    reference.plan(batch.meta(causal, slots, window))
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     reference.write_kv(k, v, ref_k, ref_v)
     want = reference.attend(q.float(), ref_k.float(), ref_v.float(), scale)
 
     if backend is None:
         backend = FlashInferAttention(torch.device(DEVICE), write_kv)
-    meta = batch.meta(causal, slots)
+    meta = batch.meta(causal, slots, window)
     meta.page_table = batch.table(pad=BOGUS_PAGE)
     backend.plan(meta)
     backend.write_kv(k, v, k_cache, v_cache)
@@ -241,6 +259,21 @@ def test_gpu_flashinfer_blocks(causal: bool) -> None:
     q_lens = [16] * 32
     q_lens[3] = 0
     run_flashinfer_case(q_lens, ctx, *QWEN3_8B, 16, torch.bfloat16, causal, extra_rows=16)
+
+
+@gpu
+@needs_flashinfer
+@pytest.mark.parametrize("causal", [True, False], ids=["sliding-causal", "sliding-draft_block"])
+def test_gpu_flashinfer_sliding_window_blocks(causal: bool) -> None:
+    """A sliding draft layer's blocks of 16 rows through a window of 64 positions, on one
+    backend that also runs full-attention forwards (the window is part of what it plans)."""
+    ctx = torch.randint(0, 2032, (32,), generator=_gen(9)).tolist()
+    q_lens = [16] * 32
+    q_lens[5] = 0
+    backend = FlashInferAttention(torch.device(DEVICE), write_kv)
+    for window in (64, None, 64):
+        run_flashinfer_case(q_lens, ctx, *QWEN3_8B, 16, torch.bfloat16, causal, 16, 0, backend,
+                            window)  # fmt: skip
 
 
 @gpu

@@ -108,22 +108,31 @@ def run(target: Path, draft: Path | None, jobs: list, **config: Any) -> tuple[En
     return engine, requests
 
 
-@pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "dflash"])
+def rounds(engine: Engine) -> list:
+    return sorted(engine.round_trace or [], key=lambda t: (t.row_index, t.position))
+
+
+@pytest.mark.parametrize(
+    "draft_kind", [None, "", "sliding"], ids=["target-only", "dflash", "dflash-sliding"]
+)
 @pytest.mark.parametrize(
     ("num_pages", "lengths"),
     [(64, (21, 13)), (14, (21, 13)), (400, (250, 201))],
     ids=["roomy", "preempting", "long-prefixes"],  # long: whole page tables arrive in one step
 )
 def test_cached_prefixes_change_no_output(
-    make_model: Any, with_draft: bool, num_pages: int, lengths: tuple[int, int]
+    make_model: Any, draft_kind: str | None, num_pages: int, lengths: tuple[int, int]
 ) -> None:
+    """A sliding draft's window is not in the cached pages (its rings hold it): a request
+    admitted onto a cached prefix recomputes the window's worth of it, and drafts the same."""
     target = make_model(num_layers=4, vocab_size=1088, tie_word_embeddings=False)
-    draft = trained_draft_beside(target) if with_draft else None
+    draft = trained_draft_beside(target, draft_kind) if draft_kind is not None else None
     jobs = shared_prefix_jobs(12, seed=3, lengths=lengths)
-    _, off = run(target, draft, jobs, prefix_caching=False, num_pages=num_pages)
+    off_engine, off = run(target, draft, jobs, prefix_caching=False, num_pages=num_pages)
     engine, on = run(target, draft, jobs, prefix_caching=True, num_pages=num_pages)
     assert [r.output_ids for r in on] == [r.output_ids for r in off]
     assert [r.spec_hist for r in on] == [r.spec_hist for r in off]  # the draft's context too
+    assert rounds(engine) == rounds(off_engine)  # every draft
     assert engine.pool.hit_rate is not None and engine.pool.hit_rate > 0.4
     assert engine.info()["prefix_cache_hit_rate"] == engine.pool.hit_rate  # into stats.json
     if num_pages == 14:

@@ -73,8 +73,25 @@ def test_validate_prints_what_preflight_found(tmp_path: Path, tiny_model: Path) 
     result = CliRunner().invoke(cli, ["validate", *args])
     assert result.exit_code == 0, result.output
     assert "device: cpu, dtype: float32, attention backend: torch" in result.output
-    assert "block size 4, target layers [1]" in result.output
+    assert "(z-lab format, 1 layers, block size 4, target layers [1]" in result.output
     assert result.output.endswith("ok\n")
+
+
+def test_validate_describes_a_speculators_draft(tmp_path: Path, tiny_model: Path) -> None:
+    draft = make_tiny_draft(
+        tmp_path / "draft", tiny_model, num_layers=2, block_size=4, target_layer_ids=[0, 1],
+        sliding_window=6, sliding_layers=[1], draft_vocab=list(range(0, 1024, 4)),
+        speculators=True,
+    )  # fmt: skip
+    write_input(tmp_path / "in")
+    args = ["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")]
+    args += ["--target", str(tiny_model), "--draft", str(draft)]
+    result = CliRunner().invoke(cli, ["validate", *args])
+    assert result.exit_code == 0, result.output
+    assert (
+        "(speculators format, 2 layers (1 sliding over 6 positions), block size 4, "
+        "target layers [0, 1], mask id 1023, draft vocabulary 256)"
+    ) in result.output
 
 
 # A bad job: (how to break it, the message both commands must give).
@@ -137,8 +154,15 @@ BAD_JOBS: dict[str, tuple[Breaker, str]] = {
         "DFlash2DraftModel",
     ),
     "draft-d2t": (
-        draft_flags(extra_tensors={"d2t": torch.zeros(8, dtype=torch.int64)}),
-        "reduced draft vocabulary",
+        draft_flags(
+            draft_vocab=list(range(100)), extra_tensors={"d2t": torch.zeros(8, dtype=torch.int64)}
+        ),
+        "d2t has shape [8], expected [100]",
+    ),
+    "draft-window": (draft_flags(sliding_window=2), "sliding_window 2 smaller than the block"),
+    "draft-speculators": (
+        draft_flags(speculators=True, extra_config={"speculators_model_type": "eagle3"}),
+        "speculators_model_type 'eagle3' is not supported",
     ),
     "batch-below-block": (
         lambda tmp_path, target, mp: [

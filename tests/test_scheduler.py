@@ -141,6 +141,41 @@ def test_a_budget_below_the_verify_width_is_refused() -> None:
         Scheduler(PagePool(8, 4), 4, 3, decode_width=4)
 
 
+def test_a_narrow_verify_step_has_pages_for_the_whole_draft_block() -> None:
+    """Block size 8, a step verifying 2 rows: the draft writes its whole block at the anchor,
+    so the pages cover 8 positions past it; a plain decode step (width 1) drafts nothing."""
+    pool = PagePool(16, 4)
+    scheduler = Scheduler(pool, 4, 64, decode_width=8)
+    req = Request(0, [3] * 5, SamplingParams(max_tokens=20))
+    scheduler.add(req)
+    scheduler.schedule(2)  # the prefill
+    req.num_cached, req.output_ids = 5, [7]
+    [step] = scheduler.schedule(2)
+    assert (step.decoding, step.num_new) == (True, 2) and len(req.pages) == 4  # 5 + 8 positions
+    pool.shrink(req.pages, 5)
+    scheduler.schedule(1)
+    assert len(req.pages) == 2  # 5 + 1
+
+
+@pytest.mark.parametrize(("tail", "reused"), [(1, 36), (7, 32)])
+def test_a_cached_prompt_leaves_its_tail_to_recompute(tail: int, reused: int) -> None:
+    """A 40-token prompt whose every page is cached: a request admitted onto it computes at
+    least `tail` tokens (a draft with a sliding window of W recomputes W - 1, whose target
+    features refill its ring), in whole pages of 4."""
+    pool = PagePool(32, 4, prefix_caching=True)
+    tokens = list(range(3, 43))
+    pages: list[int] = []
+    pool.grow(pages, 40)
+    pool.register(pages, tokens, 0, 40)
+    pool.release(pages)
+    scheduler = Scheduler(pool, 4, 64, decode_width=4, recompute_tail=tail)
+    req = Request(0, tokens, SamplingParams())
+    scheduler.add(req)
+    [chunk] = scheduler.schedule()
+    assert chunk.num_new == 40 - reused and req.num_cached == reused
+    assert pool.hit_tokens == reused
+
+
 def engine(target: Path, draft: Path | None, **settings: Any) -> Engine:
     return Engine(
         EngineConfig(

@@ -1,6 +1,8 @@
 """The Triton attention backend and fused ops against the torch reference, through the whole
 engine: on a CPU under Triton's interpreter (eager), on a GPU also with CUDA graphs. Target-only
-and with a DFlash draft, with preemption, sampled rows and mixed acceptance lengths."""
+and with a DFlash draft of every kind (z-lab's, sliding-window layers, causal layers, a reduced
+vocabulary, the speculators format), with preemption, sampled rows and mixed acceptance
+lengths."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from dflash_train import trained_draft_beside, training_prompts
+from test_dflash_engine import dflash_config
 
 from batchrun.attention.base import AttentionBackend, GraphKey, GraphShape
 from batchrun.attention.meta import AttentionMeta
@@ -20,6 +23,7 @@ from batchrun.attention.torch_backend import TorchAttention
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
+from batchrun.tools.tiny_draft import make_tiny_draft
 
 TARGET_SHAPE = {"num_layers": 4, "vocab_size": 1088, "tie_word_embeddings": False}
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,9 +38,32 @@ def target(make_model: Any) -> Path:
     return make_model(**TARGET_SHAPE)
 
 
+# Drafts beyond z-lab's first format: trained (they accept runs of every length) or random.
+TWO = {"num_layers": 2, "target_layer_ids": [1, 2], "seed": 1}
+DRAFT_KINDS: dict[str, dict[str, Any]] = {
+    "zlab": {"trained": ""},
+    "sliding": {"trained": "sliding"},
+    "speculators-vocab": {"trained": "speculators-vocab"},
+    "sliding-noncausal": {**TWO, "sliding_window": 5, "extra_config": dflash_config(causal=False)},
+    "causal": {**TWO, "extra_config": dflash_config(causal=True)},
+    "vocab": {**TWO, "draft_vocab": list(range(0, 1088, 3))},
+    "speculators": {**TWO, "speculators": True},
+}
+
+
 @pytest.fixture(scope="module")
-def trained(target: Path) -> Path:
-    return trained_draft_beside(target)
+def draft_of(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """kind (None: no draft) -> the draft's directory."""
+
+    def make(kind: str | None) -> Path | None:
+        if kind is None:
+            return None
+        options = DRAFT_KINDS[kind]
+        if "trained" in options:
+            return trained_draft_beside(target, options["trained"])
+        return make_tiny_draft(tmp_path_factory.mktemp(kind), target, **options)
+
+    return make
 
 
 def jobs(count: int, seed: int, max_tokens: int = 40) -> list[tuple[list[int], SamplingParams]]:
@@ -78,6 +105,8 @@ def run(
     engine = Engine(EngineConfig(target=target, draft=draft, **(settings | config)))
     if backend is not None:
         engine.runner.backend = backend
+        if engine.runner.window_backend is not None:  # a sliding draft's: one more of the kind
+            engine.runner.window_backend = type(backend)()
     if emulate_graphs:
         engine.runner.capture_graphs(engine.config.max_batch_size, engine.widths)
     for i, (prompt, params) in enumerate(work):
@@ -94,11 +123,11 @@ def assert_same(a: list[Request], b: list[Request]) -> None:
     assert [r.spec_hist for r in a] == [r.spec_hist for r in b]
 
 
-@pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "dflash"])
+@pytest.mark.parametrize("kind", [None, "zlab"], ids=["target-only", "dflash"])
 def test_triton_matches_torch_with_preemption(
-    target: Path, trained: Path, with_draft: bool
+    target: Path, draft_of: Any, kind: str | None
 ) -> None:
-    draft = trained if with_draft else None
+    draft = draft_of(kind)
     work = jobs(8, seed=1, max_tokens=32)
     small_pool = {"num_pages": 16, "cuda_graphs": False}  # forces preemptions
     ref_engine, ref = run(target, draft, work, attention_backend="torch", **small_pool)
@@ -106,7 +135,7 @@ def test_triton_matches_torch_with_preemption(
     assert engine.info()["attention_backend"] == "triton"
     assert ref_engine.num_preemptions > 0 and engine.num_preemptions > 0
     assert_same(ref, got)
-    if with_draft:  # the trained draft accepts runs of many lengths
+    if draft is not None:  # the trained draft accepts runs of many lengths
         lengths = {k for r in got if r.spec_hist for k, n in enumerate(r.spec_hist, 1) if n}
         assert len(lengths) >= 3, lengths
 
@@ -144,21 +173,24 @@ class HostPlannedTorch(TorchAttention):
 
 
 @pytest.mark.parametrize(
-    ("backend", "with_draft", "width"),
-    [("torch", False, 1), ("torch", True, "full"), ("torch", True, 1), ("torch", True, 2),
-     ("triton", True, "full"), ("host-planned", False, 1), ("host-planned", True, "auto")],
+    ("backend", "kind", "width"),
+    [("torch", None, 1), ("torch", "zlab", "full"), ("torch", "zlab", 1), ("torch", "zlab", 2),
+     ("triton", "zlab", "full"), ("torch", "sliding", "auto"), ("triton", "sliding", "full"),
+     ("torch", "speculators-vocab", "full"), ("host-planned", None, 1),
+     ("host-planned", "zlab", "auto"), ("host-planned", "sliding", "full")],
 )  # fmt: skip
 def test_graph_buffers_and_padding_replay_like_eager(
-    target: Path, trained: Path, with_draft: bool, backend: str, width: int | str
+    target: Path, draft_of: Any, kind: str | None, backend: str, width: int | str
 ) -> None:
     """On a CPU the graphs are emulated: each steady-state step is loaded into the persistent
     buffers, padded up to its ladder size (padding requests feed no rows and write no K/V; the
     draft's context rows padded to B per request) and run from there. Outputs and rounds are
     the eager ones, at several ladder sizes and verify widths (at width 1 a draft's context is
-    stored inside the target's graph)."""
+    stored inside the target's graph), and for a sliding draft (its blocks attend through a
+    second backend, over its rings) and a reduced vocabulary's."""
     if CUDA:
         pytest.skip("the GPU runs real graphs: test_graphs_replay_like_eager_at_every_ladder_size")
-    draft = trained if with_draft else None
+    draft = draft_of(kind)
     work = jobs(8, seed=4, max_tokens=16)
     host_planned = HostPlannedTorch() if backend == "host-planned" else None
     config = {"attention_backend": "torch" if host_planned else backend, "cuda_graphs": False,
@@ -169,20 +201,33 @@ def test_graph_buffers_and_padding_replay_like_eager(
     sizes = {size for (_, size) in engine.runner.replays}
     assert len(sizes) >= 3, sizes
     assert_same(eager, emulated)
-    if host_planned is not None:  # every replay was planned from its eager meta
-        assert host_planned.replayed == engine.runner.replays
+    if host_planned is not None:  # every replay was planned from its eager metas
+        replays = engine.runner.replays
+        for key, n in replays.items():
+            if key[0] != "draft" or engine.draft.attention.num_full:
+                assert host_planned.replayed[key] == n, key
+        window = engine.runner.window_backend
+        if window is not None:  # a sliding draft's layers: their own backend and metas
+            assert isinstance(window, HostPlannedTorch)
+            assert window.replayed == Counter({k: n for k, n in replays.items() if k[0] == "draft"})
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("with_draft", "width"), [(False, 1), (True, "full"), (True, 1), (True, 2)]
-)
+    ("kind", "width"),
+    [(None, 1), ("zlab", "full"), ("zlab", 1), ("zlab", 2),
+     ("sliding", "full"), ("sliding", 2), ("sliding", "auto"), ("speculators-vocab", "full"),
+     ("sliding-noncausal", "full"), ("causal", "full"), ("vocab", "full"),
+     ("speculators", "full")],
+)  # fmt: skip
 def test_graphs_replay_like_eager_at_every_ladder_size(
-    target: Path, trained: Path, with_draft: bool, width: int | str
+    target: Path, draft_of: Any, kind: str | None, width: int | str
 ) -> None:
     """float32: CUDA graphs (padded up to each ladder size as the batch drains) give exactly the
-    outputs and rounds of eager Triton and of the torch reference, at each verify width."""
-    draft = trained if with_draft else None
+    outputs and rounds of eager Triton and of the torch reference, at each verify width and for
+    every kind of draft (a sliding one's blocks read their ring through a second, windowed
+    backend inside the same graphs)."""
+    draft = draft_of(kind)
     work = jobs(48, seed=2)
     config = {
         "max_batch_size": 32, "max_batched_tokens": 32 * 16, "num_pages": 1024,

@@ -113,9 +113,13 @@ class Batch:
             out.append(out[-1] + n)
         return out
 
-    def table(self, pad: int) -> torch.Tensor:
+    def table(self, pad: int, window: int | None = None) -> torch.Tensor:
+        """With a window: the pages wholly before every row's window hold `pad` too."""
         width = max(1, max(len(t) for t in self.tables))
-        rows = [t + [pad] * (width - len(t)) for t in self.tables]
+        rows = []
+        for t, q_len, kv_len in zip(self.tables, self.q_lens, self.kv_lens, strict=True):
+            first = 0 if window is None else max(kv_len - q_len - window + 1, 0) // self.page_size
+            rows.append([pad] * first + t[first:] + [pad] * (width - len(t)))
         return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
 
     def slots(self) -> list[int]:
@@ -126,7 +130,9 @@ class Batch:
                 out.append(table[p // self.page_size] * self.page_size + p % self.page_size)
         return out
 
-    def meta(self, causal: bool, slot_mapping: torch.Tensor) -> AttentionMeta:
+    def meta(
+        self, causal: bool, slot_mapping: torch.Tensor, window: int | None = None
+    ) -> AttentionMeta:
         positions = [p for n, kv in zip(self.q_lens, self.kv_lens, strict=True) for p in
                      range(kv - n, kv)]  # fmt: skip
         return AttentionMeta(
@@ -139,6 +145,7 @@ class Batch:
             max_q=max(self.q_lens),
             max_kv=max(self.kv_lens),
             causal=causal,
+            window=window,
         )
 
 
@@ -163,11 +170,12 @@ def reference_attention(
     v_cache: torch.Tensor,
     scale: float,
     causal: bool,
+    window: int | None = None,
 ) -> torch.Tensor:
     """TorchAttention in float32 over the same (already written) cache."""
     backend = TorchAttention()
     no_rows = torch.zeros(0, dtype=torch.long, device=DEVICE)
-    backend.plan(batch.meta(causal, no_rows))
+    backend.plan(batch.meta(causal, no_rows, window))
     return backend.attend(q.float(), k_cache.float(), v_cache.float(), scale)
 
 
@@ -185,7 +193,10 @@ def run_attention_case(
     extra_rows: int = 0,
     seed: int = 0,
     min_split_kv: int = MIN_SPLIT_KV,
+    window: int | None = None,
 ) -> None:
+    """The kernel against TorchAttention; its table pads with a page id that must never be
+    read, also for the pages wholly before a window."""
     batch = make_batch(q_lens, ctx, page_size, seed)
     shape = (batch.num_pages, page_size, num_kv_heads, head_dim)
     k_cache = _randn(*shape, dtype=dtype, seed=seed + 1)
@@ -211,17 +222,18 @@ def run_attention_case(
         v_cache,
         cu_q,
         kv_lens,
-        batch.table(pad=10**8),
+        batch.table(pad=10**8, window=window),
         scale=scale,
         causal=causal,
         max_q=max(q_lens),
         out=out,
+        window=window,
         num_splits=num_splits,
         workspace=workspace,
         block_n=block_n,
         min_split_kv=min_split_kv,
     )
-    want = reference_attention(batch, q[:num_rows], k_cache, v_cache, scale, causal)
+    want = reference_attention(batch, q[:num_rows], k_cache, v_cache, scale, causal, window)
     tol = ATTN_TOL[dtype]
     torch.testing.assert_close(out[:num_rows].float(), want, atol=tol, rtol=tol)
     assert bool((out[num_rows:] == sentinel).all()), "rows owned by no request were written"
@@ -273,6 +285,19 @@ def test_attention_blocks_of_rows(causal: bool) -> None:
         run_attention_case(
             [4, 4, 0, 4], [21, 3, 0, 40], 4, 1, 16, 16, torch.float32, causal, num_splits,
             min_split_kv=min_split_kv,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "draft_block"])
+@pytest.mark.parametrize(("window", "num_splits"), [(8, 1), (8, 2), (21, 4), (1000, 1)])
+def test_attention_sliding_window(causal: bool, window: int, num_splits: int) -> None:
+    """A sliding draft layer's blocks of 4 rows (a row at q sees positions > q - window) and
+    mixed rows: the pages before every row's window are never read, splits cover only the
+    window, a window longer than the context changes nothing."""
+    for q_lens, ctx in (([4, 4, 0, 4], [40, 3, 0, 90]), (MIXED_Q, MIXED_CTX)):
+        run_attention_case(
+            q_lens, ctx, 4, 2, 16, 4, torch.float32, causal, num_splits=num_splits, block_n=16,
+            extra_rows=2, min_split_kv=16, window=window,
         )  # fmt: skip
 
 

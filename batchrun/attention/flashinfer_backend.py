@@ -67,6 +67,7 @@ class PagedPlan:
     last_page_len: torch.Tensor  # [n], 1 .. page_size
     rows: tuple[int, int]
     causal: bool
+    window_left: int = -1  # the meta's window as flashinfer's (see Params)
 
     @property
     def num_requests(self) -> int:
@@ -102,6 +103,7 @@ def paged_plan(meta: AttentionMeta, keep_all: bool = False) -> PagedPlan:
         last_page_len=(kv_lens - (num_pages - 1) * page_size).int(),
         rows=(int(cu_q[0]), int(cu_q[-1])),
         causal=meta.causal,
+        window_left=-1 if meta.window is None else meta.window - 1,
     )
 
 
@@ -131,6 +133,7 @@ class Params:
     kv_dtype: torch.dtype
     scale: float
     causal: bool
+    window_left: int  # flashinfer's: a sliding window of W positions is W - 1; -1: none
 
 
 @dataclass
@@ -159,6 +162,7 @@ class FlashInferAttention:
         self.paged: PagedPlan | None = None
         self.slot_mapping: torch.Tensor | None = None
         self.causal = True
+        self.window_left = -1
         self._planned: Params | None = None  # what the eager wrapper is planned for
         self._bound: GraphWrapper | None = None  # inside a graph's capture or replay
 
@@ -204,6 +208,7 @@ class FlashInferAttention:
     def plan(self, meta: AttentionMeta) -> None:
         self.slot_mapping = meta.slot_mapping
         self.causal = meta.causal
+        self.window_left = -1 if meta.window is None else meta.window - 1
         if self._bound is None:  # a graph's wrapper is planned around its capture or replay
             self.paged = paged_plan(meta)
             self._planned = None
@@ -227,7 +232,7 @@ class FlashInferAttention:
         check_dtype(q.dtype)
         params = Params(
             q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], q.dtype, k_cache.dtype,
-            scale, self.causal,
+            scale, self.causal, self.window_left,
         )  # fmt: skip
         if self._bound is not None:
             return self._attend_graph(self._bound, params, q, k_cache, v_cache)
@@ -270,7 +275,7 @@ def _plan(wrapper: Any, plan: PagedPlan, params: Params) -> None:
         plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len,
         params.num_heads, params.num_kv_heads, params.head_dim, params.page_size,
         causal=params.causal, pos_encoding_mode="NONE", sm_scale=params.scale,
-        q_data_type=params.q_dtype, kv_data_type=params.kv_dtype,
+        window_left=params.window_left, q_data_type=params.q_dtype, kv_data_type=params.kv_dtype,
     )  # fmt: skip
 
 

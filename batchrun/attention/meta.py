@@ -24,6 +24,8 @@ class AttentionMeta:
     max_q: int  # host-side maxima, so no device sync is needed to size buffers or grids
     max_kv: int
     causal: bool = True  # False: every row sees all kv_lens[r] cached positions (DFlash draft)
+    # A sliding window: a row at position q sees only positions > q - window (None: all).
+    window: int | None = None
 
     @property
     def num_requests(self) -> int:

@@ -48,6 +48,8 @@ class TorchAttention:
         visible = kv_pos[None, None, :] < meta.kv_lens.long()[:, None, None]
         if meta.causal:
             visible = visible & (kv_pos[None, None, :] <= q_pos[:, :, None])
+        if meta.window is not None:
+            visible = visible & (kv_pos[None, None, :] > q_pos[:, :, None] - meta.window)
         visible = visible | (q_pos[:, :, None] < 0)  # padded queries: any finite row, dropped
         self.mask = visible.unsqueeze(1)  # [R, 1, max_q, max_kv]
         self.req_of_row, self.col_of_row = req_of_row, col_of_row

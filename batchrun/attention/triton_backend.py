@@ -41,10 +41,13 @@ class TritonAttention:
         rows = meta.positions.shape[0]
         self.num_splits = 1
         # Decode and small verify/draft batches: split when the requests alone leave SMs idle,
-        # up to what the longest context can fill.
+        # up to what the longest context (or a sliding window) can fill.
         if rows <= self.max_decode_rows and meta.num_requests > 0:
+            seen = meta.max_kv
+            if meta.window is not None:
+                seen = min(seen, meta.window + meta.max_q)
             self.num_splits = default_num_splits(
-                meta.num_requests, self.num_kv_heads, meta.max_kv, max_splits=MAX_SPLITS
+                meta.num_requests, self.num_kv_heads, seen, max_splits=MAX_SPLITS
             )
 
     def write_kv(
@@ -72,6 +75,6 @@ class TritonAttention:
             )
         return paged_attention(
             q, k_cache, v_cache, meta.cu_q, meta.kv_lens, meta.page_table,
-            scale=scale, causal=meta.causal, max_q=meta.max_q,
+            scale=scale, causal=meta.causal, max_q=meta.max_q, window=meta.window,
             num_splits=splits, workspace=self.workspace if splits > 1 else None,
         )  # fmt: skip

@@ -57,6 +57,7 @@ from batchrun.models.dflash_loader import load_dflash
 from batchrun.models.loader import load_qwen3
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.speculative.acceptance import RoundTrace, accepted_lengths
+from batchrun.speculative.sliding_window import ring_pages
 from batchrun.speculative.verify_width import WidthPolicy
 
 ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their tokens are cut
@@ -127,11 +128,16 @@ class Engine:
         self.block_size = draft.block_size if draft else None
         width = self.block_size or 1
         check_batch_budget(config.max_batched_tokens, width)  # before the KV pools are allocated
+        # A draft's sliding-window layers: their window W, and their rings (one per slot).
+        window = draft.attention.window if draft else None
+        rings = ring_pages(window, width, config.page_size) if window else 0
+        rings *= config.max_batch_size + 1
 
         num_pages = num_pages or kv_pages(
             config, shape, draft.shape if draft else None,
             len(draft.target_layer_ids) if draft else 0,
             model.lm_head.weight.element_size(), width, self.device,
+            draft_paged_layers=draft.attention.num_full if draft else 0, ring_pages=rings,
         )  # fmt: skip
         capacity = num_pages * config.page_size
         limit = min(
@@ -155,12 +161,16 @@ class Engine:
         backend, ops, self.backend_ms = attention_backend(
             config.attention_backend, self.device, workload
         )
+        # Sliding draft layers plan their own metadata: a second backend of the same kind.
+        window_backend = None
+        if window:
+            window_backend = attention_backend(backend.name, self.device, workload)[0]
         use_ops(model, ops)
         if draft is not None:
             use_ops(draft, ops)
         self.runner = ModelRunner(
             model, draft, backend, num_pages, config.page_size, config.max_batch_size,
-            config.max_batched_tokens, self.max_model_len, self.device,
+            config.max_batched_tokens, self.max_model_len, self.device, window_backend,
         )  # fmt: skip
         self.widths = verify_widths(config.verify_width, self.block_size)
         self.width_policy = (
@@ -172,9 +182,11 @@ class Engine:
         self.width_steps: Counter[int] = Counter()  # verify width -> steps that decoded at it
         if config.cuda_graphs and backend.graphable and self.device.type == "cuda":
             self.runner.capture_graphs(config.max_batch_size, self.widths)
+        # The first block after a prefill reads W - 1 positions back: they are recomputed.
         self.scheduler = Scheduler(
-            self.pool, config.max_batch_size, config.max_batched_tokens, decode_width=width
-        )
+            self.pool, config.max_batch_size, config.max_batched_tokens, decode_width=width,
+            recompute_tail=max(window - 1, 1) if window else 1,
+        )  # fmt: skip
         self.stopper = Stopper(tokenizer, eos, self.max_model_len)
         self.timer = StepTimer(self.device)
         self.round_trace: list[RoundTrace] | None = None  # set to a list to record rounds

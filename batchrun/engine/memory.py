@@ -1,7 +1,8 @@
 """How many KV pages fit: on a GPU, what the user's fraction of its memory leaves after the
-weights (already loaded), the CUDA graphs' pool and the activations of the largest forward; on
-a CPU, a fixed budget. A request can never need more pages than a full context, so no more are
-made than every request of a full batch could use."""
+weights (already loaded), the CUDA graphs' pool, the activations of the largest forward and a
+draft's sliding-window rings (a fixed size); on a CPU, a fixed budget less the rings. A request
+can never need more pages than a full context, so no more are made than every request of a
+full batch could use."""
 
 from __future__ import annotations
 
@@ -13,12 +14,19 @@ from batchrun.models.qwen3 import Qwen3Shape
 CPU_KV_BUDGET_BYTES = 2 << 30
 
 
-def page_bytes(target: Qwen3Shape, draft: Qwen3Shape | None, page_size: int, element: int) -> int:
-    """One page of K and V in every target and draft layer."""
-    layers = target.num_layers * target.num_kv_heads * target.head_dim
+def layer_page_bytes(shape: Qwen3Shape, page_size: int, element: int) -> int:
+    """One page of K and V in one layer of this shape."""
+    return 2 * page_size * shape.num_kv_heads * shape.head_dim * element
+
+
+def page_bytes(
+    target: Qwen3Shape, draft: Qwen3Shape | None, page_size: int, element: int, draft_layers: int
+) -> int:
+    """One page of K and V in every target layer and the draft_layers that share the pages."""
+    size = target.num_layers * layer_page_bytes(target, page_size, element)
     if draft is not None:
-        layers += draft.num_layers * draft.num_kv_heads * draft.head_dim
-    return 2 * page_size * layers * element
+        size += draft_layers * layer_page_bytes(draft, page_size, element)
+    return size
 
 
 def activation_bytes(
@@ -41,8 +49,17 @@ def kv_pages(
     element: int,
     width: int,
     device: torch.device,
+    *,
+    draft_paged_layers: int,
+    ring_pages: int,
 ) -> int:
-    bytes_per_page = page_bytes(target, draft, config.page_size, element)
+    """draft_paged_layers: the draft layers whose K/V lives in the pages (full attention);
+    ring_pages: each other (sliding) layer's ring, allocated apart."""
+    bytes_per_page = page_bytes(target, draft, config.page_size, element, draft_paged_layers)
+    rings = 0
+    if draft is not None:
+        sliding = draft.num_layers - draft_paged_layers
+        rings = sliding * ring_pages * layer_page_bytes(draft, config.page_size, element)
     if device.type == "cuda":
         _, total = torch.cuda.mem_get_info(device)
         eager_rows = config.max_batched_tokens
@@ -53,9 +70,9 @@ def kv_pages(
         if config.cuda_graphs:  # the graphs' pool holds the largest graph's activations
             reserve += activation_bytes(target, graph_rows, graph_rows, feature_layers, element)
         in_use = torch.cuda.memory_reserved(device)  # the weights, loaded before this
-        budget = int(total * config.gpu_memory_fraction) - in_use - reserve
+        budget = int(total * config.gpu_memory_fraction) - in_use - reserve - rings
     else:
-        budget = CPU_KV_BUDGET_BYTES
+        budget = CPU_KV_BUDGET_BYTES - rings
     per_request = -(-(target.max_position_embeddings + width + 64) // config.page_size)
     want = config.max_batch_size * per_request
     return max(1, min(want, budget // bytes_per_page))

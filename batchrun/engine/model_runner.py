@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -35,6 +35,7 @@ from batchrun.engine.step_inputs import (
 from batchrun.models.dflash import DFlashDraft
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.speculative.drafter import DraftInputs, context_feature_rows, draft_inputs
+from batchrun.speculative.sliding_window import DraftRing
 
 IN_FLIGHT_STEPS = 2  # a request's pages cover the step being read back and the one launched
 
@@ -59,27 +60,38 @@ class ModelRunner:
         max_batched_tokens: int,
         max_model_len: int,
         device: torch.device,
+        window_backend: AttentionBackend | None = None,
     ) -> None:
+        """window_backend: a second backend of the same kind, planned for a draft's
+        sliding-window layers (its blocks read their ring, through a window)."""
         s = model.shape
         self.model, self.draft, self.backend = model, draft, backend
+        self.window_backend = window_backend
         self.device, self.page_size, self.num_pages = device, page_size, num_pages
         self.width = draft.block_size if draft is not None else 1
         dtype = model.lm_head.weight.dtype
         self.kv_caches = allocate_kv(
             s.num_layers, num_pages, page_size, s.num_kv_heads, s.head_dim, dtype, device
         )
-        # The draft cache is indexed by the target's page tables: position i of a request
-        # lives in the same slot of both.
-        self.draft_kv = []
-        if draft is not None:
-            d = draft.shape
-            self.draft_kv = allocate_kv(
-                d.num_layers, num_pages, page_size, d.num_kv_heads, d.head_dim, dtype, device
-            )
         self.capture_layers = draft.target_layer_ids if draft is not None else ()
         # Positions a step can touch: the context, the step being read back and this one.
         self.max_kv = max_model_len + IN_FLIGHT_STEPS * self.width
         max_pages = pages_for(self.max_kv, page_size)
+        # A full-attention draft layer's cache is indexed by the target's page tables: position
+        # i of a request lives in the same slot of both. A sliding layer's lives in its ring.
+        self.draft_kv = []
+        self.ring: DraftRing | None = None
+        if draft is not None:
+            d, attention = draft.shape, draft.attention
+            if attention.window is not None:
+                self.ring = DraftRing(
+                    max_batch_size, max_pages, attention.window, self.width, page_size, device
+                )
+            for sliding in attention.sliding:
+                pages = self.ring.num_pages if sliding and self.ring else num_pages
+                self.draft_kv += allocate_kv(
+                    1, pages, page_size, d.num_kv_heads, d.head_dim, dtype, device
+                )
         self.state = DeviceState(max_batch_size, max_pages, s.vocab_size, device)
         self.step_in = torch.zeros(
             step_in_size(max_batch_size, max_batched_tokens, max_pages),
@@ -120,25 +132,44 @@ class ModelRunner:
             self.draft_graphs = GraphSet("draft", self._draft_graph, self._clear, self.device)
             self.draft_graphs.capture(sizes, pool, self._capture_scope("draft", self.width))
 
+    def _graph_backends(self, name: str) -> list[HostPlanned]:
+        """The host-planned backends that attend in graph `name`, in the order of its metas
+        (`_draft_metas`): a draft's full layers, then its sliding ones."""
+        if name != "draft":
+            found = [self.backend]
+        else:
+            assert self.draft is not None
+            full, window = self.draft.attention.num_full > 0, self.window_backend
+            found = ([self.backend] if full else []) + ([window] if window is not None else [])
+        return [cast(HostPlanned, b) for b in found if b.host_planned]
+
     def _capture_scope(
         self, name: str, q_len: int
     ) -> Callable[[int], AbstractContextManager[Any]] | None:
-        """A host-planned backend's scope around a graph's capture (None for the others)."""
-        if not self.backend.host_planned:
+        """Host-planned backends' scopes around a graph's capture (None for the others)."""
+        backends = self._graph_backends(name)
+        if not backends:
             return None
-        backend = cast(HostPlanned, self.backend)
-        return lambda size: backend.capturing(
-            (name, size), GraphShape(size, q_len, self.max_kv, self.page_size)
-        )
+
+        def scope(size: int) -> ExitStack:
+            stack = ExitStack()
+            shape = GraphShape(size, q_len, self.max_kv, self.page_size)
+            for backend in backends:
+                stack.enter_context(backend.capturing((name, size), shape))
+            return stack
+
+        return scope
 
     def _replay_scope(
-        self, name: str, size: int, meta: Callable[[], AttentionMeta]
+        self, name: str, size: int, metas: Callable[[], list[AttentionMeta]]
     ) -> AbstractContextManager[Any]:
-        """A host-planned backend plans a replay from the step's meta, built eagerly by the
+        """Host-planned backends plan a replay from the step's metas, built eagerly by the
         same code the graph runs."""
-        if not self.backend.host_planned:
-            return nullcontext()
-        return cast(HostPlanned, self.backend).replaying((name, size), meta())
+        stack = ExitStack()
+        backends = self._graph_backends(name)
+        for backend, meta in zip(backends, metas() if backends else [], strict=True):
+            stack.enter_context(backend.replaying((name, size), meta))
+        return stack
 
     def graph_size(self, num_requests: int, width: int) -> int | None:
         """The graph size a step of num_requests decoding requests replays at (None: eager)."""
@@ -182,9 +213,10 @@ class ModelRunner:
                 self.ctx_features[: context.shape[0]].copy_(context)
             size = plan.num_requests
             self.replays["draft", size] += 1
-            with self._replay_scope("draft", size, lambda: self._draft_inputs(slots).meta):
+            with self._replay_scope("draft", size, partial(self._draft_metas, slots)):
                 return self.draft_graphs.replay(size)[0][:num_dec]
-        return self._draft(slots, context)
+        # Eager: the blocks end by the step's longest context, with a block, not the graphs'.
+        return self._draft(slots, context, plan.max_kv - plan.width + self.width)
 
     @torch.inference_mode()
     def write_pending_context(self, args: StepArgs, plan: StepPlan) -> None:
@@ -194,10 +226,7 @@ class ModelRunner:
         slots = args.slot[: plan.num_decoding]
         context = self._context(slots)
         if context is not None:
-            inputs = self._draft_inputs(slots)
-            self.draft.write_context(
-                context, inputs.ctx_positions, inputs.ctx_slots, self.backend, self.draft_kv
-            )
+            self._write_context(context, self._draft_inputs(slots))
         self.context_pending = False
 
     def _context(self, slots: torch.Tensor) -> torch.Tensor | None:
@@ -207,23 +236,36 @@ class ModelRunner:
         rows = context_feature_rows(self.state, slots, self.width, self.features.shape[0])
         return self.features.index_select(0, rows)
 
-    def _draft_inputs(self, slots: torch.Tensor) -> DraftInputs:
+    def _draft_inputs(self, slots: torch.Tensor, max_kv: int | None = None) -> DraftInputs:
         assert self.draft is not None
         return draft_inputs(
-            self.state, slots, self.width, self.draft.mask_token_id, self.page_size, self.max_kv
-        )
+            self.state, slots, self.width, self.draft.mask_token_id, self.page_size,
+            max_kv or self.max_kv, self.draft.attention, self.ring,
+        )  # fmt: skip
 
-    def _draft(self, slots: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+    def _write_context(self, context: torch.Tensor, inputs: DraftInputs) -> None:
         assert self.draft is not None
-        inputs = self._draft_inputs(slots)
+        self.draft.write_context(
+            context, inputs.ctx_positions, inputs.ctx_slots, inputs.ctx_window_slots,
+            self.backend, self.draft_kv,
+        )  # fmt: skip
+
+    def _draft(
+        self, slots: torch.Tensor, context: torch.Tensor | None, max_kv: int | None = None
+    ) -> torch.Tensor:
+        assert self.draft is not None
+        inputs = self._draft_inputs(slots, max_kv)
         if context is not None:
-            self.draft.write_context(
-                context, inputs.ctx_positions, inputs.ctx_slots, self.backend, self.draft_kv
-            )
-        self.backend.plan(inputs.meta)
+            self._write_context(context, inputs)
+        if self.draft.attention.num_full:
+            self.backend.plan(inputs.meta)
+        if inputs.window_meta is not None:
+            assert self.window_backend is not None, "sliding draft layers need window_backend"
+            self.window_backend.plan(inputs.window_meta)
         return self.draft.draft_block(
-            self.model, inputs.block_ids, inputs.meta.positions, self.backend, self.draft_kv
-        )
+            self.model, inputs.block_ids, inputs.meta.positions, self.backend,
+            self.window_backend, self.draft_kv,
+        )  # fmt: skip
 
     def _draft_graph(self, size: int) -> tuple[torch.Tensor, ...]:
         assert self.ctx_features is not None
@@ -244,8 +286,8 @@ class ModelRunner:
         graphs = self.target_graphs.get(width)
         if plan.uniform and graphs is not None:
             size = plan.num_requests
-            meta = partial(self._graph_target_meta, size, width)
-            with self._replay_scope(graphs.name, size, meta):
+            metas = partial(self._graph_target_metas, size, width)
+            with self._replay_scope(graphs.name, size, metas):
                 logits, row_slot, row_step, *features = graphs.replay(size)
             self.replays[graphs.name, size] += 1
             self.features = features[0] if features else None
@@ -270,9 +312,16 @@ class ModelRunner:
             inputs.ids, inputs.meta.positions, self.backend, self.kv_caches, self.capture_layers
         )
         if self.draft is not None and features is not None and store_context:
+            window_slots = None
+            if self.ring is not None:  # a chunk's rows, up to the ring's last positions
+                end = inputs.meta.kv_lens.long()[inputs.row_req]
+                committed = inputs.context_slots >= 0
+                window_slots = self.ring.slots(
+                    inputs.row_slot, inputs.meta.positions, end, committed
+                )
             self.draft.write_context(
-                features, inputs.meta.positions, inputs.context_slots, self.backend,
-                self.draft_kv,
+                features, inputs.meta.positions, inputs.context_slots, window_slots,
+                self.backend, self.draft_kv,
             )  # fmt: skip
         return hidden, features
 
@@ -282,8 +331,15 @@ class ModelRunner:
             self.page_size, width, self.max_kv,
         )  # fmt: skip
 
-    def _graph_target_meta(self, size: int, width: int) -> AttentionMeta:
-        return self._graph_target_inputs(size, width).meta
+    def _graph_target_metas(self, size: int, width: int) -> list[AttentionMeta]:
+        return [self._graph_target_inputs(size, width).meta]
+
+    def _draft_metas(self, slots: torch.Tensor) -> list[AttentionMeta]:
+        """The draft graph's metas, as `_graph_backends` orders them."""
+        assert self.draft is not None
+        inputs = self._draft_inputs(slots)
+        metas = [inputs.meta] if self.draft.attention.num_full else []
+        return metas + ([inputs.window_meta] if inputs.window_meta is not None else [])
 
     def _target_graph(self, size: int, width: int) -> tuple[torch.Tensor, ...]:
         inputs = self._graph_target_inputs(size, width)

@@ -13,7 +13,8 @@ request preempted in a pass waits at least until the next one.
 The engine launches a step before it reads the previous one's tokens, so a decoding request's
 pages cover its in-flight rows too, and each running request holds a slot of the device state.
 The engine may verify fewer than B rows in a step (the verify width): budgets and reserves are
-those of full blocks, so a narrower step always fits.
+those of full blocks, so a narrower step always fits; its pages still cover the full block the
+draft writes (its K/V rows are read back within the step).
 """
 
 from __future__ import annotations
@@ -41,10 +42,18 @@ def prefill_len(req: Request) -> int:
 
 class Scheduler:
     def __init__(
-        self, pool: PagePool, max_batch_size: int, max_batched_tokens: int, decode_width: int
+        self,
+        pool: PagePool,
+        max_batch_size: int,
+        max_batched_tokens: int,
+        decode_width: int,
+        recompute_tail: int = 1,
     ) -> None:
+        """recompute_tail: prefill tokens a request admitted onto a cached prefix computes at
+        least (a draft with sliding-window layers refills its window from them)."""
         check_batch_budget(max_batched_tokens, decode_width)
         self.pool = pool
+        self.recompute_tail = recompute_tail
         self.max_batched_tokens = max_batched_tokens
         self.decode_width = decode_width  # 1, or the draft's block size B
         self.max_running = min(max_batch_size, max_batched_tokens // decode_width)
@@ -70,9 +79,11 @@ class Scheduler:
         self._planned, self._preempted, self.admitted = set(), set(), []
         width = width or self.decode_width
         batch: list[Scheduled] = []
+        # A step that drafts writes the draft's whole block at the anchor, whatever it verifies.
+        rows = self.decode_width if width > 1 else 1
         for req in list(self.running):  # oldest first; preempting the newest if pages run out
             decoding = req.status is Status.RUNNING and req.num_cached == prefill_len(req)
-            if decoding and self._grow_or_preempt(req, req.in_flight + width):
+            if decoding and self._grow_or_preempt(req, req.in_flight + rows):
                 batch.append(self._plan(req, width, decoding=True))
         budget = self.max_batched_tokens - width * len(batch)
         for req in list(self.running):
@@ -110,9 +121,9 @@ class Scheduler:
 
     def _reuse_prefix(self, req: Request) -> int:
         """Start a request being admitted from the longest cached prefix of its tokens (the
-        pool's prefix cache; at least one token is left to compute). Returns how many tokens
-        were looked up."""
-        tokens = req.token_slice(0, prefill_len(req) - 1)
+        pool's prefix cache; at least recompute_tail tokens are left to compute). Returns how
+        many tokens were looked up."""
+        tokens = req.token_slice(0, max(prefill_len(req) - self.recompute_tail, 0))
         req.pages = self.pool.match(tokens)
         req.num_cached = len(req.pages) * self.pool.page_size
         return len(tokens)

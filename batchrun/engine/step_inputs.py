@@ -157,6 +157,7 @@ class TargetInputs:
     meta: AttentionMeta
     row_slot: torch.Tensor  # [T] the slot that samples each row (padding: the scratch slot)
     row_step: torch.Tensor  # [T] the output-token index each row would sample
+    row_req: torch.Tensor  # [T] the request each row belongs to
     # [T] the cache slot of each row whose draft context the step stores at once (prefill-chunk
     # rows; at width 1, every row: all are committed), -1 elsewhere
     context_slots: torch.Tensor
@@ -209,4 +210,4 @@ def target_inputs(
         max_kv=max_kv,
     )
     committed = live if width == 1 else chunk_rows
-    return TargetInputs(ids, meta, row_slot, row_step, torch.where(committed, slots, -1))
+    return TargetInputs(ids, meta, row_slot, row_step, req, torch.where(committed, slots, -1))

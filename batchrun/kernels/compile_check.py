@@ -94,14 +94,21 @@ def compile_case(case: Case, arch: int = 90) -> dict[str, Any]:
 
 
 def attention_case(
-    dtype: torch.dtype, head_dim: int, group: int, max_q: int, causal: bool, splits: int
+    dtype: torch.dtype,
+    head_dim: int,
+    group: int,
+    max_q: int,
+    causal: bool,
+    splits: int,
+    windowed: bool = False,
 ) -> Case:
     cfg = ta._config(dtype, head_dim, max_q, group)
     t = _TYPES[dtype]
     part = "fp32" if splits > 1 else t
     return Case(
         label=f"attention {t} D={head_dim} group={group} max_q={max_q} "
-        f"{'causal' if causal else 'non-causal'} splits={splits} {cfg}",
+        f"{'causal' if causal else 'non-causal'}{' windowed' if windowed else ''} "
+        f"splits={splits} {cfg}",
         fn=ta._paged_attention_kernel,
         pointers=dict(
             q_ptr=t,
@@ -124,6 +131,7 @@ def attention_case(
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             CAUSAL=causal,
+            WINDOWED=windowed,
             NUM_SPLITS=splits,
             MIN_SPLIT_KV=ta.MIN_SPLIT_KV,
             DOT_F32=dtype == torch.float32,
@@ -146,6 +154,8 @@ def cases(quick: bool) -> Iterator[Case]:
         if quick and (max_q == 512 or not causal or (max_q > 1 and splits > 1)):
             continue  # decode with and without splits, and verify
         yield attention_case(dtype, dim, group, max_q, causal, splits)
+        if max_q == 16 and not quick:  # a sliding-window draft layer's block
+            yield attention_case(dtype, dim, group, max_q, causal, splits, windowed=True)
     if quick:
         return
     for dtype, heads, dim, splits in [

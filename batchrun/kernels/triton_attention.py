@@ -12,6 +12,8 @@ is `write_kv` here:
 - causal: query row i of request r sits at position kv_lens[r] - q_len[r] + i and sees the cached
   positions <= it (the engine's `positions` always satisfy this). Non-causal (the DFlash draft
   block): every row sees all kv_lens[r] positions.
+- window (a sliding-window draft layer): a row at position q sees only positions > q - window;
+  tiles wholly before the window of a program's first row are skipped, never read.
 
 One program serves one (request, block of BLOCK_Q query tokens, kv head, kv split): it loads each
 K/V tile once for all GROUP = Hq // Hkv query heads of its kv head (the tile's rows are query tokens
@@ -79,6 +81,7 @@ def _paged_attention_kernel(
     page_table_ptr,
     scale_log2,
     q_blocks,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -102,6 +105,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_KV: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -134,18 +138,20 @@ def _paged_attention_kernel(
     q_pos = kv_len - q_len + tok
     # Causal: the block's last row sees up to its own position; otherwise every row sees all.
     kv_end = kv_len - q_len + tl.minimum(q_lo + BLOCK_Q, q_len) if CAUSAL else kv_len
-    n_tiles = tl.cdiv(kv_end, BLOCK_N)
+    # A window: nothing before the block's first row's window is read.
+    kv_begin = tl.maximum(kv_len - q_len + q_lo - window + 1, 0) if WINDOWED else 0
+    n_tiles = tl.cdiv(kv_end - kv_begin, BLOCK_N)
     if NUM_SPLITS == 1:
         tiles_per_split = n_tiles
     else:
         # This block's own split count: one per MIN_SPLIT_KV positions, at most NUM_SPLITS,
         # then only as many as its tiles fill (no active split is empty).
-        want = tl.minimum(tl.maximum(tl.cdiv(kv_end, MIN_SPLIT_KV), 1), NUM_SPLITS)
+        want = tl.minimum(tl.maximum(tl.cdiv(kv_end - kv_begin, MIN_SPLIT_KV), 1), NUM_SPLITS)
         tiles_per_split = tl.maximum(tl.cdiv(n_tiles, want), 1)
         active = tl.maximum(tl.cdiv(n_tiles, tiles_per_split), 1)
         if split >= active:
             return
-    kv_lo = split * tiles_per_split * BLOCK_N
+    kv_lo = kv_begin + split * tiles_per_split * BLOCK_N
     kv_hi = tl.minimum(kv_lo + tiles_per_split * BLOCK_N, kv_end)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -179,6 +185,8 @@ def _paged_attention_kernel(
         visible = in_range[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            visible = visible & (pos[None, :] > (q_pos - window)[:, None])
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
@@ -362,6 +370,7 @@ def paged_attention(
     causal: bool,
     max_q: int,
     out: torch.Tensor | None = None,
+    window: int | None = None,
     num_splits: int = 1,
     workspace: AttentionWorkspace | None = None,
     block_n: int | None = None,
@@ -376,9 +385,10 @@ def paged_attention(
     as q); cu_q [R+1] int32; kv_lens [R] int32; page_table [R, max_pages] int32 (entries past a
     request's pages are never read). max_q is a host int >= every request's q_len (static per
     captured graph: 1 for decode, B for verify or the draft block). Hq % Hkv == 0; D a power of
-    two >= 16. num_splits > 1 needs a workspace with at least that many splits and T rows; it is
-    a maximum: each block of query rows uses one split per min_split_kv positions it sees.
-    Allocates nothing when `out` is given.
+    two >= 16. window: a row at position q sees only positions > q - window (None: all).
+    num_splits > 1 needs a workspace with at least that many splits and T rows; it is a maximum:
+    each block of query rows uses one split per min_split_kv positions it sees. Allocates
+    nothing when `out` is given.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_requests = kv_lens.shape[0]
@@ -391,6 +401,8 @@ def paged_attention(
         raise ValueError("q and the caches need a contiguous last dimension")
     if min_split_kv < 1:
         raise ValueError(f"min_split_kv {min_split_kv} must be positive")
+    if window is not None and window < 1:
+        raise ValueError(f"window {window} must be positive")
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0 or num_requests == 0 or max_q <= 0:
@@ -421,6 +433,7 @@ def paged_attention(
         page_table,
         scale * _LOG2E,
         q_blocks,
+        window or 0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -444,6 +457,7 @@ def paged_attention(
         BLOCK_M=cfg.block_m,
         BLOCK_N=block_n or cfg.block_n,
         CAUSAL=causal,
+        WINDOWED=window is not None,
         NUM_SPLITS=num_splits,
         MIN_SPLIT_KV=min_split_kv,
         DOT_F32=interp or q.dtype == torch.float32,

@@ -1,9 +1,15 @@
-"""The DFlash drafter (dflash.md section 3): a few Qwen3-shaped layers whose block queries see,
-without a mask, the context K/V computed from target features plus the block's own K/V.
+"""The DFlash drafter (dflash.md section 3): a few Qwen3-shaped layers whose block queries see
+the context K/V computed from target features plus the block's own K/V: without a mask in the
+z-lab drafts; sliding-window layers see only the positions in their window, and a layer may be
+causal inside the block (speculative/sliding_window.py, BlockAttention).
 
-It has no embedding and no lm_head: it borrows the target's. A draft forward is two calls:
-`write_context` stores the K/V of newly committed tokens (a variable number of rows, run
-eagerly), and `draft_block` drafts a block per request (a fixed shape, captured in CUDA graphs).
+It has no embedding: it borrows the target's. Nor an lm_head, unless it drafts from a reduced
+vocabulary: then its own head scores draft_vocab_size tokens and `draft_to_target` maps each to
+its target id. A draft forward is two calls: `write_context` stores the K/V of newly committed
+tokens (a variable number of rows, run eagerly), and `draft_block` drafts a block per request
+(a fixed shape, captured in CUDA graphs). Full-attention and sliding layers keep their context
+in different caches and attend through different planned backends: each call takes both and
+uses, per layer, the one of its kind.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from batchrun.layers.attention import PagedAttention
 from batchrun.layers.norm import RMSNorm
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.qwen3 import LayerWeights, Qwen3ForCausalLM, Qwen3Shape
+from batchrun.speculative.sliding_window import BlockAttention
 
 
 def default_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> list[int]:
@@ -51,12 +58,19 @@ class DFlashDraft(nn.Module):
         block_size: int,
         mask_token_id: int,
         max_positions: int,
+        attention: BlockAttention | None = None,
+        draft_vocab_size: int | None = None,
     ) -> None:
+        """draft_vocab_size: the draft has its own lm_head of that many rows (None: it uses the
+        target's), whose tokens draft_to_target maps to target ids where it is set."""
         super().__init__()
         self.shape = shape
         self.target_layer_ids = tuple(target_layer_ids)
         self.block_size = block_size
         self.mask_token_id = mask_token_id
+        self.attention = attention or BlockAttention.full(shape.num_layers)
+        if len(self.attention.sliding) != shape.num_layers:
+            raise ValueError(f"{len(self.attention.sliding)} layer kinds for {shape.num_layers}")
         h = shape.hidden_size
         self.fc = nn.Linear(len(target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, shape.rms_norm_eps)
@@ -64,6 +78,10 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(h, shape.rms_norm_eps)
         self.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta)
         self.context_kv: torch.Tensor | None = None  # set by pack_context_kv() once loaded
+        self.lm_head: nn.Linear | None = None
+        if draft_vocab_size is not None:
+            self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
+        self.draft_to_target: torch.Tensor | None = None  # [draft_vocab_size] target ids
 
     def pack_context_kv(self) -> None:
         """One [layers * 2 * kv_size, H] weight: every layer's context K/V in one matmul.
@@ -78,7 +96,8 @@ class DFlashDraft(nn.Module):
         self,
         features: torch.Tensor,  # [C, n * H] target features of newly committed tokens
         positions: torch.Tensor,  # [C]
-        slots: torch.Tensor,  # [C] draft-cache slots
+        slots: torch.Tensor,  # [C] draft-cache slots of the full-attention layers
+        window_slots: torch.Tensor | None,  # [C] the sliding layers' (their ring)
         backend: AttentionBackend,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
@@ -89,7 +108,8 @@ class DFlashDraft(nn.Module):
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         kv = nn.functional.linear(ctx, self.context_kv)
         kv_size = self.shape.num_kv_heads * self.shape.head_dim
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        layers = zip(self.layers, kv_caches, self.attention.sliding, strict=True)
+        for i, (layer, cache, sliding) in enumerate(layers):
             attn = cast(PagedAttention, layer.self_attn)
             k = kv[:, 2 * i * kv_size : (2 * i + 1) * kv_size]
             v = kv[:, (2 * i + 1) * kv_size : (2 * i + 2) * kv_size]
@@ -97,19 +117,28 @@ class DFlashDraft(nn.Module):
                 k.reshape(-1, attn.num_kv_heads, attn.head_dim), attn.k_norm.weight,
                 attn.k_norm.eps, self.rope.cos, self.rope.sin, positions,
             )  # fmt: skip
-            backend.write_kv(k, v.reshape_as(k), cache[0], cache[1], slots)
+            layer_slots = window_slots if sliding else slots
+            assert layer_slots is not None, "a sliding layer's context goes to its ring"
+            backend.write_kv(k, v.reshape_as(k), cache[0], cache[1], layer_slots)
 
     def draft_block(
         self,
         target: Qwen3ForCausalLM,
         block_ids: torch.Tensor,  # [R * B] per drafting request: its anchor, then B-1 masks
         positions: torch.Tensor,  # [R * B] block positions p .. p+B-1 per request
-        backend: AttentionBackend,  # planned non-causal over context + block
+        backend: AttentionBackend,  # planned for the full-attention layers' blocks
+        window_backend: AttentionBackend | None,  # planned for the sliding layers' (windowed)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """The drafted tokens [R, B-1] (argmax of rows 1 .. B-1 through the target's head)."""
+        """The drafted target tokens [R, B-1]: the argmax of rows 1 .. B-1 through the draft's
+        head (the target's, or its own mapped to target ids)."""
         x = target.model.embed_tokens(block_ids)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, backend, cache)
+        kinds = self.attention.sliding
+        for layer, cache, sliding in zip(self.layers, kv_caches, kinds, strict=True):
+            layer_backend = window_backend if sliding else backend
+            assert layer_backend is not None, "a sliding layer attends through its own backend"
+            x = layer(x, positions, self.rope, layer_backend, cache)
         rows = x.view(x.shape[0] // self.block_size, self.block_size, x.shape[-1])[:, 1:]
-        return target.lm_head(self.norm(rows)).argmax(dim=-1)
+        head = self.lm_head if self.lm_head is not None else target.lm_head
+        drafts = head(self.norm(rows)).argmax(dim=-1)
+        return drafts if self.draft_to_target is None else self.draft_to_target[drafts]

@@ -1,10 +1,10 @@
-"""Check that a z-lab format DFlash draft fits its target (config alone), then load it."""
+"""Check that a DFlash draft (z-lab or speculators format) fits its target from its config and
+tensor headers alone, then load it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -12,44 +12,36 @@ from safetensors import safe_open
 from batchrun.errors import JobError
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
+from batchrun.models.dflash_formats import DraftConfig, draft_config
 from batchrun.models.loader import iter_safetensors, load_weights, qwen3_shape, read_config
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.speculative.sliding_window import BlockAttention
 
-
-def _refuse_variants(config: dict[str, Any], dflash: dict[str, Any]) -> None:
-    """Refuse, by name, every variant dflash.md does not cover."""
-    arch = config.get("architectures") or []
-    if arch != ["DFlashDraftModel"]:
-        raise JobError(f"draft: architectures {arch} is not supported (only DFlashDraftModel)")
-    if config.get("sample_from_anchor") or dflash.get("sample_from_anchor"):
-        raise JobError("draft: sample_from_anchor: true is not supported")
-    layer_types = config.get("layer_types") or []
-    if config.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
-        raise JobError("draft: sliding-window attention layers are not supported")
-    if "draft_vocab_size" in config or "d2t" in dflash:
-        raise JobError(
-            "draft: a reduced draft vocabulary (d2t / draft_vocab_size) is not supported"
-        )
+VOCAB_MAPS = ("d2t", "t2d")
 
 
 @dataclass(frozen=True)
 class DraftSpec:
-    """A draft as its config.json describes it, checked to fit its target."""
+    """A draft as its config.json and tensor headers describe it, checked to fit its target."""
 
     shape: Qwen3Shape
     target_layer_ids: tuple[int, ...]
     block_size: int
     mask_token_id: int
+    attention: BlockAttention
+    format: str
+    # Rows of the draft's own lm_head (None: it uses the target's), and whether they are a
+    # reduced vocabulary mapped to target ids through d2t (and t2d where given).
+    head_rows: int | None = None
+    vocab_map: bool = False
+    not_loaded: frozenset[str] = frozenset()  # tensors the checkpoint carries but batchrun skips
 
 
 def check_draft(draft_dir: Path, target: Qwen3Shape) -> DraftSpec:
     """Every check of a draft against its target that needs no weights: its config.json and
-    the tensor names in its safetensors headers. Raises JobError."""
-    config = read_config(draft_dir, "draft")
-    dflash = dict(config.get("dflash_config") or {})
-    _refuse_variants(config, dflash)
-    _refuse_vocab_maps(_tensor_names(draft_dir))
-    shape = qwen3_shape(config, "draft")
+    the tensor names and shapes in its safetensors headers. Raises JobError."""
+    fields = draft_config(read_config(draft_dir, "draft"))
+    shape = qwen3_shape(fields.layers, "draft")
     if shape.hidden_size != target.hidden_size:
         raise JobError(
             f"draft: hidden_size {shape.hidden_size} does not match the target's "
@@ -59,28 +51,110 @@ def check_draft(draft_dir: Path, target: Qwen3Shape) -> DraftSpec:
         raise JobError(
             f"draft: vocab_size {shape.vocab_size} does not match the target's {target.vocab_size}"
         )
-    block_size = config.get("block_size", dflash.get("block_size"))
+    block_size = fields.block_size
     if not isinstance(block_size, int) or block_size < 2:
         raise JobError(f"draft: block_size must be an integer >= 2, got {block_size!r}")
-    mask_id = dflash.get("mask_token_id")
+    mask_id = fields.mask_token_id
     if not isinstance(mask_id, int):
-        raise JobError("draft: dflash_config.mask_token_id is missing")
+        raise JobError("draft: mask_token_id is missing")
     if not 0 <= mask_id < target.vocab_size:
         raise JobError(
             f"draft: mask_token_id {mask_id} is outside the target's embedding "
             f"({target.vocab_size} rows)"
         )
-    layer_ids = dflash.get("target_layer_ids")
-    if layer_ids is None:
-        n_target = int(config.get("num_target_layers", target.num_layers))
-        layer_ids = default_target_layer_ids(shape.num_layers, n_target)
-    bad = [i for i in layer_ids if not (isinstance(i, int) and 0 <= i < target.num_layers)]
-    if bad or not layer_ids:
+    tensors = _tensor_shapes(draft_dir)
+    head_rows, vocab_map = _check_vocabulary(fields, tensors, target)
+    return DraftSpec(
+        shape=shape,
+        target_layer_ids=_target_layer_ids(fields, shape, target),
+        block_size=block_size,
+        mask_token_id=mask_id,
+        attention=_block_attention(fields, shape.num_layers, block_size),
+        format=fields.format,
+        head_rows=head_rows,
+        vocab_map=vocab_map,
+        not_loaded=(fields.verifier_tensors | set(VOCAB_MAPS)) & tensors.keys(),
+    )
+
+
+def _target_layer_ids(
+    fields: DraftConfig, shape: Qwen3Shape, target: Qwen3Shape
+) -> tuple[int, ...]:
+    ids, base = fields.layer_ids, fields.layer_id_base
+    if ids is None:
+        n_target = int(fields.num_target_layers or target.num_layers)
+        return tuple(default_target_layer_ids(shape.num_layers, n_target))
+    top = target.num_layers - 1 + base
+    ok = isinstance(ids, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) and base <= i <= top for i in ids
+    )
+    if not ok or not ids:
         raise JobError(
-            f"draft: target_layer_ids {layer_ids} must be layers of the target "
-            f"(0..{target.num_layers - 1})"
+            f"draft: {fields.layer_ids_key} {ids} must be layers of the target ({base}..{top})"
         )
-    return DraftSpec(shape, tuple(layer_ids), block_size, mask_id)
+    return tuple(i - base for i in ids)
+
+
+def _block_attention(fields: DraftConfig, num_layers: int, block_size: int) -> BlockAttention:
+    """Which layers slide, as transformers' Qwen3Config reads it: `sliding_window` counts only
+    with `use_sliding_window`, and `layer_types` (else the layers from `max_window_layers` on
+    when there is a window) says which layers use it."""
+    layers = fields.layers
+    window = layers.get("sliding_window") if layers.get("use_sliding_window") else None
+    types = layers.get("layer_types")
+    if types is None:
+        first = int(layers.get("max_window_layers", 28))
+        sliding = tuple(window is not None and i >= first for i in range(num_layers))
+    else:
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise JobError(f"draft: layer type {unknown[0]!r} is not supported")
+        if len(types) != num_layers:
+            raise JobError(f"draft: layer_types names {len(types)} layers, not {num_layers}")
+        sliding = tuple(t == "sliding_attention" for t in types)
+    if not any(sliding):
+        return BlockAttention(sliding, None, fields.full_causal, fields.sliding_causal)
+    if window is None:
+        raise JobError(
+            "draft: layer_types has sliding_attention layers but no window "
+            "(sliding_window with use_sliding_window: true)"
+        )
+    if not isinstance(window, int) or window < block_size:
+        raise JobError(
+            f"draft: sliding_window {window!r} smaller than the block size {block_size} is "
+            "not supported"
+        )
+    return BlockAttention(sliding, window, fields.full_causal, fields.sliding_causal)
+
+
+def _check_vocabulary(
+    fields: DraftConfig, tensors: dict[str, list[int]], target: Qwen3Shape
+) -> tuple[int | None, bool]:
+    """(rows of the draft's own lm_head or None, whether d2t maps them to target ids)."""
+    vocab = fields.draft_vocab_size
+    vocab = target.vocab_size if vocab is None else vocab
+    if not isinstance(vocab, int) or not 1 <= vocab <= target.vocab_size:
+        raise JobError(
+            f"draft: draft_vocab_size must be an integer in 1 .. {target.vocab_size} (the "
+            f"target's vocabulary), got {vocab!r}"
+        )
+    reduced = vocab < target.vocab_size
+    head = tensors.get("lm_head.weight")
+    if head is None and reduced:
+        raise JobError(f"draft: draft_vocab_size {vocab} needs the draft's own lm_head.weight")
+    if head is not None and head != [vocab, target.hidden_size]:
+        raise JobError(
+            f"draft: lm_head.weight has shape {head}, expected {[vocab, target.hidden_size]}"
+        )
+    if not reduced:
+        return (vocab if head is not None else None), False
+    expected = {"d2t": [vocab], "t2d": [target.vocab_size]}
+    if "d2t" not in tensors:
+        raise JobError(f"draft: draft_vocab_size {vocab} needs the d2t map to target ids")
+    for name in VOCAB_MAPS:
+        if name in tensors and tensors[name] != expected[name]:
+            raise JobError(f"draft: {name} has shape {tensors[name]}, expected {expected[name]}")
+    return vocab, True
 
 
 def load_dflash(
@@ -91,31 +165,58 @@ def load_dflash(
     dtype = target.lm_head.weight.dtype
     with torch.device("meta"):
         draft = DFlashDraft(
-            shape, list(spec.target_layer_ids), spec.block_size, spec.mask_token_id, max_positions
-        ).to(dtype)
+            shape, list(spec.target_layer_ids), spec.block_size, spec.mask_token_id,
+            max_positions, spec.attention, spec.head_rows,
+        ).to(dtype)  # fmt: skip
     draft.to_empty(device=device)
-    load_weights(draft, iter_safetensors(draft_dir), "draft", skip=set())
+    load_weights(draft, iter_safetensors(draft_dir), "draft", skip=set(spec.not_loaded))
     draft.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta).to(device)
+    draft.draft_to_target = (
+        _draft_to_target(draft_dir, spec.head_rows, target.shape.vocab_size).to(device)
+        if spec.vocab_map and spec.head_rows is not None
+        else None  # the draft's tokens are the target's
+    )
     draft.pack_context_kv()
     return draft.eval()
 
 
-def _tensor_names(model_dir: Path) -> list[str]:
-    """The tensor names of a checkpoint, read from the safetensors headers alone."""
+def _draft_to_target(draft_dir: Path, rows: int, vocab_size: int) -> torch.Tensor:
+    """The target id of each draft token: d2t holds offsets (EAGLE-3's convention, as in vLLM
+    and speculators), target id = draft id + d2t[draft id]; t2d, where given, must mark
+    exactly those target ids."""
+    tensors = _read_tensors(draft_dir, VOCAB_MAPS)
+    to_target = torch.arange(rows) + tensors["d2t"].long()
+    if int(to_target.min()) < 0 or int(to_target.max()) >= vocab_size:
+        raise JobError(f"draft: d2t maps draft tokens outside the target's {vocab_size} ids")
+    if "t2d" in tensors:
+        marked = tensors["t2d"].bool()
+        mapped = torch.zeros(vocab_size, dtype=torch.bool)
+        mapped[to_target] = True
+        if not torch.equal(marked, mapped):
+            raise JobError("draft: t2d does not mark the target ids that d2t maps to")
+    return to_target
+
+
+def _tensor_shapes(model_dir: Path) -> dict[str, list[int]]:
+    """The tensor names and shapes of a checkpoint, read from the safetensors headers alone."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise JobError(f"no .safetensors files in {model_dir}")
-    names: list[str] = []
+    shapes: dict[str, list[int]] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
-                names += f.keys()
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    shapes[name] = list(f.get_slice(name).get_shape())
         except Exception as e:  # safetensors raises its own error types for a bad header
             raise JobError(f"cannot read {file}: {e}".splitlines()[0]) from None
-    return names
+    return shapes
 
 
-def _refuse_vocab_maps(names: list[str]) -> None:
-    for name in names:
-        if name in ("d2t", "t2d"):
-            raise JobError(f"draft: a reduced draft vocabulary ({name!r}) is not supported")
+def _read_tensors(model_dir: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The named tensors of a checkpoint (those it has), read without the others."""
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            found |= {name: f.get_tensor(name) for name in names if name in f.keys()}  # noqa: SIM118
+    return found

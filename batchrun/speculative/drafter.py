@@ -1,6 +1,8 @@
 """DFlash drafting for a step, built on the device from the per-slot state: the rows the last
 verify committed enter the draft's context cache, then one block (anchor + B-1 masks) is
-drafted per decoding request, non-causal over its whole draft context and the block.
+drafted per decoding request over its draft context and the block. Full-attention layers keep
+their context in the target's pages; sliding-window layers in a ring per slot
+(speculative/sliding_window.py), with an attention meta of their own.
 
 It works on tensors (SlotState): nothing here imports the engine.
 """
@@ -13,6 +15,7 @@ from typing import Protocol
 import torch
 
 from batchrun.attention.meta import AttentionMeta, cache_slots
+from batchrun.speculative.sliding_window import BlockAttention, DraftRing
 
 
 class SlotState(Protocol):
@@ -39,9 +42,12 @@ def context_feature_rows(
 @dataclass(frozen=True)
 class DraftInputs:
     block_ids: torch.Tensor  # [D * W] anchor, then masks
-    meta: AttentionMeta  # the blocks, non-causal
+    meta: AttentionMeta  # the blocks, for the full-attention layers
     ctx_positions: torch.Tensor  # [D * W]
     ctx_slots: torch.Tensor  # [D * W], -1: not a committed row
+    # The sliding layers' blocks (windowed, over the ring) and context slots in the ring.
+    window_meta: AttentionMeta | None = None
+    ctx_window_slots: torch.Tensor | None = None
 
 
 def draft_inputs(
@@ -51,8 +57,11 @@ def draft_inputs(
     mask_token_id: int,
     page_size: int,
     max_kv: int,
+    attention: BlockAttention,
+    ring: DraftRing | None = None,
 ) -> DraftInputs:
-    """The draft's context rows and blocks, with no host sync (captured in CUDA graphs)."""
+    """The draft's context rows and blocks, with no host sync (captured in CUDA graphs); the
+    sliding layers' inputs when the draft has a ring for them."""
     device = slots.device
     num_req = slots.shape[0]
     live = slots != state.num_slots
@@ -71,15 +80,32 @@ def draft_inputs(
     q_lens = torch.where(live, width, 0)
     cu_q = torch.zeros(num_req + 1, dtype=torch.int32, device=device)
     cu_q[1:] = q_lens.cumsum(0)
+    kv_lens = (start + q_lens).to(torch.int32)
     meta = AttentionMeta(
         positions=block_pos,
         slot_mapping=block_slots,
         cu_q=cu_q,
-        kv_lens=(start + q_lens).to(torch.int32),
+        kv_lens=kv_lens,
         page_table=table,
         page_size=page_size,
         max_q=width,
         max_kv=max_kv,
-        causal=False,
+        causal=attention.full_causal,
     )
-    return DraftInputs(block_ids, meta, ctx_pos, ctx_slots)
+    if ring is None:
+        return DraftInputs(block_ids, meta, ctx_pos, ctx_slots)
+    slot_of_row = slots[req]
+    window_meta = AttentionMeta(
+        positions=block_pos,
+        slot_mapping=ring.slots(slot_of_row, block_pos, start[req] + width, live[req]),
+        cu_q=cu_q,
+        kv_lens=kv_lens,
+        page_table=ring.table[slots],
+        page_size=page_size,
+        max_q=width,
+        max_kv=max_kv,
+        causal=attention.sliding_causal,
+        window=attention.window,
+    )
+    ctx_window = ring.slots(slot_of_row, ctx_pos, start[req], committed)
+    return DraftInputs(block_ids, meta, ctx_pos, ctx_slots, window_meta, ctx_window)

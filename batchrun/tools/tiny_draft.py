@@ -1,10 +1,14 @@
-"""Write a tiny DFlash draft checkpoint (z-lab layout) for a tiny target, for tests and demos.
+"""Write a tiny DFlash draft checkpoint for a tiny target, for tests and demos: the z-lab
+format, or the speculators one; optionally with sliding-window layers and a reduced vocabulary.
 
     python -m batchrun.tools.tiny_draft OUT_DIR --target DIR [--layers N] [--block-size B]
                                         [--layer-ids 0,2] [--mask-id N] [--seed S]
+                                        [--sliding-window W --sliding-layers 0,1]
+                                        [--draft-vocab N] [--speculators]
 
-The draft has no embedding and no lm_head (it borrows the target's), so its shape is read from
-the target's config.json; see docs/dflash.md section 1 for the format.
+The draft has no embedding (it borrows the target's) and no lm_head unless its vocabulary is
+reduced, so its shape is read from the target's config.json; see docs/dflash.md section 1 for
+the z-lab format and batchrun/models/dflash_formats.py for the speculators one.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, Qwen3Config
 
+from batchrun.models.dflash import default_target_layer_ids
 from batchrun.tools.tiny import DECISIVE_INIT
 
 
@@ -32,11 +37,18 @@ def make_tiny_draft(
     seed: int = 0,
     state_dict: dict[str, torch.Tensor] | None = None,
     extra_config: dict[str, Any] | None = None,
+    sliding_window: int | None = None,
+    sliding_layers: list[int] | None = None,
+    draft_vocab: list[int] | None = None,
+    speculators: bool = False,
 ) -> Path:
     """Save a DFlash draft for the target in target_dir to out_dir and return out_dir.
 
-    target_layer_ids None leaves the key out (loaders derive the default ids). mask_token_id
-    None picks the first embedding row the tokenizer does not use, or the last row.
+    target_layer_ids None leaves the key out (loaders derive the default ids; the speculators
+    format always lists them). mask_token_id None picks the first embedding row the tokenizer
+    does not use, or the last row. sliding_layers (default: all) slide over sliding_window
+    positions. draft_vocab: the target ids the draft drafts from (a reduced vocabulary: its own
+    lm_head, d2t and t2d). speculators: write the speculators format instead of z-lab's.
     state_dict is written as given instead of random weights (extra tensors included).
     extra_config's top-level keys overwrite the generated config (a dict replaces, it does not
     merge), so tests can write broken variants.
@@ -50,9 +62,21 @@ def make_tiny_draft(
     if target_layer_ids is not None:
         dflash_config["target_layer_ids"] = list(target_layer_ids)
     config = draft_config(target, num_layers, block_size, dflash_config)
+    if sliding_window is not None:
+        sliding = set(range(num_layers) if sliding_layers is None else sliding_layers)
+        config["layer_types"] = [
+            "sliding_attention" if i in sliding else "full_attention" for i in range(num_layers)
+        ]
+        config |= {"use_sliding_window": True, "sliding_window": sliding_window}
+    if draft_vocab is not None:
+        config["draft_vocab_size"] = len(draft_vocab)
     if state_dict is None:
         num_features = len(target_layer_ids) if target_layer_ids else num_layers
         state_dict = random_draft_weights(config, num_features, seed)
+        if draft_vocab is not None:
+            state_dict |= vocabulary_tensors(draft_vocab, config, seed)
+    if speculators:
+        config = speculators_config(config, target_dir)
     config.update(extra_config or {})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = {name: _stored(t) for name, t in state_dict.items()}
@@ -110,6 +134,58 @@ def draft_config(
     }
 
 
+def vocabulary_tensors(
+    draft_vocab: list[int], config: dict[str, Any], seed: int
+) -> dict[str, torch.Tensor]:
+    """A reduced vocabulary's own lm_head, d2t (offsets: target id = draft id + d2t[draft id],
+    EAGLE-3's convention) and t2d (which target ids the draft has)."""
+    ids = torch.tensor(sorted(draft_vocab))
+    gen = torch.Generator().manual_seed(seed + 1)
+    head = torch.randn(len(ids), config["hidden_size"], generator=gen) * DECISIVE_INIT
+    t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
+    t2d[ids] = True
+    return {"lm_head.weight": head, "d2t": ids - torch.arange(len(ids)), "t2d": t2d}
+
+
+# Keys of the z-lab config that the speculators format keeps out of transformer_layer_config.
+DFLASH_KEYS = ("architectures", "block_size", "dflash_config", "num_target_layers",
+               "draft_vocab_size")  # fmt: skip
+
+
+def speculators_config(zlab: dict[str, Any], target_dir: Path | str) -> dict[str, Any]:
+    """The same draft's config in the speculators format (what speculators' DFlash converter
+    writes), its transformer_layer_config as transformers 4's diff dict: keys equal to
+    Qwen3Config's defaults are left out."""
+    dflash = zlab["dflash_config"]
+    layers = {k: v for k, v in zlab.items() if k not in DFLASH_KEYS}
+    defaults = Qwen3Config().to_dict()
+    missing = object()
+    layers = {k: v for k, v in layers.items() if k == "model_type" or defaults.get(k, missing) != v}
+    layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(
+        zlab["num_hidden_layers"], zlab["num_target_layers"]
+    )
+    block = zlab["block_size"]
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block - 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(target_dir), "architectures": ["Qwen3ForCausalLM"]},
+        },
+        "transformer_layer_config": layers,
+        "draft_vocab_size": zlab.get("draft_vocab_size", zlab["vocab_size"]),
+        "block_size": block,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": [i + 1 for i in layer_ids],  # hidden-state indices
+        "mask_token_id": dflash["mask_token_id"],
+        "sliding_window_non_causal": False,
+        "projector_type": "dflash",
+        "sample_from_anchor": False,
+    }
+
+
 def random_draft_weights(
     config: dict[str, Any], num_features: int, seed: int
 ) -> dict[str, torch.Tensor]:
@@ -163,8 +239,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--mask-id", type=int, default=None, help="mask token id")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sliding-window", type=int, default=None, help="W of sliding layers")
+    parser.add_argument(
+        "--sliding-layers", default=None, help="comma-separated sliding layers (default: all)"
+    )
+    parser.add_argument(
+        "--draft-vocab", type=int, default=None, help="a reduced vocabulary of N random ids"
+    )
+    parser.add_argument("--speculators", action="store_true", help="the speculators format")
     args = parser.parse_args(argv)
     layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
+    sliding = [int(x) for x in args.sliding_layers.split(",")] if args.sliding_layers else None
+    vocab = None
+    if args.draft_vocab is not None:
+        size = json.loads((args.target / "config.json").read_text())["vocab_size"]
+        gen = torch.Generator().manual_seed(args.seed)
+        vocab = torch.randperm(size, generator=gen)[: args.draft_vocab].tolist()
     out = make_tiny_draft(
         args.out_dir,
         args.target,
@@ -173,6 +263,10 @@ def main(argv: list[str] | None = None) -> None:
         target_layer_ids=layer_ids,
         mask_token_id=args.mask_id,
         seed=args.seed,
+        sliding_window=args.sliding_window,
+        sliding_layers=sliding,
+        draft_vocab=vocab,
+        speculators=args.speculators,
     )
     print(out)
 
