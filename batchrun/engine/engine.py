@@ -33,7 +33,7 @@ from batchrun.engine.loading import (
 from batchrun.engine.memory import kv_pages
 from batchrun.engine.model_runner import IN_FLIGHT_STEPS, ModelRunner, TargetOutput
 from batchrun.engine.page_pool import PagePool
-from batchrun.engine.request import Request
+from batchrun.engine.request import Request, sample_requests
 from batchrun.engine.sampler import sample
 from batchrun.engine.scheduler import Scheduled, Scheduler
 from batchrun.engine.step_inputs import plan_step, rows_sampled
@@ -187,9 +187,11 @@ class Engine:
         return self.scheduler.num_preemptions
 
     def add(self, request: Request) -> None:
-        if self.block_size and request.spec_hist is None:
-            request.spec_hist = [0] * self.block_size
-        self.scheduler.add(request)
+        """Queue the request's params.n samples (`sample_requests`): each finishes on its own."""
+        for sample in sample_requests(request):
+            if self.block_size and sample.spec_hist is None:
+                sample.spec_hist = [0] * self.block_size
+            self.scheduler.add(sample)
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its pages (benchmarks between points)."""

@@ -3,7 +3,9 @@
 Every step gives each running request past its prefill its decode (1 row) or verify (B rows)
 step first; prefill chunks of running requests take what is left of the token budget, then new
 requests are admitted in arrival order. At most max_batched_tokens // width requests run, so the
-decode/verify rows always fit. Prefill chunks and admissions leave a reserve of free pages, the
+decode/verify rows always fit. The samples of one row (n > 1) share the full pages of their
+prompt: the first admitted prefills it, and the others wait (keeping their slots) until those
+pages are launched, then take them and prefill only the rest, at least the prompt's last token. Prefill chunks and admissions leave a reserve of free pages, the
 pages of one decode/verify step for every request scheduled in the pass, so that taking pages
 now does not preempt a request in the next step. When the pool still runs dry, the most recently
 admitted request not yet scheduled in this pass is preempted: its pages are freed and it is
@@ -87,18 +89,23 @@ class Scheduler:
             if n > 0:
                 batch.append(self._plan(req, n, decoding=False))
                 budget -= n
-        while self.waiting and len(self.running) < self.max_running and budget > 0:
+        held: list[Request] = []  # samples waiting for a sibling's prompt pages, slots kept
+        while self.waiting and len(self.running) + len(held) < self.max_running and budget > 0:
             req = self.waiting[0]
             if req in self._preempted:
                 break
-            computable = self._reuse_prefix(req)
+            shared = self._sibling_pages(req)
+            if shared is None:
+                held.append(self.waiting.popleft())
+                continue
+            looked_up = self._reuse_prefix(req, shared)
             n = self._chunk(req, budget, self._step_pages * len(batch))
             if n <= 0:
                 self.pool.release(req.pages)  # cached pages it matched stay cached
                 req.num_cached = 0
                 break
-            self.pool.queried_tokens += computable
-            self.pool.hit_tokens += req.num_cached
+            self.pool.queried_tokens += looked_up
+            self.pool.hit_tokens += req.num_cached if looked_up else 0
             self.waiting.popleft()
             req.status = Status.RUNNING
             req.slot = self._free_slots.pop()
@@ -106,12 +113,31 @@ class Scheduler:
             self.admitted.append(req)
             batch.append(self._plan(req, n, decoding=False))
             budget -= n
+        self.waiting.extendleft(reversed(held))
         return batch
 
-    def _reuse_prefix(self, req: Request) -> int:
-        """Start a request being admitted from the longest cached prefix of its tokens (the
-        pool's prefix cache; at least one token is left to compute). Returns how many tokens
-        were looked up."""
+    def _sibling_pages(self, req: Request) -> list[int] | None:
+        """The full pages of the prompt that a running sibling (a sample of the same row) has
+        launched, for `req` to share: [] when no sibling runs or the prompt fills no page (req
+        prefills it itself), None while the sibling is still prefilling them (req waits: a
+        request admitted in the same step would prefill them again)."""
+        full = min(prefill_len(req) - 1, len(req.prompt_ids)) // self.pool.page_size
+        running = [s for s in req.siblings if s.status is Status.RUNNING]
+        if not full or not running:
+            return []
+        source = max(running, key=lambda s: s.num_cached)
+        if source.num_cached < full * self.pool.page_size:
+            return None
+        return source.pages[:full]
+
+    def _reuse_prefix(self, req: Request, shared: list[int]) -> int:
+        """Start a request being admitted from the pages its sibling shares, else from the
+        longest cached prefix of its tokens (the pool's prefix cache); at least one token is
+        left to compute. Returns how many tokens were looked up in the cache."""
+        if shared:
+            req.pages = self.pool.share(shared)
+            req.num_cached = len(shared) * self.pool.page_size
+            return 0
         tokens = req.token_slice(0, prefill_len(req) - 1)
         req.pages = self.pool.match(tokens)
         req.num_cached = len(req.pages) * self.pool.page_size
