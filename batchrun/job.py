@@ -38,6 +38,7 @@ class JobSpec:
     seed: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
@@ -46,6 +47,7 @@ class JobSpec:
     prefix_caching: bool = True
     max_batch_size: int = 64
     max_batched_tokens: int = 2048
+    schedule_window: int = 4096
     gpu_memory_fraction: float = 0.9
     shard: str | None = None  # "I/N"
     overwrite: bool = False
@@ -112,6 +114,7 @@ class JobSpec:
             seed=seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            n=self.n,
         )
 
 

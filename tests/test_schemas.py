@@ -50,6 +50,7 @@ def test_output_schema_file_lists_the_output_columns_in_order() -> None:
     listed = json.loads(schema_files()["output.schema.json"])
     assert [c["name"] for c in listed] == [
         "row_index",
+        "sample_index",
         "completion",
         "completion_token_ids",
         "finish_reason",
@@ -60,8 +61,8 @@ def test_output_schema_file_lists_the_output_columns_in_order() -> None:
         "acceptance_length",
         "error",
     ]
-    assert [c["type"] for c in listed][:3] == ["int64", "string", "list<int32>"]
-    assert listed[8]["type"] == "float32"
+    assert [c["type"] for c in listed][:4] == ["int64", "int32", "string", "list<int32>"]
+    assert {c["name"]: c["type"] for c in listed}["acceptance_length"] == "float32"
     assert all(c["description"] for c in listed)
     assert [f.name for f in dataclasses.fields(OutputRow)] == [f.name for f in OUTPUT_FIELDS]
 

@@ -188,10 +188,10 @@ class Engine:
 
     def add(self, request: Request) -> None:
         """Queue the request's params.n samples (`sample_requests`): each finishes on its own."""
-        for sample in sample_requests(request):
-            if self.block_size and sample.spec_hist is None:
-                sample.spec_hist = [0] * self.block_size
-            self.scheduler.add(sample)
+        for req in sample_requests(request):
+            if self.block_size and req.spec_hist is None:
+                req.spec_hist = [0] * self.block_size
+            self.scheduler.add(req)
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its pages (benchmarks between points)."""

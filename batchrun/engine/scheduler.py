@@ -3,14 +3,19 @@
 Every step gives each running request past its prefill its decode (1 row) or verify (B rows)
 step first; prefill chunks of running requests take what is left of the token budget, then new
 requests are admitted in arrival order. At most max_batched_tokens // width requests run, so the
-decode/verify rows always fit. The samples of one row (n > 1) share the full pages of their
-prompt: the first admitted prefills it, and the others wait (keeping their slots) until those
-pages are launched, then take them and prefill only the rest, at least the prompt's last token. Prefill chunks and admissions leave a reserve of free pages, the
+decode/verify rows always fit. Prefill chunks and admissions leave a reserve of free pages, the
 pages of one decode/verify step for every request scheduled in the pass, so that taking pages
 now does not preempt a request in the next step. When the pool still runs dry, the most recently
 admitted request not yet scheduled in this pass is preempted: its pages are freed and it is
 recomputed later from its tokens, which changes no output (sampling is keyed by position). A
 request preempted in a pass waits at least until the next one.
+
+The samples of one row (n > 1) share the full pages of their prompt, by reference count: the
+first admitted prefills the prompt; the others wait, keeping their slots (later requests may go
+ahead), until a running sibling has launched those pages, then take them and prefill only the
+rest, at least the prompt's last token. A page is freed when its last holder lets go, so
+preempting or finishing one sample never frees what another still reads; a preempted sample
+shares again from a running sibling when it comes back, or prefills alone if none runs.
 
 The engine launches a step before it reads the previous one's tokens, so a decoding request's
 pages cover its in-flight rows too, and each running request holds a slot of the device state.

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from batchrun.io.prompts import PromptColumn
     from batchrun.job import JobSpec
 
-FINGERPRINT_VERSION = 2
+FINGERPRINT_VERSION = 3  # 3: the sample_index column, the n key
 # Files of a model directory that shape its outputs: config, weights, tokenizer, chat template.
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".jinja", ".txt", ".model", ".tiktoken")
 _MISSING = object()  # a key one fingerprint has and the other lacks
@@ -46,6 +46,7 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
             "seed": job.seed,
             "stop": list(job.stop),
             "stop_token_ids": list(job.stop_token_ids),
+            "n": job.n,
         },
     }
     data: dict[str, Any] = json.loads(json.dumps(fingerprint))  # tuples become lists, as on disk

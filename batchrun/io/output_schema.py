@@ -28,6 +28,12 @@ OUTPUT_FIELDS: tuple[pa.Field, ...] = (
         "sort by it to restore input order.",
     ),
     _field(
+        "sample_index",
+        pa.int32(),
+        False,
+        "Which of the row's n samples this is, 0 .. n-1 (0 when n = 1); each has its own seed.",
+    ),
+    _field(
         "completion",
         pa.string(),
         True,
@@ -79,6 +85,7 @@ class OutputRow:
     """Values of OUTPUT_FIELDS for one row, in the same order."""
 
     row_index: int
+    sample_index: int
     completion: str | None
     completion_token_ids: list[int] | None
     finish_reason: str
@@ -100,6 +107,7 @@ def finished_row(request: Request) -> OutputRow:
         tau = (completion_tokens - 1) / request.spec_rounds
     return OutputRow(
         row_index=request.row_index,
+        sample_index=request.sample_index,
         completion=request.completion,
         completion_token_ids=list(request.output_ids),
         finish_reason=request.finish_reason,
@@ -112,9 +120,15 @@ def finished_row(request: Request) -> OutputRow:
     )
 
 
-def error_row(row_index: int, message: str) -> OutputRow:
+def error_rows(row_index: int, message: str, n: int = 1) -> list[OutputRow]:
+    """The n output rows of an input row that cannot run (one per sample it would have had)."""
+    return [error_row(row_index, message, i) for i in range(n)]
+
+
+def error_row(row_index: int, message: str, sample_index: int = 0) -> OutputRow:
     return OutputRow(
         row_index=row_index,
+        sample_index=sample_index,
         completion=None,
         completion_token_ids=None,
         finish_reason="error",
