@@ -54,6 +54,13 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     show_default=True,
     help="--target: tokens every prompt starts with; also runs without prefix caching.",
 )
+@click.option(
+    "--n",
+    type=int,
+    default=1,
+    show_default=True,
+    help="--target: also sample n completions per prompt, as rows of n and as n separate rows.",
+)
 @click.option("--tau", default="3,5,6.5", show_default=True, help="--shape: projected tau.")
 @click.option(
     "--acceptance-from",
@@ -112,6 +119,7 @@ def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:
         max_tokens=opts["max_tokens"],
         hf_baseline=opts["hf_baseline"],
         shared_prefix=opts["shared_prefix"],
+        n=opts["n"],
     )
 
 
