@@ -4,6 +4,7 @@ sweep at a real model's shape with random weights (--shape)."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,7 @@ def bench(out: Path | None, **opts: Any) -> None:
             out.write_text(json.dumps(result, indent=2) + "\n")
 
     result = _sweep(opts, write) if opts["shape"] else _end_to_end(opts)
+    result["args"] = ["batchrun", *sys.argv[1:]]  # the command that made it
     write(result)
     click.echo(json.dumps(result.get("ratios") or result.get("summary"), indent=2))
 
