@@ -49,6 +49,8 @@ from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+# An input row: its row_index, input columns, values of the columns read, request (or why not).
+InputRow = tuple[int, pa.RecordBatch, dict[str, Any], Request | str]
 QUEUE_FACTOR = 4  # requests queued in the engine, per unit of max_batch_size
 PREFETCH_ROWS = 512  # input rows read and tokenized ahead of the engine
 MAX_LOGGED_ERRORS = 10
@@ -229,8 +231,7 @@ class _Run:
 
     def _loop(self) -> None:
         requests = (r for row in self._input_rows() if (r := self._admit(*row)) is not None)
-        ordered = windowed(requests, self.job.schedule_window, self.engine.max_model_len)
-        for finished in generate(self.engine, ordered, QUEUE_FACTOR * self.job.max_batch_size):
+        for finished in generate(self.engine, requests, QUEUE_FACTOR * self.job.max_batch_size):
             for request in finished:
                 self._count(request)
                 inputs, done = self.pending[request.row_index]
@@ -241,19 +242,24 @@ class _Run:
                     self._buffer(inputs, [finished_row(r) for r in done])
             self.writer.maybe_commit()
 
-    def _input_rows(self) -> Iterator[tuple[int, pa.RecordBatch, dict[str, Any], Request | str]]:
+    def _input_rows(self) -> Iterator[InputRow]:
         """Each selected row, its input columns, its values and its request (or why not),
-        read and tokenized ahead on a background thread (with its own tokenizer)."""
+        read and tokenized ahead on a background thread (with its own tokenizer), which also
+        puts each schedule window of rows in admission order."""
         id_columns = [self.opened.id_column] if self.opened.id_column is not None else []
 
-        def rows() -> Iterator[tuple[int, pa.RecordBatch, dict[str, Any], Request | str]]:
+        def rows() -> Iterator[InputRow]:
             for batch in iter_batches(self.opened.source, self.selection):
                 row_indices = batch.row_indices.tolist()
                 built = self.builder.build_batch(batch.batch, row_indices, id_columns)
                 for i, (values, request) in enumerate(built):
                     yield row_indices[i], batch.batch.slice(i, 1), values, request
 
-        return prefetch(rows(), depth=PREFETCH_ROWS)
+        ordered = windowed(
+            rows(), self.job.schedule_window, self.engine.max_model_len,
+            lambda row: row[3] if isinstance(row[3], Request) else None,
+        )  # fmt: skip
+        return prefetch(ordered, depth=PREFETCH_ROWS)
 
     def _admit(
         self,

@@ -51,9 +51,17 @@ def test_rows_sharing_pages_come_together_and_the_longest_branch_first() -> None
 
 def test_windows_reorder_only_within_themselves() -> None:
     rows = [request(i, page(10 - i), max_tokens=1 + i) for i in range(7)]
-    assert list(windowed(iter(rows), 0, 1000)) == rows  # 0: input order
-    ordered = [r.row_index for r in windowed(iter(rows), 3, 1000)]
+
+    def same(r: Request) -> Request:
+        return r
+
+    assert list(windowed(iter(rows), 0, 1000, same)) == rows  # 0: input order
+    ordered = [r.row_index for r in windowed(iter(rows), 3, 1000, same)]
     assert ordered == [2, 1, 0, 5, 4, 3, 6]  # within each window of 3, the longest first
+    # Rows without a request (error rows) come first in their window, as they come.
+    items = [(r, r if r.row_index % 3 else None) for r in rows]
+    order = [r.row_index for r, _ in windowed(iter(items), 4, 1000, lambda item: item[1])]
+    assert order == [0, 3, 2, 1, 6, 5, 4]
     long_prompts = [request(i, page(1) * 400 + [i % 2]) for i in range(4)]  # 400 shared pages
     assert [r.row_index for r in admission_order(long_prompts, 10**6)] == [0, 2, 1, 3]
 

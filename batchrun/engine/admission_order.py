@@ -11,21 +11,34 @@ sampling is keyed by each request's own seed and token index, whatever else runs
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from batchrun.engine.request import Request
 
 PAGE_TOKENS = 16  # the engine's KV page: rows that share less than a page share no K/V
+T = TypeVar("T")
 
 
-def windowed(requests: Iterator[Request], window: int, max_len: int) -> Iterator[Request]:
-    """The requests, each run of `window` of them reordered by admission_order; window 0
-    passes them on in their own order."""
+def windowed(
+    items: Iterator[T], window: int, max_len: int, request: Callable[[T], Request | None]
+) -> Iterator[T]:
+    """The items, each run of `window` of them reordered: those without a request (error
+    rows) first, as they come, then the others in the admission_order of their requests;
+    window 0 passes them on in their own order."""
     if window <= 0:
-        yield from requests
+        yield from items
         return
-    while chunk := list(itertools.islice(requests, window)):
-        yield from admission_order(chunk, max_len)
+    while chunk := list(itertools.islice(items, window)):
+        runnable: dict[int, tuple[Request, T]] = {}
+        for item in chunk:
+            req = request(item)
+            if req is None:
+                yield item
+            else:
+                runnable[id(req)] = (req, item)
+        for req in admission_order([req for req, _ in runnable.values()], max_len):
+            yield runnable[id(req)][1]
 
 
 def admission_order(requests: list[Request], max_len: int) -> list[Request]:

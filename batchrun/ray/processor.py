@@ -127,7 +127,8 @@ class BatchrunProcessor:
                 requests.append(request)
             else:
                 outputs[i] = error_rows(row_indices[i], request, builder.output_rows(values))
-        ordered = windowed(iter(requests), self.job.schedule_window, self.engine.max_model_len)
+        window, max_len = self.job.schedule_window, self.engine.max_model_len
+        ordered = windowed(iter(requests), window, max_len, lambda request: request)
         max_queued = QUEUE_FACTOR * self.job.max_batch_size
         for finished in generate(self.engine, ordered, max_queued):
             for request in finished:
