@@ -4,9 +4,9 @@ jobs are never mixed in one output directory.
 Covered: each input file's identity (resolved path, size, mtime, a hash of its Parquet footer,
 which holds its row counts and column statistics), the prompt column and its kind, the resolved
 dtype, the target's and draft's files (names, sizes, mtimes) and the sampling defaults. Not
-covered, as they do not change outputs: the id column, batch sizes, part sizes, the shard. The
-context length comes from the target's config.json (no job key sets it), so the model files
-cover it.
+covered, as they do not change outputs: the id column, batch sizes, part sizes, the shard, the
+schedule window. The context length comes from the target's config.json (no job key sets it),
+so the model files cover it.
 """
 
 from __future__ import annotations
