@@ -233,14 +233,18 @@ class _Run:
         requests = (r for row in self._input_rows() if (r := self._admit(*row)) is not None)
         for finished in generate(self.engine, requests, QUEUE_FACTOR * self.job.max_batch_size):
             for request in finished:
-                self._count(request)
-                inputs, done = self.pending[request.row_index]
-                done.append(request)
-                if len(done) == request.params.n:  # the row's last sample
-                    del self.pending[request.row_index]
-                    done.sort(key=lambda r: r.sample_index)
-                    self._buffer(inputs, [finished_row(r) for r in done])
+                self._collect(request)
             self.writer.maybe_commit()
+
+    def _collect(self, request: Request) -> None:
+        """A finished sample; with the row's last one, the row's output rows are buffered."""
+        self._count(request)
+        inputs, done = self.pending[request.row_index]
+        done.append(request)
+        if len(done) == request.params.n:
+            del self.pending[request.row_index]
+            done.sort(key=lambda r: r.sample_index)
+            self._buffer(inputs, [finished_row(r) for r in done])
 
     def _input_rows(self) -> Iterator[InputRow]:
         """Each selected row, its input columns, its values and its request (or why not),
