@@ -109,8 +109,9 @@ class Scheduler:
                 self.pool.release(req.pages)  # cached pages it matched stay cached
                 req.num_cached = 0
                 break
-            self.pool.queried_tokens += looked_up
-            self.pool.hit_tokens += req.num_cached if looked_up else 0
+            if looked_up:  # a cache lookup (a sibling's pages are shared without one)
+                self.pool.queried_tokens += looked_up
+                self.pool.hit_tokens += req.num_cached
             self.waiting.popleft()
             req.status = Status.RUNNING
             req.slot = self._free_slots.pop()
