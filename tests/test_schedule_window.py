@@ -56,6 +56,7 @@ def test_windows_reorder_only_within_themselves() -> None:
         return r
 
     assert list(windowed(iter(rows), 0, 1000, same)) == rows  # 0: input order
+    assert admission_order([], 1000) == []
     ordered = [r.row_index for r in windowed(iter(rows), 3, 1000, same)]
     assert ordered == [2, 1, 0, 5, 4, 3, 6]  # within each window of 3, the longest first
     # Rows without a request (error rows) come first in their window, as they come.

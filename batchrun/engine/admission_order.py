@@ -47,7 +47,7 @@ def admission_order(requests: list[Request], max_len: int) -> list[Request]:
     ordered = sorted(requests, key=lambda r: r.prompt_ids)  # every prefix group contiguous
     length = [min(len(r.prompt_ids) + r.params.max_tokens, max_len) for r in ordered]
     out: list[Request] = []
-    todo = [(0, len(ordered))]  # ranges of `ordered` sharing a prefix, next one last
+    todo = [(0, len(ordered))] if ordered else []  # ranges sharing a prefix, next one last
     while todo:
         lo, hi = todo.pop()
         first, last = ordered[lo].prompt_ids, ordered[hi - 1].prompt_ids
