@@ -73,6 +73,7 @@ _RUN_OPTIONS = [
     click.option("--seed", type=int, help="Job seed; each row gets its own from it."),
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
     click.option("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
+    click.option("--n", type=int, help="Samples per row (n output rows, sample_index 0 .. n-1)."),
     click.option(
         "--logprobs",
         type=int,
@@ -107,6 +108,12 @@ _RUN_OPTIONS = [
     ),
     click.option("--max-batch-size", type=int, help="Requests in flight."),
     click.option("--max-batched-tokens", type=int, help="Tokens per forward pass."),
+    click.option(
+        "--schedule-window",
+        type=int,
+        help="Input rows read ahead and admitted shared prefixes together, longest first; "
+        "0 = input order.",
+    ),
     click.option(
         "--gpu-memory-fraction", type=float, help="GPU memory batchrun may use (KV pools last)."
     ),

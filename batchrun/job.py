@@ -38,6 +38,7 @@ class JobSpec:
     seed: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
     logprobs: int | None = None  # None: off; k: each token's log-probability and its top k
     prompt_logprobs: bool = False
     dtype: str = "auto"
@@ -48,6 +49,7 @@ class JobSpec:
     prefix_caching: bool = True
     max_batch_size: int = 64
     max_batched_tokens: int = 2048
+    schedule_window: int = 4096
     gpu_memory_fraction: float = 0.9
     shard: str | None = None  # "I/N"
     overwrite: bool = False
@@ -116,6 +118,7 @@ class JobSpec:
             seed=seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            n=self.n,
         )
 
 

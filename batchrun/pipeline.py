@@ -1,8 +1,10 @@
 """One job from start to end: check everything, then stream rows through the engine into parts.
 
-Memory stays bounded: the input is read batch by batch, at most QUEUE_FACTOR * max_batch_size
-requests wait in the engine, and finished rows are written out every rows_per_part rows or
-part_seconds seconds.
+Memory stays bounded: the input is read batch by batch, at most schedule_window rows are read
+ahead to be admitted in a better order, at most QUEUE_FACTOR * max_batch_size requests wait in
+the engine, and finished rows are written out every rows_per_part rows or part_seconds seconds.
+An input row's output rows (its n samples) are written together, into one part: progress and
+resume count input rows.
 """
 
 from __future__ import annotations
@@ -18,10 +20,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrun.engine.admission_order import windowed
 from batchrun.engine.request import Request
 from batchrun.errors import JobError
 from batchrun.io.fingerprint import job_fingerprint
-from batchrun.io.output_schema import OutputRow, build_table, error_row, finished_row, output_schema
+from batchrun.io.output_schema import (
+    OutputRow,
+    build_table,
+    error_rows,
+    finished_row,
+    output_schema,
+)
 from batchrun.io.part_writer import PartWriter
 from batchrun.io.prefetch import prefetch
 from batchrun.io.progress import DAMAGED_DIR, PROGRESS_DIR, STATS_FILE, OutputDir
@@ -40,6 +49,8 @@ from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+# An input row: its row_index, input columns, values of the columns read, request (or why not).
+InputRow = tuple[int, pa.RecordBatch, dict[str, Any], Request | str]
 QUEUE_FACTOR = 4  # requests queued in the engine, per unit of max_batch_size
 PREFETCH_ROWS = 512  # input rows read and tokenized ahead of the engine
 MAX_LOGGED_ERRORS = 10
@@ -194,7 +205,8 @@ class _Run:
         for part in self.out.own_parts():
             self.stats.add(pq.read_table(part, columns=STATS_COLUMNS))
         self.done_rows = self.job_rows - self.selection.count()  # committed plus buffered
-        self.pending: dict[int, pa.RecordBatch] = {}  # row_index -> its input columns
+        # row_index -> its input columns and its samples finished so far
+        self.pending: dict[int, tuple[pa.RecordBatch, list[Request]]] = {}
         self.writer = PartWriter(
             self.out, opened.schema, self.job.rows_per_part, self.job.part_seconds, self._committed
         )
@@ -221,23 +233,37 @@ class _Run:
         requests = (r for row in self._input_rows() if (r := self._admit(*row)) is not None)
         for finished in generate(self.engine, requests, QUEUE_FACTOR * self.job.max_batch_size):
             for request in finished:
-                self._buffer(self.pending.pop(request.row_index), finished_row(request))
-                self._count(request)
+                self._collect(request)
             self.writer.maybe_commit()
 
-    def _input_rows(self) -> Iterator[tuple[int, pa.RecordBatch, dict[str, Any], Request | str]]:
+    def _collect(self, request: Request) -> None:
+        """A finished sample; with the row's last one, the row's output rows are buffered."""
+        self._count(request)
+        inputs, done = self.pending[request.row_index]
+        done.append(request)
+        if len(done) == request.params.n:
+            del self.pending[request.row_index]
+            done.sort(key=lambda r: r.sample_index)
+            self._buffer(inputs, [finished_row(r) for r in done])
+
+    def _input_rows(self) -> Iterator[InputRow]:
         """Each selected row, its input columns, its values and its request (or why not),
-        read and tokenized ahead on a background thread (with its own tokenizer)."""
+        read and tokenized ahead on a background thread (with its own tokenizer), which also
+        puts each schedule window of rows in admission order."""
         id_columns = [self.opened.id_column] if self.opened.id_column is not None else []
 
-        def rows() -> Iterator[tuple[int, pa.RecordBatch, dict[str, Any], Request | str]]:
+        def rows() -> Iterator[InputRow]:
             for batch in iter_batches(self.opened.source, self.selection):
                 row_indices = batch.row_indices.tolist()
                 built = self.builder.build_batch(batch.batch, row_indices, id_columns)
                 for i, (values, request) in enumerate(built):
                     yield row_indices[i], batch.batch.slice(i, 1), values, request
 
-        return prefetch(rows(), depth=PREFETCH_ROWS)
+        ordered = windowed(
+            rows(), self.job.schedule_window, self.engine.max_model_len,
+            lambda row: row[3] if isinstance(row[3], Request) else None,
+        )  # fmt: skip
+        return prefetch(ordered, depth=PREFETCH_ROWS)
 
     def _admit(
         self,
@@ -248,10 +274,10 @@ class _Run:
     ) -> Request | None:
         """The request for the engine, or None: the row's error row is buffered."""
         if isinstance(request, Request):
-            self.pending[row_index] = inputs
+            self.pending[row_index] = (inputs, [])
             return request
         self.error_log.log(row_index, values, request)
-        self._buffer(inputs, error_row(row_index, request))
+        self._buffer(inputs, error_rows(row_index, request, self.builder.output_rows(values)))
         self.writer.maybe_commit()
         return None
 
@@ -261,8 +287,10 @@ class _Run:
             self.run_spec_tokens += len(request.output_ids) - 1
             self.run_spec_rounds += request.spec_rounds
 
-    def _buffer(self, inputs: pa.RecordBatch, row: OutputRow) -> None:
-        self.writer.add(inputs, row)
+    def _buffer(self, inputs: pa.RecordBatch, rows: list[OutputRow]) -> None:
+        """An input row's output rows, all at once (a part never splits them)."""
+        for row in rows:
+            self.writer.add(inputs, row)
         self.done_rows += 1
         self._draw()
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchrun.engine.request import MAX_SAMPLES
 from batchrun.io.output_schema import (
     COMPLETION_LOGPROB_FIELDS,
     PROMPT_LOGPROBS_FIELD,
@@ -80,7 +81,7 @@ def job_schema() -> dict[str, Any]:
         "top_k": _integer("Default top-k cutoff; 0 turns it off.", 0, 0),
         "seed": _integer(
             "Job seed; a row without a `seed` cell gets a distinct seed derived from it "
-            "and its row_index.",
+            "and its row_index (and each of its n samples one of its own).",
             0,
             0,
         ),
@@ -96,6 +97,13 @@ def job_schema() -> dict[str, Any]:
             "default": [],
             "description": "Default token ids that end generation (in addition to EOS).",
         },
+        "n": _integer(
+            f"Default samples per row (at most {MAX_SAMPLES}): n output rows with sample_index "
+            "0 .. n-1, each with its own seed, sharing the prompt's K/V.",
+            1,
+            1,
+        )
+        | {"maximum": MAX_SAMPLES},
         "logprobs": {
             "type": "integer",
             "minimum": 0,
@@ -139,6 +147,12 @@ def job_schema() -> dict[str, Any]:
         "max_batch_size": _integer("Requests in flight in the engine at once.", 64, 1),
         "max_batched_tokens": _integer(
             "Tokens per forward pass (prefill chunks + decode).", 2048, 1
+        ),
+        "schedule_window": _integer(
+            "Input rows read ahead and admitted sorted: rows sharing a prompt prefix side by "
+            "side, the longest first; 0 admits rows in input order. Outputs do not change.",
+            4096,
+            0,
         ),
         "gpu_memory_fraction": {
             "type": "number",

@@ -4,7 +4,7 @@ works on a running job too. (polars is needed only here and in `batchrun report`
 Every shard and every run of a job writes its parts into the one directory; a summary merges them
 all, counting the rows a run counts as done: those of readable parts of the job recorded in
 _progress/job.json (parts of a job since overwritten, and damaged parts, are left out), each
-row_index once.
+(row_index, sample_index) once.
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ class CommittedParts:
         return cls(out, parts, len(out.all_parts()) - len(parts))
 
     def scan(self, columns: list[str]) -> pl.LazyFrame:
-        """Their rows, each row_index once (the first part by name holding it), with `part` (the
-        part's path). int32 columns come as int64: polars sums int32 in int32, which wraps."""
+        """Their rows, each (row_index, sample_index) once (the first part by name holding it),
+        with `part` (the part's path). int32 columns come as int64: polars sums int32 in int32,
+        which wraps."""
         return (
             pl.scan_parquet(self.parts, include_file_paths="part")
-            .select(["row_index", *columns, "part"])
-            .unique(subset="row_index", keep="first", maintain_order=True)
+            .select(["row_index", "sample_index", *columns, "part"])
+            .unique(subset=["row_index", "sample_index"], keep="first", maintain_order=True)
             .with_columns(pl.col(pl.Int32).cast(pl.Int64))
         )
 

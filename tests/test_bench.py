@@ -29,6 +29,20 @@ def test_bench_writes_result_json(tiny_model: Path, tmp_path: Path) -> None:
     assert data["setup"]["device"] == "cpu"
 
 
+def test_bench_compares_n_samples_with_separate_rows(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["bench", "--target", str(tiny_model), "--device", "cpu", "--no-hf-baseline"]
+    args += ["--num-prompts", "3", "--prompt-len", "40", "--max-tokens", "5", "--n", "4"]
+    result = CliRunner().invoke(cli, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert set(data["results"]) == {"target_only", "n_4", "separate_rows_4"}
+    grouped, separate = data["results"]["n_4"], data["results"]["separate_rows_4"]
+    assert 3 * 4 <= grouped["output_tokens"] == separate["output_tokens"] <= 3 * 4 * 5
+    assert data["ratios"]["n_4_outputs_identical_to_separate_rows"] is True
+    assert data["ratios"]["n_4_vs_separate_rows"] > 0 and data["setup"]["n"] == 4
+
+
 def test_sweep_projects_full_width_and_adaptive_dflash() -> None:
     """The sweep's projection from measured round times per width: a geometric acceptance
     matching tau, a stats.json profile made conditional, and the adaptive width the policy's

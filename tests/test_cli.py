@@ -51,7 +51,9 @@ def write_job(tmp_path: Path, model: Path, extra: str = "", **keys: int) -> Path
 
 def write_prompts(directory: Path, prompts: Sequence[str | None], files: int = 1) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    table = pa.table({"prompt": pa.array(prompts, pa.string()), "n": list(range(len(prompts)))})
+    table = pa.table(
+        {"prompt": pa.array(prompts, pa.string()), "number": list(range(len(prompts)))}
+    )
     per_file = -(-len(prompts) // files)
     for number in range(files):
         pq.write_table(table.slice(number * per_file, per_file), directory / f"{number}.parquet")
@@ -77,7 +79,9 @@ def test_run_and_stats_end_to_end(tmp_path: Path, tiny_model: Path) -> None:
     result = invoke("run", str(write_job(tmp_path, tiny_model)), "--max-tokens", "5")
     assert result.exit_code == 0, result.output
     out = read_output(tmp_path / "out")
-    assert out.column("row_index").to_pylist() == out.column("n").to_pylist() == list(range(13))
+    assert (
+        out.column("row_index").to_pylist() == out.column("number").to_pylist() == list(range(13))
+    )
     assert out.column("finish_reason").to_pylist().count("error") == 2
     for row in out.to_pylist():
         if row["error"] is None:
@@ -126,7 +130,7 @@ def test_chat_rows_use_the_chat_template(tmp_path: Path, tiny_model: Path) -> No
 
 def test_validate_reports_what_it_found(tmp_path: Path, tiny_model: Path) -> None:
     write_prompts(tmp_path / "in", PROMPTS, files=2)
-    result = invoke("validate", str(write_job(tmp_path, tiny_model, 'id_column = "n"\n')))
+    result = invoke("validate", str(write_job(tmp_path, tiny_model, 'id_column = "number"\n')))
     assert result.exit_code == 0, result.output
     assert "input: 2 file(s), 13 rows" in result.output
     assert "prompt column: prompt (text)" in result.output
@@ -143,7 +147,7 @@ def test_validate_reports_what_it_found(tmp_path: Path, tiny_model: Path) -> Non
         ("", ["--target", "."], "no config.json"),
         ("", ["--input", "nothing.parquet"], "does not exist"),
         ("", ["--prompt-column", "text"], "prompt_column 'text' is not an input column"),
-        ('prompt_column = "n"\n', [], "prompt column 'n' must be string"),
+        ('prompt_column = "number"\n', [], "prompt column 'number' must be string"),
     ],
 )
 def test_job_errors_are_one_line_and_exit_2(
@@ -288,6 +292,7 @@ def test_stats_totals_do_not_wrap_past_2_to_the_31(tmp_path: Path) -> None:
     rows = [
         {
             "row_index": i,
+            "sample_index": 0,
             "completion": "x",
             "completion_token_ids": [1],
             "finish_reason": "length",

@@ -1,5 +1,6 @@
 """Fuzzed inputs through `batchrun run`: whatever the cells hold, the job ends with exit 0 and
-exactly one output row per input row, with `error` set exactly on the rows that finished "error".
+each input row's output rows (one, or its `n` when that is valid), with `error` set exactly on
+the rows that finished "error".
 
 Each case draws, from its own seed, a prompt column (text, chat or token ids) and every override
 column with a random Arrow type (integers of every width and sign, half to double floats,
@@ -22,6 +23,8 @@ import pytest
 from click.testing import CliRunner
 
 from batchrun.cli import cli
+from batchrun.engine.request import MAX_SAMPLES
+from batchrun.io.cells import column_values
 from batchrun.io.overrides import OVERRIDE_COLUMNS
 
 CONTEXT = 32  # the tiny model's context: long prompts and huge max_tokens reach it at once
@@ -80,6 +83,7 @@ FITTING_TYPES = {
     "seed": WIDE_INTS + [pa.int32(), pa.uint16()],
     "stop": [pa.list_(pa.string()), pa.large_list(pa.large_string())],
     "stop_token_ids": [pa.list_(pa.int64()), pa.list_(pa.uint64()), pa.list_(pa.int8())],
+    "n": WIDE_INTS + [pa.int8(), pa.uint16()],
 }
 SANE: dict[str, list[Any]] = {
     "max_tokens": [1, 2, 3, 2**63, 2**64 - 1],
@@ -89,6 +93,7 @@ SANE: dict[str, list[Any]] = {
     "seed": [0, 1, -1, 2**63, 2**64 - 1, -(2**63)],
     "stop": [[], [b"\n"], [b"e", b"\xff"], [b"(", b"0"]],
     "stop_token_ids": [[], [3], [2**64 - 1], [0, 7]],
+    "n": [1, 2, 3, MAX_SAMPLES + 1],
 }
 
 
@@ -237,10 +242,23 @@ def test_fuzzed_inputs_end_with_one_row_each(
     assert result.exit_code == 0, (result.output, result.exception)
 
     parts = sorted((tmp_path / "out").glob("part-*.parquet"))
-    out = pa.concat_tables(pq.read_table(p) for p in parts).sort_by("row_index")
-    assert out.column("row_index").to_pylist() == list(range(table.num_rows))
+    order = [("row_index", "ascending"), ("sample_index", "ascending")]
+    out = pa.concat_tables(pq.read_table(p) for p in parts).sort_by(order)
+    cells = column_values(table.column("n")) if "n" in table.column_names else [None] * len(table)
+    rows = [row for row, cell in enumerate(cells) for _ in range(output_rows(cell))]
+    assert out.column("row_index").to_pylist() == rows
     errors = out.column("error").is_valid().to_pylist()
     reasons = out.column("finish_reason").to_pylist()
     assert errors == [reason == "error" for reason in reasons]
     for name in ("note", "blob", "tags"):  # pass-through columns come back byte for byte
-        assert out.column(name).equals(table.column(name)), name
+        assert out.column(name).equals(table.column(name).take(rows)), name
+
+
+def output_rows(n: Any) -> int:
+    """A row's output rows: its n when that is an integer (or integral float) in [1,
+    MAX_SAMPLES], else 1 (the job's n, or the one error row saying the n is bad)."""
+    if isinstance(n, bool) or not isinstance(n, (int, float)):
+        return 1
+    if isinstance(n, float) and not n.is_integer():
+        return 1
+    return int(n) if 1 <= n <= MAX_SAMPLES else 1

@@ -114,8 +114,8 @@ def run(
     finished: list[Request] = []
     while engine.num_unfinished:
         finished += engine.step()
-    assert len(finished) == len(jobs)
-    return engine, sorted(finished, key=lambda r: r.row_index)
+    assert len(finished) == sum(params.n for _, params in jobs)
+    return engine, sorted(finished, key=lambda r: (r.row_index, r.sample_index))
 
 
 def scored(req: Request) -> tuple[list[float], list[list[tuple[int, float]]]]:
@@ -303,6 +303,14 @@ def test_prompt_logprobs_are_a_transformers_forward(
     assert not engine.pool.prefix_caching and engine.config.prefix_caching
     check_prompt_logprobs(target, jobs, finished)
     assert all(r.logprobs is not None and r.logprobs.tokens is None for r in finished)
+
+
+def test_every_sample_scores_its_prompt(target: Path) -> None:
+    """A row's samples share its prompt's pages, except when prompt log-probabilities are
+    asked for: then each computes (and scores) the whole prompt."""
+    jobs = [(p, SamplingParams(max_tokens=4, n=3)) for p in prompts(4)]
+    _, finished = run(target, None, jobs, logprobs=None, prompt_logprobs=True)
+    check_prompt_logprobs(target, [job for job in jobs for _ in range(3)], finished)
 
 
 @pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "dflash"])

@@ -61,7 +61,7 @@ def write_prompts(
         {
             "prompt": pa.array(prompts, pa.string()),
             "text": pa.array([p.upper() for p in prompts], pa.string()),
-            "n": pa.array(range(len(prompts)), pa.int64()),
+            "number": pa.array(range(len(prompts)), pa.int64()),
         }
     )
     pq.write_table(table, directory / name, row_group_size=row_group_size)
@@ -391,10 +391,11 @@ def test_resume_accepts_what_does_not_change_outputs(tmp_path: Path, tiny_model:
     assert invoke("run", str(job)).exit_code == 0
     parts = snapshot(out)
     for flags in (
-        ["--id-column", "n"],
+        ["--id-column", "number"],
         ["--dtype", "float32"],  # what auto resolves to on a CPU
         ["--prompt-column", "prompt"],  # the column auto-detection found
         ["--max-batch-size", "2", "--rows-per-part", "5"],
+        ["--schedule-window", "0"],  # admission order only
     ):
         result = invoke("run", str(job), *flags)
         assert result.exit_code == 0, result.output

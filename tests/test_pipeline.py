@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from batchrun.engine.request import Request, Status
+from batchrun.engine.request import Request, Status, sample_requests
 from batchrun.errors import JobError
 from batchrun.job import JobSpec
 from batchrun.pipeline import EngineLike, run_job
@@ -60,7 +60,7 @@ class FakeEngine:
     def add(self, request: Request) -> None:
         assert request.status is Status.WAITING and not request.output_ids
         self.added += 1
-        self.waiting.append(request)
+        self.waiting += sample_requests(request)  # as the engine does: n samples
         self.max_unfinished = max(self.max_unfinished, self.num_unfinished)
 
     def step(self) -> list[Request]:

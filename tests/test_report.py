@@ -31,7 +31,9 @@ def invoke(*args: str) -> Result:
 
 def write_job(directory: Path, model: Path, max_batch_size: int = 4) -> Path:
     (directory / "in").mkdir(parents=True)
-    table = pa.table({"prompt": pa.array(PROMPTS, pa.string()), "n": list(range(len(PROMPTS)))})
+    table = pa.table(
+        {"prompt": pa.array(PROMPTS, pa.string()), "number": list(range(len(PROMPTS)))}
+    )
     # Row groups of 2 rows: every shard of a few gets some (shards take whole row groups).
     pq.write_table(table, directory / "in" / "prompts.parquet", row_group_size=2)
     job = directory / "job.toml"

@@ -50,6 +50,7 @@ def test_output_schema_file_lists_the_output_columns_in_order() -> None:
     listed = json.loads(schema_files()["output.schema.json"])
     assert [c["name"] for c in listed] == [
         "row_index",
+        "sample_index",
         "completion",
         "completion_token_ids",
         "finish_reason",
@@ -64,9 +65,10 @@ def test_output_schema_file_lists_the_output_columns_in_order() -> None:
         "prompt_logprobs",
         "error",
     ]
-    assert [c["type"] for c in listed][:3] == ["int64", "string", "list<int32>"]
-    assert listed[8]["type"] == "float32"
-    assert listed[11]["type"] == "list<list<struct<token_id int32, logprob float32>>>"
+    assert [c["type"] for c in listed][:4] == ["int64", "int32", "string", "list<int32>"]
+    types = {c["name"]: c["type"] for c in listed}
+    assert types["acceptance_length"] == "float32"
+    assert types["top_logprobs"] == "list<list<struct<token_id int32, logprob float32>>>"
     assert all(c["description"] for c in listed)
     only_some_jobs = {c["name"] for c in listed if "only_when" in c}
     assert only_some_jobs == {c["name"] for c in listed} - {f.name for f in OUTPUT_FIELDS}

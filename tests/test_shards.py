@@ -31,7 +31,7 @@ from batchrun.job import JobSpec
 from batchrun.shard_env import apply_env_shard, shard_from_env
 
 REPO = Path(__file__).resolve().parent.parent
-COMPARED = ("row_index", "completion", "completion_token_ids", "finish_reason", "n")
+COMPARED = ("row_index", "completion", "completion_token_ids", "finish_reason", "number")
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
@@ -141,7 +141,7 @@ def write_input(directory: Path, sizes: list[int], row_group_size: int) -> list[
         table = pa.table(
             {
                 "prompt": pa.array(prompts, pa.string()),
-                "n": pa.array(range(first, first + size), pa.int64()),
+                "number": pa.array(range(first, first + size), pa.int64()),
             }
         )
         paths.append(directory / f"prompts-{number}.parquet")
@@ -211,7 +211,7 @@ def test_four_shards_give_the_rows_of_one_run_each_reading_only_its_row_groups(
     sharded, whole = read_output(tmp_path / "out"), read_output(tmp_path / "whole")
     for column in COMPARED:
         assert sharded.column(column).equals(whole.column(column)), column
-    assert sharded.column("row_index").to_pylist() == sharded.column("n").to_pylist()
+    assert sharded.column("row_index").to_pylist() == sharded.column("number").to_pylist()
     assert len(committed_rows(tmp_path / "out")) == 71  # no duplicates
 
 

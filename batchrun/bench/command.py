@@ -4,6 +4,7 @@ sweep at a real model's shape with random weights (--shape)."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,13 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     show_default=True,
     help="--target: tokens every prompt starts with; also runs without prefix caching.",
 )
+@click.option(
+    "--n",
+    type=int,
+    default=1,
+    show_default=True,
+    help="--target: also sample n completions per prompt, as rows of n and as n separate rows.",
+)
 @click.option("--tau", default="3,5,6.5", show_default=True, help="--shape: projected tau.")
 @click.option(
     "--acceptance-from",
@@ -92,6 +100,7 @@ def bench(out: Path | None, **opts: Any) -> None:
             out.write_text(json.dumps(result, indent=2) + "\n")
 
     result = _sweep(opts, write) if opts["shape"] else _end_to_end(opts)
+    result["args"] = ["batchrun", *sys.argv[1:]]  # the command that made it
     write(result)
     click.echo(json.dumps(result.get("ratios") or result.get("summary"), indent=2))
 
@@ -117,6 +126,7 @@ def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:
         max_tokens=opts["max_tokens"],
         hf_baseline=opts["hf_baseline"],
         shared_prefix=opts["shared_prefix"],
+        n=opts["n"],
     )
 
 

@@ -1,7 +1,9 @@
 """`batchrun bench`: throughput of the engine, target-only and with a draft, against transformers'
 generate() measured in the same run on the same prompts, written as JSON. With a shared prefix
 (every prompt starting with the same tokens, as a system prompt does) it also runs target-only
-without prefix caching, to compare prefill throughput."""
+without prefix caching, to compare prefill throughput. With n > 1 it also samples n completions
+of each prompt, once as rows of n samples (sharing the prompt's K/V) and once as n separate
+rows per prompt with the same seeds, to compare their throughput."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import Request, SamplingParams
+from batchrun.engine.request import Request, SamplingParams, row_seed, sample_seed
 
 
 def synthetic_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -28,31 +30,54 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    requests = [Request(i, p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+def run_engine(
+    engine: Engine, prompts: list[list[int]], max_tokens: int, requests: list[Request] | None = None
+) -> dict[str, Any]:
+    """Greedy requests of the prompts, or the given `requests`, run to the end."""
+    if requests is None:
+        params = SamplingParams(max_tokens=max_tokens)
+        requests = [Request(i, p, params) for i, p in enumerate(prompts)]
     _sync(engine.device)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for req in requests:
         engine.add(req)
     steps = 0
+    finished: list[Request] = []  # with n > 1, more than were added
     while engine.num_unfinished:
-        engine.step()
+        finished += engine.step()
         steps += 1
     _sync(engine.device)
-    wall = time.perf_counter() - start
-    tokens = sum(len(r.output_ids) for r in requests)
-    rounds = sum(r.spec_rounds for r in requests)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    finished.sort(key=lambda r: (r.row_index, r.sample_index))
+    tokens = sum(len(r.output_ids) for r in finished)
+    rounds = sum(r.spec_rounds for r in finished)
     result: dict[str, Any] = {
         "wall_seconds": wall,
+        "cpu_seconds": cpu,  # this process's CPU time: on a shared CPU, steadier than wall
         "output_tokens": tokens,
         "output_tokens_per_second": tokens / wall,
-        "prompt_tokens_per_second": sum(len(p) for p in prompts) / wall,
+        "prompt_tokens_per_second": sum(len(r.prompt_ids) for r in requests) / wall,
         "steps": steps,
-        "outputs": [r.output_ids for r in requests],
+        "outputs": [r.output_ids for r in finished],
     }
     if engine.block_size:
-        result["acceptance_length"] = (tokens - len(requests)) / rounds if rounds else None
+        result["acceptance_length"] = (tokens - len(finished)) / rounds if rounds else None
     return result
+
+
+def sampled_requests(
+    prompts: list[list[int]], max_tokens: int, n: int, separate: bool
+) -> list[Request]:
+    """n samples (temperature 1) of each prompt: rows of n, or n separate rows per prompt,
+    row r * n + i, seeded as sample i of row r (the same outputs either way)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, n=n)
+    if not separate:
+        return [Request(r, p, replace(params, seed=row_seed(0, r))) for r, p in enumerate(prompts)]
+    return [
+        Request(r * n + i, p, replace(params, n=1, seed=sample_seed(row_seed(0, r), i)))
+        for r, p in enumerate(prompts)
+        for i in range(n)
+    ]
 
 
 def run_hf_generate(
@@ -99,6 +124,7 @@ def bench(
     max_tokens: int,
     hf_baseline: bool,
     shared_prefix: int = 0,
+    n: int = 1,
     seed: int = 0,
 ) -> dict[str, Any]:
     target_only = Engine(replace(config, draft=None))
@@ -111,6 +137,13 @@ def bench(
     info = target_only.info()
     dtype, device = target_only.model.lm_head.weight.dtype, target_only.device
     del target_only
+    if n > 1:  # each a fresh engine: neither run finds the other's prompts cached
+        for name, separate in ((f"n_{n}", False), (f"separate_rows_{n}", True)):
+            engine = Engine(replace(config, draft=None))
+            run_engine(engine, prompts[:2], 4)
+            requests = sampled_requests(prompts, max_tokens, n, separate)
+            results[name] = run_engine(engine, prompts, max_tokens, requests)
+            del engine
     if shared_prefix:
         uncached = Engine(replace(config, draft=None, prefix_caching=False))
         run_engine(uncached, prompts[:2], 4)
@@ -137,6 +170,17 @@ def bench(
             ratios[f"{name}_outputs_identical"] = (
                 results[name]["outputs"] == results["target_only"]["outputs"]
             )
+    if n > 1:
+        grouped, separate = results[f"n_{n}"], results[f"separate_rows_{n}"]
+        ratios[f"n_{n}_vs_separate_rows"] = (
+            grouped["output_tokens_per_second"] / separate["output_tokens_per_second"]
+        )
+        ratios[f"n_{n}_vs_separate_rows_by_cpu_seconds"] = (
+            separate["cpu_seconds"] / grouped["cpu_seconds"]  # the same tokens either way
+        )
+        ratios[f"n_{n}_outputs_identical_to_separate_rows"] = (
+            grouped["outputs"] == separate["outputs"]
+        )
     if "no_prefix_cache" in results:
         ratios["prefix_cache_prefill_speedup"] = (
             results["target_only"]["prompt_tokens_per_second"]
@@ -150,6 +194,7 @@ def bench(
             "num_prompts": num_prompts,
             "prompt_len": prompt_len,
             "shared_prefix": shared_prefix,
+            "n": n,
             "max_tokens": max_tokens,
             "max_batch_size": config.max_batch_size,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

@@ -44,7 +44,7 @@ from batchrun.engine.logprobs import (
 from batchrun.engine.memory import kv_pages
 from batchrun.engine.model_runner import IN_FLIGHT_STEPS, ModelRunner, TargetOutput
 from batchrun.engine.page_pool import PagePool
-from batchrun.engine.request import Request
+from batchrun.engine.request import Request, sample_requests
 from batchrun.engine.sampler import sample
 from batchrun.engine.scheduler import Scheduled, Scheduler
 from batchrun.engine.step_inputs import plan_step, rows_sampled
@@ -182,10 +182,13 @@ class Engine:
         self.width_steps: Counter[int] = Counter()  # verify width -> steps that decoded at it
         if config.cuda_graphs and backend.graphable and self.device.type == "cuda":
             self.runner.capture_graphs(config.max_batch_size, self.widths)
-        # The first block after a prefill reads W - 1 positions back: they are recomputed.
+        # Prompt tokens a request computes even when a cached prefix or a sibling sample's pages
+        # hold them: all of them for their log-probabilities; for a sliding draft, the W - 1
+        # positions its first block reads back.
+        tail = max(window - 1, 1) if window else 1
         self.scheduler = Scheduler(
             self.pool, config.max_batch_size, config.max_batched_tokens, decode_width=width,
-            recompute_tail=max(window - 1, 1) if window else 1,
+            recompute_tail=self.max_model_len if config.prompt_logprobs else tail,
         )  # fmt: skip
         self.stopper = Stopper(tokenizer, eos, self.max_model_len)
         self.timer = StepTimer(self.device)
@@ -224,11 +227,13 @@ class Engine:
         return self.scheduler.num_preemptions
 
     def add(self, request: Request) -> None:
-        if self.block_size and request.spec_hist is None:
-            request.spec_hist = [0] * self.block_size
-        if request.logprobs is None:
-            request.logprobs = asked_logprobs(self.config.logprobs, self.config.prompt_logprobs)
-        self.scheduler.add(request)
+        """Queue the request's params.n samples (`sample_requests`): each finishes on its own."""
+        for req in sample_requests(request):
+            if self.block_size and req.spec_hist is None:
+                req.spec_hist = [0] * self.block_size
+            if req.logprobs is None:
+                req.logprobs = asked_logprobs(self.config.logprobs, self.config.prompt_logprobs)
+            self.scheduler.add(req)
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its pages (benchmarks between points)."""

@@ -8,6 +8,9 @@ reused with them. A page can be held by several requests at once (a reference co
 registered page that no request holds stays cached and is evicted, least recently used first,
 only when the pool has no unregistered page left; a page in use is never evicted. Steps run in
 order on one stream, so a page registered at launch is written before any later step reads it.
+
+The samples of one row share their prompt's full pages the same way, by reference count, but
+explicitly (`share`), so also with caching off.
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ class PagePool:
         keep = pages_for(num_tokens, self.page_size)
         while len(pages) > keep:
             self._drop(pages.pop())
+
+    def share(self, pages: list[int]) -> list[int]:
+        """Pages another request holds, each now held once more (the samples of one row read
+        their prompt's K/V from the same pages)."""
+        for page in pages:
+            assert self._refs[page] > 0, "only a page in use is shared"
+            self._refs[page] += 1
+        return list(pages)
 
     def release(self, pages: list[int]) -> None:
         for page in pages:

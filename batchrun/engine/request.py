@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1  # samples of the row, each with its own seed (sample_seed)
 
     def problem(self) -> str | None:
         """Why these parameters cannot run, or None. The engine samples in float32, so the
@@ -39,10 +41,13 @@ class SamplingParams:
             return "stop must be a list of non-empty strings"
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             return "stop_token_ids must be a list of non-negative integers"
+        if not (isinstance(self.n, int) and 1 <= self.n <= MAX_SAMPLES):
+            return f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}"
         return None
 
 
 SEED_MIN, SEED_END = -(1 << 63), 1 << 64  # a seed's range; the engine uses it modulo 2^64
+MAX_SAMPLES = 1024  # n per row: a bad cell must not fill memory with requests
 
 
 def _float32(value: float) -> float:
@@ -79,6 +84,9 @@ class Request:
     row_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    sample_index: int = 0  # which of its row's params.n samples this is
+    # The row's samples (this one included) when n > 1: they share the prompt's K/V pages.
+    siblings: list[Request] = field(default_factory=list, repr=False)
     # Filled in by the engine.
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -110,6 +118,41 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
-def row_seed(job_seed: int, row_index: int) -> int:
-    """The seed of a row that names none: distinct per row, fixed by the job seed."""
-    return (job_seed * 0x9E3779B1 + row_index) & 0x7FFFFFFFFFFFFFFF
+def sample_requests(request: Request) -> list[Request]:
+    """The request's params.n samples: itself as sample 0, then copies seeded
+    sample_seed(seed, i), all knowing each other (their `siblings`)."""
+    if request.params.n == 1:
+        return [request]
+    group = [request] + [
+        Request(
+            request.row_index,
+            request.prompt_ids,
+            dataclasses.replace(request.params, seed=sample_seed(request.params.seed, i)),
+            sample_index=i,
+        )
+        for i in range(1, request.params.n)
+    ]
+    for sample in group:
+        sample.siblings = group
+    return group
+
+
+def row_seed(job_seed: int, row_index: int, sample_index: int = 0) -> int:
+    """The seed of a row's sample when the row names none: distinct per row and sample, fixed
+    by the job seed."""
+    return sample_seed((job_seed * 0x9E3779B1 + row_index) & 0x7FFFFFFFFFFFFFFF, sample_index)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample i of a row seeded `seed`: the seed itself for sample 0 (so a row's
+    first sample is what n = 1 gives), else SplitMix64 of seed and i, so that no two samples
+    (of this row or of rows with nearby seeds) share a stream."""
+    if sample_index == 0:
+        return seed
+    z = (seed + sample_index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)

@@ -10,6 +10,13 @@ admitted request not yet scheduled in this pass is preempted: its pages are free
 recomputed later from its tokens, which changes no output (sampling is keyed by position). A
 request preempted in a pass waits at least until the next one.
 
+The samples of one row (n > 1) share the full pages of their prompt, by reference count: the
+first admitted prefills the prompt; the others wait, keeping their slots (later requests may go
+ahead), until a running sibling has launched those pages, then take them and prefill only the
+rest, at least the prompt's last token. A page is freed when its last holder lets go, so
+preempting or finishing one sample never frees what another still reads; a preempted sample
+shares again from a running sibling when it comes back, or prefills alone if none runs.
+
 The engine launches a step before it reads the previous one's tokens, so a decoding request's
 pages cover its in-flight rows too, and each running request holds a slot of the device state.
 The engine may verify fewer than B rows in a step (the verify width): budgets and reserves are
@@ -98,18 +105,24 @@ class Scheduler:
             if n > 0:
                 batch.append(self._plan(req, n, decoding=False))
                 budget -= n
-        while self.waiting and len(self.running) < self.max_running and budget > 0:
+        held: list[Request] = []  # samples waiting for a sibling's prompt pages, slots kept
+        while self.waiting and len(self.running) + len(held) < self.max_running and budget > 0:
             req = self.waiting[0]
             if req in self._preempted:
                 break
-            computable = self._reuse_prefix(req)
+            shared = self._sibling_pages(req)
+            if shared is None:
+                held.append(self.waiting.popleft())
+                continue
+            looked_up = self._reuse_prefix(req, shared)
             n = self._chunk(req, budget, self._step_pages * len(batch))
             if n <= 0:
                 self.pool.release(req.pages)  # cached pages it matched stay cached
                 req.num_cached = 0
                 break
-            self.pool.queried_tokens += computable
-            self.pool.hit_tokens += req.num_cached
+            if looked_up:  # a cache lookup (a sibling's pages are shared without one)
+                self.pool.queried_tokens += looked_up
+                self.pool.hit_tokens += req.num_cached
             self.waiting.popleft()
             req.status = Status.RUNNING
             req.slot = self._free_slots.pop()
@@ -117,12 +130,33 @@ class Scheduler:
             self.admitted.append(req)
             batch.append(self._plan(req, n, decoding=False))
             budget -= n
+        self.waiting.extendleft(reversed(held))
         return batch
 
-    def _reuse_prefix(self, req: Request) -> int:
-        """Start a request being admitted from the longest cached prefix of its tokens (the
-        pool's prefix cache; at least recompute_tail tokens are left to compute). Returns how
-        many tokens were looked up."""
+    def _sibling_pages(self, req: Request) -> list[int] | None:
+        """The full pages of the prompt that a running sibling (a sample of the same row) has
+        launched, for `req` to share (leaving recompute_tail tokens to compute): [] when no
+        sibling runs or the prompt fills no page (req prefills it itself), None while the
+        sibling is still prefilling them (req waits: a request admitted in the same step would
+        prefill them again)."""
+        shareable = min(prefill_len(req) - self.recompute_tail, len(req.prompt_ids))
+        full = max(shareable, 0) // self.pool.page_size
+        running = [s for s in req.siblings if s.status is Status.RUNNING]
+        if not full or not running:
+            return []
+        source = max(running, key=lambda s: s.num_cached)
+        if source.num_cached < full * self.pool.page_size:
+            return None
+        return source.pages[:full]
+
+    def _reuse_prefix(self, req: Request, shared: list[int]) -> int:
+        """Start a request being admitted from the pages its sibling shares, else from the
+        longest cached prefix of its tokens (the pool's prefix cache); at least recompute_tail
+        tokens are left to compute. Returns how many tokens were looked up in the cache."""
+        if shared:
+            req.pages = self.pool.share(shared)
+            req.num_cached = len(shared) * self.pool.page_size
+            return 0
         tokens = req.token_slice(0, max(prefill_len(req) - self.recompute_tail, 0))
         req.pages = self.pool.match(tokens)
         req.num_cached = len(req.pages) * self.pool.page_size

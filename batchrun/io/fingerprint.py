@@ -6,8 +6,8 @@ which holds its row counts and column statistics), the prompt column and its kin
 dtype, the target's and draft's files (names, sizes, mtimes), the sampling defaults and the
 log-probability columns asked for (a job without them has no such key, as before they
 existed). Not covered, as they do not change outputs: the id column, batch sizes, part sizes,
-the shard. The context length comes from the target's config.json (no job key sets it), so the
-model files cover it.
+the shard, the schedule window. The context length comes from the target's config.json (no job
+key sets it), so the model files cover it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from batchrun.io.prompts import PromptColumn
     from batchrun.job import JobSpec
 
-FINGERPRINT_VERSION = 2
+FINGERPRINT_VERSION = 3  # 3: the sample_index column, the n key
 # Files of a model directory that shape its outputs: config, weights, tokenizer, chat template.
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".jinja", ".txt", ".model", ".tiktoken")
 _MISSING = object()  # a key one fingerprint has and the other lacks
@@ -47,6 +47,7 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
             "seed": job.seed,
             "stop": list(job.stop),
             "stop_token_ids": list(job.stop_token_ids),
+            "n": job.n,
         },
     }
     if job.logprobs is not None or job.prompt_logprobs:  # columns of their own; unset: none

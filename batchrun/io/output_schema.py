@@ -33,6 +33,12 @@ OUTPUT_FIELDS: tuple[pa.Field, ...] = (
         "sort by it to restore input order.",
     ),
     _field(
+        "sample_index",
+        pa.int32(),
+        False,
+        "Which of the row's n samples this is, 0 .. n-1 (0 when n = 1); each has its own seed.",
+    ),
+    _field(
         "completion",
         pa.string(),
         True,
@@ -135,6 +141,7 @@ class OutputRow:
     """Values of the output columns for one row (the log-probability ones: when asked for)."""
 
     row_index: int
+    sample_index: int
     completion: str | None
     completion_token_ids: list[int] | None
     finish_reason: str
@@ -162,6 +169,7 @@ def finished_row(request: Request) -> OutputRow:
     tokens = scored.tokens if scored is not None else None
     return OutputRow(
         row_index=request.row_index,
+        sample_index=request.sample_index,
         completion=request.completion,
         completion_token_ids=list(request.output_ids),
         finish_reason=request.finish_reason,
@@ -178,9 +186,15 @@ def finished_row(request: Request) -> OutputRow:
     )
 
 
-def error_row(row_index: int, message: str) -> OutputRow:
+def error_rows(row_index: int, message: str, n: int = 1) -> list[OutputRow]:
+    """The n output rows of an input row that cannot run (one per sample it would have had)."""
+    return [error_row(row_index, message, i) for i in range(n)]
+
+
+def error_row(row_index: int, message: str, sample_index: int = 0) -> OutputRow:
     return OutputRow(
         row_index=row_index,
+        sample_index=sample_index,
         completion=None,
         completion_token_ids=None,
         finish_reason="error",

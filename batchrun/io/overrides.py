@@ -8,17 +8,16 @@ the vocabulary off, a temperature below GREEDY_BELOW greedy.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from batchrun.engine.request import SamplingParams
 from batchrun.io.cells import BadCell
 
-if TYPE_CHECKING:
-    pass
-
 # Optional input columns whose non-null cells override the job's sampling defaults.
-OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
-_INT_OVERRIDES = ("max_tokens", "top_k", "seed")
+OVERRIDE_COLUMNS = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
+)  # fmt: skip
+_INT_OVERRIDES = ("max_tokens", "top_k", "seed", "n")
 _FLOAT_OVERRIDES = ("temperature", "top_p")
 # As in vLLM: below this, 1/T overflows float32 logits (or T is 0 or subnormal in float32).
 GREEDY_BELOW = 1e-5
@@ -36,6 +35,19 @@ def for_engine(params: SamplingParams, vocab_size: int) -> SamplingParams:
         top_k=0 if params.top_k >= vocab_size else params.top_k,
         seed=params.seed % (1 << 64),
     )
+
+
+def output_rows(n_cell: Any, job_n: int) -> int:
+    """How many output rows an input row makes, whatever else is wrong with it: its n (the
+    `n` cell, or the job's when null), or 1 when that n is itself invalid (the error row
+    that says so)."""
+    if n_cell is None:
+        return job_n
+    try:
+        n = convert_override("n", n_cell)
+    except BadOverride:
+        return 1
+    return n if SamplingParams(n=n).problem() is None else 1
 
 
 def convert_override(name: str, value: Any) -> Any:

@@ -45,10 +45,11 @@ JOB_KEY = b"batchrun.job"  # a part's Parquet metadata key holding its job's has
 
 
 def row_ranges(indices: np.ndarray) -> list[list[int]]:
-    """Sorted [start, stop) ranges covering the given distinct row indices."""
+    """Sorted [start, stop) ranges covering the given row indices (a row's n samples repeat
+    its index)."""
     if len(indices) == 0:
         return []
-    rows = np.sort(indices)
+    rows = np.unique(indices)
     breaks = np.nonzero(np.diff(rows) != 1)[0]
     starts = np.concatenate([rows[:1], rows[breaks + 1]])
     stops = np.concatenate([rows[breaks] + 1, rows[-1:] + 1])

@@ -23,6 +23,7 @@ from batchrun.io.overrides import (
     BadOverride,
     convert_override,
     for_engine,
+    output_rows,
 )
 from batchrun.io.prompt_bound import longest_token_chars, min_tokens
 
@@ -179,6 +180,11 @@ class RequestBuilder:
         if len(prompt_ids) >= self.max_model_len:
             return self._too_long(f"{len(prompt_ids)} tokens")
         return Request(row_index=row_index, prompt_ids=prompt_ids, params=params)
+
+    def output_rows(self, values: Mapping[str, Any]) -> int:
+        """How many output rows the row makes, whether it runs or is an error: its n, or 1
+        when that n is itself invalid."""
+        return output_rows(values["n"] if "n" in self.overrides else None, self.job.n)
 
     def _too_long(self, tokens: str) -> str:
         return f"prompt is too long: {tokens}; the model's context is {self.max_model_len}"

@@ -7,10 +7,11 @@
     )
 
 Each actor loads the engine once. A batch holds the input columns of a job (one prompt column,
-optional per-row override columns, anything else passes through) and comes back with one output
-row per input row, in input order, with the columns of a local run's part files: the input
-columns, then row_index, completion, ... error. A row that cannot run is an error row; a batch
-whose columns are wrong (no prompt column, a column named like an output column) raises JobError.
+optional per-row override columns, anything else passes through) and comes back with n output
+rows per input row (its samples; one when n = 1), in input order, with the columns of a local
+run's part files: the input columns, then row_index, sample_index, completion, ... error. A row
+that cannot run is an error row (n of them); a batch whose columns are wrong (no prompt column,
+a column named like an output column) raises JobError.
 
 An input column `row_index` (integers, no nulls) names each row: it becomes the output's
 row_index and keys the row's default seed, as in a local run (`batchrun run --ray` adds it).
@@ -29,14 +30,22 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from batchrun.engine.admission_order import windowed
 from batchrun.engine.request import Request
 from batchrun.errors import JobError
-from batchrun.io.output_schema import OutputRow, build_table, error_row, finished_row, output_schema
+from batchrun.io.output_schema import (
+    OutputRow,
+    build_table,
+    error_rows,
+    finished_row,
+    output_schema,
+)
 from batchrun.io.prompts import RequestBuilder, find_prompt_column
 from batchrun.job import JobSpec
 from batchrun.pipeline import QUEUE_FACTOR, EngineLike, build_engine, generate
 
 ROW_INDEX = "row_index"
+SAMPLE_INDEX = "sample_index"
 # Job keys that concern a job's files and parts, not what a processor computes.
 NOT_PROCESSOR_SETTINGS = (
     "input",
@@ -99,32 +108,38 @@ class BatchrunProcessor:
         return _to_pandas(self.process(table))
 
     def process(self, table: pa.Table) -> pa.Table:
-        """The output rows of the input rows of `table`, in the same order."""
+        """The output rows of the input rows of `table` (n per row, by sample_index), in the
+        same order."""
         row_indices, inputs = _row_indices(table)
         schema = output_schema(inputs.schema, self.job.logprobs, self.job.prompt_logprobs)
         inputs = inputs.replace_schema_metadata(None)
         if inputs.num_rows == 0:
             return build_table(schema, [], [])
         batch = _one_batch(inputs)
-        built = self._builder(inputs.schema).build_batch(batch, row_indices)
-        outputs: list[OutputRow | None] = [None] * len(built)
-        position: dict[int, int] = {}
+        builder = self._builder(inputs.schema)
+        built = builder.build_batch(batch, row_indices)
+        outputs: list[list[OutputRow]] = [[] for _ in built]
+        position: dict[int, int] = {}  # id of a row's request (sample 0) -> its row
         requests: list[Request] = []
-        for i, (_, request) in enumerate(built):
+        for i, (values, request) in enumerate(built):
             if isinstance(request, Request):
                 position[id(request)] = i
                 requests.append(request)
             else:
-                outputs[i] = error_row(row_indices[i], request)
+                outputs[i] = error_rows(row_indices[i], request, builder.output_rows(values))
+        window, max_len = self.job.schedule_window, self.engine.max_model_len
+        ordered = windowed(iter(requests), window, max_len, lambda request: request)
         max_queued = QUEUE_FACTOR * self.job.max_batch_size
-        for finished in generate(self.engine, iter(requests), max_queued):
+        for finished in generate(self.engine, ordered, max_queued):
             for request in finished:
-                outputs[position[id(request)]] = finished_row(request)
+                first = request.siblings[0] if request.siblings else request
+                outputs[position[id(first)]].append(finished_row(request))
             if finished:
                 self._maybe_crash()
-        rows = [row for row in outputs if row is not None]
-        assert len(rows) == len(outputs), "every request finishes"
-        return build_table(schema, [batch], rows)
+        for rows in outputs:
+            rows.sort(key=lambda row: row.sample_index)
+        repeats = [i for i, rows in enumerate(outputs) for _ in rows]
+        return build_table(schema, [batch.take(pa.array(repeats))], [r for o in outputs for r in o])
 
     def _builder(self, schema: pa.Schema) -> RequestBuilder:
         if schema not in self.builders:

@@ -12,7 +12,9 @@ its claim, with the local run's atomic part commits (batchrun.io.progress):
 - a row is done when a committed part holds it. An actor that dies mid-batch returns nothing for
   that batch; Ray restarts the actor and runs the batch again, so its rows come once more;
 - the driver keeps a mask of every row committed or buffered and drops any row it already has
-  (a batch that Ray ran twice), so none is written twice;
+  (a batch that Ray ran twice), so none is written twice; a row's n samples are buffered
+  together once all have come (Ray may split a batch's output into several blocks), so a part
+  holds all of a row's output rows or none;
 - _SUCCESS is written only when the committed parts hold every input row; otherwise the run
   stops with an error, and the next run does the rest.
 The driver reads the input's footers and the models' config files, and the actors read the input
@@ -41,7 +43,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.errors import JobError
+from batchrun.io.cells import column_values
 from batchrun.io.output_schema import build_table
+from batchrun.io.overrides import output_rows
 from batchrun.io.part_writer import PartWriter
 from batchrun.io.progress import DAMAGED_DIR, PROGRESS_DIR, row_ranges
 from batchrun.io.progress_bar import ProgressBar
@@ -49,7 +53,7 @@ from batchrun.io.prompts import PromptColumn, find_prompt_column
 from batchrun.io.reader import open_input
 from batchrun.job import JobSpec
 from batchrun.pipeline import QUEUE_FACTOR, ErrorLog, OpenedJob, open_job
-from batchrun.ray.processor import ROW_INDEX, BatchrunProcessor, processor_settings
+from batchrun.ray.processor import ROW_INDEX, SAMPLE_INDEX, BatchrunProcessor, processor_settings
 from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator
 
 CRASH_ONCE_ENV = "BATCHRUN_TEST_RAY_CRASH_ONCE"  # test hook: see BatchrunProcessor._crash_once
@@ -245,6 +249,9 @@ class _Committer:
         self.total = opened.source.total_rows
         self.seen = self.out.done_mask(self.total)  # committed, then also buffered by this run
         self.done_rows = int(self.seen.sum())
+        self.partial: dict[int, dict[int, pa.Table]] = {}  # row -> sample_index -> output row
+        # Each row's n: its `n` cell, if the input has the column, else the job's.
+        self.n_column = "n" if "n" in opened.source.schema.names else None
         self.stats = StatsAccumulator()
         for part in self.out.committed_parts():
             self.stats.add(pq.read_table(part, columns=STATS_COLUMNS))
@@ -254,7 +261,7 @@ class _Committer:
         self.run_tokens = 0
         self.run_spec_tokens = 0
         self.run_spec_rounds = 0
-        self.duplicates = 0  # rows of a batch that Ray ran twice, returned again: dropped
+        self.duplicates = 0  # output rows of a batch that Ray ran twice, returned again: dropped
         self.bar = ProgressBar(self.total, enabled=not self.job.quiet)
         self.error_log = ErrorLog(self.bar, self.job.quiet, opened.id_column)
 
@@ -277,33 +284,43 @@ class _Committer:
         return self._finish()
 
     def _take(self, table: pa.Table) -> None:
-        """Buffer an output batch's rows that this run has not seen yet."""
+        """Buffer the rows of an output batch whose samples have all come, unless this run has
+        them already."""
         table = table.select(self.opened.schema.names)
         indices = table.column(ROW_INDEX).to_numpy()
         if len(indices) and (indices.min() < 0 or indices.max() >= self.total):
             raise JobError(f"Ray returned a row_index outside the input's {self.total} rows")
-        keep = np.zeros(len(indices), dtype=bool)
-        keep[np.unique(indices, return_index=True)[1]] = True
-        keep &= ~self.seen[indices]
-        self.duplicates += int(len(indices) - keep.sum())
-        if not keep.any():
+        samples = table.column(SAMPLE_INDEX).to_pylist()
+        n_cells = column_values(table.column(self.n_column)) if self.n_column else None
+        complete: list[pa.Table] = []
+        for i, (row, sample) in enumerate(zip(indices.tolist(), samples, strict=True)):
+            held = None if self.seen[row] else self.partial.setdefault(row, {})
+            if held is None or sample in held:
+                self.duplicates += 1
+                continue
+            held[sample] = table.slice(i, 1)
+            if len(held) == output_rows(n_cells[i] if n_cells else None, self.job.n):
+                del self.partial[row]
+                self.seen[row] = True
+                self.done_rows += 1
+                complete += [held[s] for s in sorted(held)]
+        if not complete:
             return
-        if not keep.all():
-            table = table.filter(pa.array(keep))
-        self.seen[indices[keep]] = True
-        self.done_rows += table.num_rows
-        self._count(table)
-        self.writer.add_table(table)
+        rows = pa.concat_tables(complete)
+        self._count(rows)
+        self.writer.add_table(rows)
         self.writer.maybe_commit()
         tau = self.run_spec_tokens / self.run_spec_rounds if self.run_spec_rounds else None
         self.bar.update(self.done_rows, self.run_tokens, tau)
 
     def _count(self, table: pa.Table) -> None:
         id_column = self.opened.id_column
-        columns = [ROW_INDEX, "completion_tokens", "spec_rounds", "spec_accept_hist", "error"]
-        for row in table.select(columns + ([id_column] if id_column else [])).to_pylist():
+        columns = [ROW_INDEX, SAMPLE_INDEX, "completion_tokens", "spec_rounds", "spec_accept_hist"]
+        columns += ["error", *([id_column] if id_column else [])]
+        for row in table.select(columns).to_pylist():
             if row["error"] is not None:
-                self.error_log.log(row[ROW_INDEX], row, row["error"])
+                if row[SAMPLE_INDEX] == 0:  # once per input row, as a local run logs
+                    self.error_log.log(row[ROW_INDEX], row, row["error"])
             elif row["spec_accept_hist"] is not None:
                 self.run_spec_tokens += row["completion_tokens"] - 1
                 self.run_spec_rounds += row["spec_rounds"]
