@@ -109,14 +109,17 @@ def prompts_of(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
 LENGTHS = (21, 13, 30, 3, 17)  # 3: no full page to share; 17: a full last page
 
 
-@pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "dflash"])
+@pytest.mark.parametrize(
+    "draft_kind", [None, "", "sliding"], ids=["target-only", "dflash", "sliding-dflash"]
+)
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["caching", "no-caching"])
 @pytest.mark.parametrize("num_pages", [64, 14], ids=["roomy", "preempting"])
 def test_n_samples_equal_n_separate_rows_and_prefill_the_prompt_once(
-    make_model: Any, with_draft: bool, prefix_caching: bool, num_pages: int
+    make_model: Any, draft_kind: str | None, prefix_caching: bool, num_pages: int
 ) -> None:
+    """A sliding draft's siblings leave its window (W - 1 = 5 tokens) to compute."""
     target = make_model(num_layers=4, vocab_size=1088, tie_word_embeddings=False)
-    draft = trained_draft_beside(target) if with_draft else None
+    draft = trained_draft_beside(target, draft_kind) if draft_kind is not None else None
     n = 4
     prompts = prompts_of(LENGTHS, seed=5)
     params = [
@@ -148,7 +151,9 @@ def test_n_samples_equal_n_separate_rows_and_prefill_the_prompt_once(
         assert_pool_idle(engine)
     if num_pages == 64:  # each prompt once, then each sibling only what follows its full pages
         once = sum(len(p) for p in prompts)
-        tails = sum(len(p) - (len(p) - 1) // PAGE * PAGE for p in prompts)
+        tail = grouped_engine.scheduler.recompute_tail
+        assert tail == (5 if draft_kind == "sliding" else 1)
+        tails = sum(len(p) - max(len(p) - tail, 0) // PAGE * PAGE for p in prompts)
         assert prefilled == once + (n - 1) * tails
         if not prefix_caching:
             assert separate_prefilled == n * once
