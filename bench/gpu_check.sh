@@ -40,22 +40,25 @@ if [ "${BENCH:-1}" = 1 ]; then
 fi
 if [ "${DEMO:-0}" = 1 ]; then
     # The demo job for real: no draft, the full block and the adaptive width, at two batch sizes
-    # (DEMO_BATCHES, default "4 48"),
-    # each run REPEATS times (default 3; the median counts: one short job's rate is noisy).
-    # A short untimed run of each first: Triton compiles a kernel variant on its first use, and
-    # that would count in the measured run's generation time.
+    # (DEMO_BATCHES, default "4 48"), each run REPEATS times (default 3; the median counts: one
+    # short job's rate is noisy). The modes take turns within each repeat, so that a drift in
+    # the machine (clocks, a neighbour on the host) falls on all three alike. A short untimed
+    # run of each first: Triton compiles a kernel variant on its first use, and that would
+    # count in the measured run's generation time.
+    modes=("--draft none" "--verify-width full" "--verify-width auto")
     for batch in ${DEMO_BATCHES:-4 48}; do
-        for mode in "--draft none" "--verify-width full" "--verify-width auto"; do
-            name="b$batch-$(echo "$mode" | tr -dc 'a-z')"
-            # shellcheck disable=SC2086
-            python3 -m batchrun.cli run jobs/demo.toml --max-batch-size "$batch" $mode --quiet \
-                --overwrite --output "/tmp/warm/$name" --max-tokens 32 > /dev/null 2>&1
-            for rep in $(seq "${REPEATS:-3}"); do
+        for rep in 0 $(seq "${REPEATS:-3}"); do
+            for mode in "${modes[@]}"; do
+                name="b$batch-$(echo "$mode" | tr -dc 'a-z')"
+                extra=(--output "/tmp/demo/$name-$rep")
+                [ "$rep" = 0 ] && extra=(--output "/tmp/warm/$name" --max-tokens 32)
                 # shellcheck disable=SC2086
                 python3 -m batchrun.cli run jobs/demo.toml --max-batch-size "$batch" $mode \
-                    --quiet --overwrite --output "/tmp/demo/$name-$rep" > /dev/null 2>&1 \
-                    || echo "$name failed"
+                    --quiet --overwrite "${extra[@]}" > /dev/null 2>&1 || echo "$name failed"
             done
+        done
+        for mode in "${modes[@]}"; do
+            name="b$batch-$(echo "$mode" | tr -dc 'a-z')"
             python3 -c "import json,statistics,sys; d=[json.load(open(f'/tmp/demo/{sys.argv[1]}-{r}/stats.json')) for r in range(1, int(sys.argv[2]) + 1)]; \
                 print(sys.argv[1], 'median', round(statistics.median(x['output_tokens_per_second'] for x in d)), 'runs', [round(x['output_tokens_per_second']) for x in d], 'tau', d[0].get('acceptance_length'), 'widths', [x.get('verify_width_steps') for x in d])" \
                 "$name" "${REPEATS:-3}"

@@ -140,7 +140,8 @@ def bench(
     if n > 1:  # each a fresh engine: neither run finds the other's prompts cached
         for name, separate in ((f"n_{n}", False), (f"separate_rows_{n}", True)):
             engine = Engine(replace(config, draft=None))
-            run_engine(engine, prompts[:2], 4)
+            # Warm up with sampled requests too: their sampling kernels compile on first use.
+            run_engine(engine, prompts[:2], 4, sampled_requests(prompts[:2], 4, n, separate))
             requests = sampled_requests(prompts, max_tokens, n, separate)
             results[name] = run_engine(engine, prompts, max_tokens, requests)
             del engine
