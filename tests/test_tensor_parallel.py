@@ -80,8 +80,7 @@ def tp_rank(rank: int, world: int, port: int, model_dir: Path, out_dir: Path) ->
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
     tp = init_from_env(environ, device_type="cpu")
     model, _ = load_qwen3(model_dir, "float32", CPU, tp=tp)
-    vocab = qwen3_shape(read_config(model_dir))
-    vocab_size = vocab.vocab_size
+    vocab_size = qwen3_shape(read_config(model_dir)).vocab_size
 
     def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         local = model.logits(hidden)
