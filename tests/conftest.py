@@ -14,6 +14,9 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU only in Triton's interpreter, chosen when triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from dflash_reference import one_thread as single_thread  # noqa: E402
+from dflash_train import TARGET_SHAPE  # noqa: E402
+
 from batchrun.tools.bpe import build_tokenizer  # noqa: E402
 from batchrun.tools.tiny import make_tiny_model  # noqa: E402
 
@@ -36,10 +39,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """Torch on one thread: tiny models run fastest so, without contending for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def one_thread_module() -> Iterator[None]:
+    """one_thread for a whole module, its module-scoped fixtures (trained drafts) included."""
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def target(make_model: MakeModel) -> Path:
+    """The tiny target the DFlash tests share (their trained drafts are for it)."""
+    return make_model(**TARGET_SHAPE)
 
 
 @pytest.fixture(scope="session")

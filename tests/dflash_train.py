@@ -121,6 +121,9 @@ def train_draft(target_dir: Path | str, draft_dir: Path | str, *, steps: int, se
     return Path(draft_dir)
 
 
+# The target the DFlash tests share (conftest's `target` fixture).
+TARGET_SHAPE = {"num_layers": 4, "vocab_size": 1088, "tie_word_embeddings": False}
+
 # The trained draft the tests share: for a 4-layer target, block 4, features of layers 1 and 2.
 TRAINED_LAYERS = 1
 TRAINED_BLOCK_SIZE = 4

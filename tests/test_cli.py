@@ -208,6 +208,19 @@ def kill_when(job: Path, ready: Callable[[], bool]) -> bool:
     return False
 
 
+def kill_three_times(job: Path, out: Path) -> list[bool]:
+    """kill_when thrice: before any part is written, after the first, after the third."""
+
+    def parts() -> int:
+        return len(list(out.glob("part-*.parquet")))
+
+    return [
+        kill_when(job, lambda: (out / "_progress" / "job.json").exists()),
+        kill_when(job, lambda: parts() >= 1),
+        kill_when(job, lambda: parts() >= 3),
+    ]
+
+
 @pytest.mark.slow
 def test_kill_9_and_rerun_gives_every_row_once(tmp_path: Path, tiny_model: Path) -> None:
     rows = 12
@@ -217,16 +230,7 @@ def test_kill_9_and_rerun_gives_every_row_once(tmp_path: Path, tiny_model: Path)
     reference = invoke("run", str(job), "--output", str(tmp_path / "reference"))
     assert reference.exit_code == 0, reference.output
     out = tmp_path / "out"
-
-    def parts() -> int:
-        return len(list(out.glob("part-*.parquet")))
-
-    killed = [
-        kill_when(job, lambda: (out / "_progress" / "job.json").exists()),  # before any part
-        kill_when(job, lambda: parts() >= 1),
-        kill_when(job, lambda: parts() >= 3),
-    ]
-    assert killed[0], "the first run finished before it could be killed"
+    assert kill_three_times(job, out)[0], "the first run finished before it could be killed"
     committed = read_output(out).column("row_index").to_pylist()
     assert len(committed) == len(set(committed)) < rows  # nothing twice, and work was left
     assert invoke("run", str(job)).exit_code == 0

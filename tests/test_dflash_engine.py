@@ -20,11 +20,11 @@ import torch
 from dflash_reference import (
     RefRound,
     load_target,
-    one_thread,
     reference_drafts,
     reference_generate,
 )
 from dflash_train import CONTINUATION, trained_draft_beside, training_prompts
+from engine_runs import requests_of, run_to_end
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
@@ -37,21 +37,10 @@ from batchrun.tools.tiny_draft import make_tiny_draft
 MakeModel = Callable[..., Path]
 Job = tuple[list[int], SamplingParams]
 
-TARGET_SHAPE = {"num_layers": 4, "vocab_size": 1088, "tie_word_embeddings": False}
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # module fixtures (drafts) too
 EOS = 2  # <|im_end|> of the tiny tokenizer
 PROMPT_LENGTHS = [1, 2, 5, 9, 16, 23, 37, 11]
 MAX_TOKENS = [20, 7, 13, 1, 24, 9, 18, 30]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def target(make_model: MakeModel) -> Path:
-    return make_model(**TARGET_SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -155,13 +144,9 @@ def run(
         )
     )
     engine.round_trace = []
-    for i, (prompt, params) in enumerate(jobs):
-        engine.add(Request(row_index=i, prompt_ids=list(prompt), params=params))
-    finished: list[Request] = []
-    while engine.num_unfinished:
-        finished += engine.step()
+    finished = run_to_end(engine, requests_of(jobs))
     assert len(finished) == len(jobs)
-    return engine, sorted(finished, key=lambda r: r.row_index)
+    return engine, finished
 
 
 def random_prompts(seed: int, lengths: list[int] = PROMPT_LENGTHS) -> list[list[int]]:

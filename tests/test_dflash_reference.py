@@ -5,7 +5,7 @@ window masks what it should) and the trained drafts."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,6 @@ import pytest
 import torch
 from dflash_reference import (
     load_target,
-    one_thread,
     read_draft,
     reference_drafts,
     reference_generate,
@@ -36,19 +35,8 @@ MakeModel = Callable[..., Path]
 
 # Untied, with embedding rows past the tokenizer (as real Qwen3): the draft must use the
 # target's lm_head, and its default mask id is the first unused row.
-TARGET_SHAPE = {"num_layers": 4, "vocab_size": 1088, "tie_word_embeddings": False}
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # module fixtures (drafts) too
 PROMPT_LENGTHS = [1, 3, 8, 21]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def target(make_model: MakeModel) -> Path:
-    return make_model(**TARGET_SHAPE)
 
 
 @pytest.fixture(scope="module")

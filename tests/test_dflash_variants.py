@@ -10,13 +10,14 @@ the prefix-cache rule for sliding drafts in test_prefix_cache.py and test_schedu
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from dflash_reference import load_target, one_thread, reference_drafts
+from dflash_reference import load_target, reference_drafts
+from dflash_train import TARGET_SHAPE
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import ROPE_HEADROOM, Engine
@@ -29,19 +30,8 @@ from batchrun.speculative.sliding_window import BlockAttention, DraftRing
 from batchrun.tools.tiny_draft import make_tiny_draft
 
 MakeModel = Callable[..., Path]
-TARGET_SHAPE = {"num_layers": 4, "vocab_size": 1088, "tie_word_embeddings": False}
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # module fixtures (drafts) too
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def target(make_model: MakeModel) -> Path:
-    return make_model(**TARGET_SHAPE)
 
 
 def engine(target: Path, draft: Path | None, **config: Any) -> Engine:

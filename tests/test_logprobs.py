@@ -11,7 +11,7 @@ Parquet parts read by polars, error rows null, and jobs without logprobs keep th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
-from dflash_reference import one_thread
-from dflash_train import trained_draft_beside, training_prompts
+from dflash_train import TARGET_SHAPE, trained_draft_beside, training_prompts
+from engine_runs import requests_of, run_to_end
 from transformers import (
     AutoTokenizer,
     Qwen3ForCausalLM,
@@ -48,20 +48,9 @@ from batchrun.ray import BatchrunProcessor
 MakeModel = Callable[..., Path]
 Job = tuple[list[int], SamplingParams]
 
-TARGET_SHAPE = {"num_layers": 4, "vocab_size": 1088, "tie_word_embeddings": False}
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # module fixtures (drafts) too
 TOLERANCE = 1e-4
 K = 5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def target(make_model: MakeModel) -> Path:
-    return make_model(**TARGET_SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +98,9 @@ def run(
     )
     if emulate_graphs:
         engine.runner.capture_graphs(engine.config.max_batch_size, engine.widths)
-    for i, (prompt, params) in enumerate(jobs):
-        engine.add(Request(row_index=i, prompt_ids=list(prompt), params=params))
-    finished: list[Request] = []
-    while engine.num_unfinished:
-        finished += engine.step()
+    finished = run_to_end(engine, requests_of(jobs))
     assert len(finished) == sum(params.n for _, params in jobs)
-    return engine, sorted(finished, key=lambda r: (r.row_index, r.sample_index))
+    return engine, finished
 
 
 def scored(req: Request) -> tuple[list[float], list[list[tuple[int, float]]]]:

@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from dflash_train import trained_draft_beside
-from test_cli import invoke, kill_when, write_job
+from engine_runs import run_to_end
+from test_cli import invoke, kill_three_times, write_job
 from test_pipeline import FakeEngine
 from test_sampler import Params, chi_square_p_value, reference
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3ForCausalLM
@@ -66,12 +67,7 @@ def run_all(engine: Engine, requests: list[Request]) -> tuple[list[Request], int
         return batch
 
     engine.scheduler.schedule = counting  # type: ignore[method-assign]
-    for request in requests:
-        engine.add(request)
-    finished: list[Request] = []
-    while engine.num_unfinished:
-        finished += engine.step()
-    return sorted(finished, key=lambda r: (r.row_index, r.sample_index)), prefilled
+    return run_to_end(engine, requests), prefilled
 
 
 def assert_pool_idle(engine: Engine) -> None:
@@ -326,16 +322,7 @@ def test_kill_9_and_rerun_with_n_gives_every_sample_once(tmp_path: Path, tiny_mo
     job = write_job(tmp_path, tiny_model, extra, rows_per_part=3, max_batch_size=2, max_tokens=8)
     assert invoke("run", str(job), "--output", str(tmp_path / "reference")).exit_code == 0
     out = tmp_path / "out"
-
-    def parts() -> int:
-        return len(list(out.glob("part-*.parquet")))
-
-    killed = [
-        kill_when(job, lambda: (out / "_progress" / "job.json").exists()),  # before any part
-        kill_when(job, lambda: parts() >= 1),
-        kill_when(job, lambda: parts() >= 3),
-    ]
-    assert killed[0], "the first run finished before it could be killed"
+    assert kill_three_times(job, out)[0], "the first run finished before it could be killed"
     committed = read_output(out)
     pairs = samples_of(committed)
     assert len(pairs) == len(set(pairs)) and len(pairs) % 3 == 0 and len(pairs) < 3 * rows

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from dflash_train import trained_draft_beside, training_prompts
+from engine_runs import requests_of, run_to_end
 from test_dflash_engine import dflash_config
 
 from batchrun.attention.base import AttentionBackend, GraphKey, GraphShape
@@ -25,17 +26,11 @@ from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.tools.tiny_draft import make_tiny_draft
 
-TARGET_SHAPE = {"num_layers": 4, "vocab_size": 1088, "tie_word_embeddings": False}
 pytestmark = pytest.mark.usefixtures("one_thread")
 CUDA = torch.cuda.is_available()
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "batchrun" / "demo"
 DEVICE = "cuda" if CUDA else "cpu"
-
-
-@pytest.fixture(scope="module")
-def target(make_model: Any) -> Path:
-    return make_model(**TARGET_SHAPE)
 
 
 # Drafts beyond z-lab's first format: trained (they accept runs of every length) or random.
@@ -109,12 +104,7 @@ def run(
             engine.runner.window_backend = type(backend)()
     if emulate_graphs:
         engine.runner.capture_graphs(engine.config.max_batch_size, engine.widths)
-    for i, (prompt, params) in enumerate(work):
-        engine.add(Request(row_index=i, prompt_ids=list(prompt), params=params))
-    finished: list[Request] = []
-    while engine.num_unfinished:
-        finished += engine.step()
-    return engine, sorted(finished, key=lambda r: r.row_index)
+    return engine, run_to_end(engine, requests_of(work))
 
 
 def assert_same(a: list[Request], b: list[Request]) -> None:

@@ -69,6 +69,10 @@ class GraphSet:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     outputs = self.fn(size)
+                # A graph's first launch uploads it: do that here (the padding step writes
+                # nothing), not in the job's first step at this width, whose time the verify-
+                # width policy would count.
+                graph.replay()
                 self.graphs[size] = (graph, outputs)
 
     def bucket(self, num_requests: int) -> int | None:

@@ -1,0 +1,25 @@
+"""Running a test's requests through an engine to the end, the way the engine tests share."""
+
+from __future__ import annotations
+
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import Request, SamplingParams
+
+Job = tuple[list[int], SamplingParams]
+
+
+def requests_of(jobs: list[Job]) -> list[Request]:
+    """One request per (prompt, params), row_index its position."""
+    return [Request(row_index=i, prompt_ids=list(p), params=params) for i, (p, params) in
+            enumerate(jobs)]  # fmt: skip
+
+
+def run_to_end(engine: Engine, requests: list[Request]) -> list[Request]:
+    """Add every request, step until none is unfinished; the finished requests (each sample of
+    a row its own) by (row_index, sample_index)."""
+    for req in requests:
+        engine.add(req)
+    finished: list[Request] = []
+    while engine.num_unfinished:
+        finished += engine.step()
+    return sorted(finished, key=lambda r: (r.row_index, r.sample_index))
