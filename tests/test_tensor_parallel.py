@@ -18,7 +18,7 @@ from batchrun.models.loader import load_qwen3, qwen3_shape, read_config
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.parallel.group import TensorParallel, init_from_env
 from batchrun.parallel.sharding import local_shape
-from batchrun.parallel.vocab import first_best, gather_logits, greedy_tokens
+from batchrun.parallel.vocab import first_best
 
 CPU = torch.device("cpu")
 PAGE_SIZE = 4
@@ -80,11 +80,10 @@ def tp_rank(rank: int, world: int, port: int, model_dir: Path, out_dir: Path) ->
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
     tp = init_from_env(environ, device_type="cpu")
     model, _ = load_qwen3(model_dir, "float32", CPU, tp=tp)
-    vocab_size = qwen3_shape(read_config(model_dir)).vocab_size
 
     def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         local = model.logits(hidden)
-        return gather_logits(local, tp, vocab_size), greedy_tokens(local, tp, vocab_size)
+        return model.full_logits(local), model.argmax(local)
 
     logits, tokens = paged_greedy(model, head)
     torch.save({"logits": logits, "tokens": tokens, "kv_heads": model.shape.num_kv_heads},

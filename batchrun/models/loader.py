@@ -15,7 +15,7 @@ from batchrun.errors import JobError
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.parallel.group import TensorParallel
-from batchrun.parallel.sharding import shard_checkpoint, tensor_parallel_qwen3
+from batchrun.parallel.sharding import TensorParallelQwen3, shard_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -173,7 +173,7 @@ def load_qwen3(
     shape = qwen3_shape(config)
     torch_dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(shape) if tp is None else tensor_parallel_qwen3(shape, tp)
+        model = Qwen3ForCausalLM(shape) if tp is None else TensorParallelQwen3(shape, tp)
         model = model.to(torch_dtype)
     model.to_empty(device=device)  # no random init: every parameter is loaded below
     if shape.tie_word_embeddings:

@@ -5,7 +5,7 @@ they read, so its KV pages hold only those), of the MLP's intermediate rows and 
 vocabulary. q/k/v and gate/up are column-parallel (the rank's output rows), o_proj and down_proj
 row-parallel (the matching input columns, partial sums all-reduced), embed_tokens and lm_head
 vocabulary-parallel; norms are replicated. A rank's model is the single-process model built with
-its local shape, the row-parallel and embedding layers swapped for their parallel versions.
+its local shape, the row-parallel, embedding and lm_head layers swapped for their parallel ones.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from batchrun.errors import JobError
 from batchrun.layers.attention import PagedAttention
@@ -21,6 +22,7 @@ from batchrun.layers.mlp import SwiGLU
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.parallel.group import TensorParallel
 from batchrun.parallel.layers import RowParallelLinear, VocabParallelEmbedding
+from batchrun.parallel.vocab import gather_logits, greedy_tokens
 
 # Checkpoint tensor (its last two name parts) -> the dimension split across ranks. Splitting the
 # rows of q/k/v by even blocks gives each rank whole heads, since the heads divide evenly.
@@ -33,7 +35,8 @@ SPLIT_DIM = {
 
 
 def local_shape(shape: Qwen3Shape, tp: TensorParallel) -> Qwen3Shape:
-    """The shape of this rank's share (vocab_size: the rows of its vocabulary slice)."""
+    """The shape of this rank's share: its heads and intermediate rows (vocab_size stays the
+    whole vocabulary's: what tokens exist, whatever slice of them a rank's logits hold)."""
     for what, count in (
         ("attention heads", shape.num_heads),
         ("KV heads", shape.num_kv_heads),
@@ -43,29 +46,38 @@ def local_shape(shape: Qwen3Shape, tp: TensorParallel) -> Qwen3Shape:
             raise JobError(
                 f"tensor parallel size {tp.world_size} does not divide the target's {count} {what}"
             )
-    start, end = tp.bounds(shape.vocab_size)
     return dataclasses.replace(
         shape,
-        vocab_size=end - start,
         num_heads=shape.num_heads // tp.world_size,
         num_kv_heads=shape.num_kv_heads // tp.world_size,
         intermediate_size=shape.intermediate_size // tp.world_size,
     )
 
 
-def tensor_parallel_qwen3(shape: Qwen3Shape, tp: TensorParallel) -> Qwen3ForCausalLM:
-    """This rank's Qwen3 (shape: the whole model's); its logits are its vocabulary slice's."""
-    local = local_shape(shape, tp)
-    model = Qwen3ForCausalLM(local)
-    for module in list(model.modules()):
-        if isinstance(module, PagedAttention):
-            module.o_proj = RowParallelLinear(module.q_size, shape.hidden_size, tp)
-        elif isinstance(module, SwiGLU):
-            module.down_proj = RowParallelLinear(local.intermediate_size, shape.hidden_size, tp)
-    model.model.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
-    if shape.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model
+class TensorParallelQwen3(Qwen3ForCausalLM):
+    """This rank's Qwen3 (shape: the whole model's): its logits are its vocabulary slice's;
+    argmax and full_logits work across the ranks, and every rank gets the same result."""
+
+    def __init__(self, shape: Qwen3Shape, tp: TensorParallel) -> None:
+        local = local_shape(shape, tp)
+        super().__init__(local)
+        self.tp = tp
+        for module in list(self.modules()):
+            if isinstance(module, PagedAttention):
+                module.o_proj = RowParallelLinear(module.q_size, shape.hidden_size, tp)
+            elif isinstance(module, SwiGLU):
+                module.down_proj = RowParallelLinear(local.intermediate_size, shape.hidden_size, tp)
+        embed = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
+        self.model.embed_tokens = embed
+        self.lm_head = nn.Linear(shape.hidden_size, embed.num_embeddings, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = embed.weight
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return greedy_tokens(logits, self.tp, self.shape.vocab_size)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_logits(logits, self.tp, self.shape.vocab_size)
 
 
 def shard_tensor(name: str, tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
