@@ -2,23 +2,39 @@
 
 from __future__ import annotations
 
+import io
+import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from click.testing import CliRunner
 
 from batchrun.attention.meta import AttentionMeta, allocate_kv, cache_slots
 from batchrun.attention.torch_backend import TorchAttention
+from batchrun.cli import cli
 from batchrun.errors import JobError
+from batchrun.io.progress import OutputDir
+from batchrun.job import JobSpec, load_job
 from batchrun.models.loader import load_qwen3, qwen3_shape, read_config
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.parallel.group import TensorParallel, init_from_env
 from batchrun.parallel.sharding import local_shape
 from batchrun.parallel.vocab import first_best
+from batchrun.pipeline import run_job
+from batchrun.shard_env import apply_env_shard
+from batchrun.speculative.verify_width import WidthPolicy
+from batchrun.tools.tiny_draft import make_tiny_draft
 
 CPU = torch.device("cpu")
 PAGE_SIZE = 4
@@ -144,3 +160,191 @@ def test_heads_that_do_not_split_are_refused(make_model: Callable[..., Path]) ->
 def test_init_outside_torchrun_is_refused() -> None:
     with pytest.raises(JobError, match="runs under torchrun: RANK"):
         init_from_env({}, device_type="cpu")
+
+
+# -- whole jobs -----------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+ONE_THREAD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+JOB_ROWS = 10
+LOGPROB_COLUMNS = ("completion_logprobs", "completion_logprob_sum", "top_logprobs",
+                   "prompt_logprobs")  # fmt: skip
+
+
+def write_tp_job(tmp_path: Path, model: Path, **keys: object) -> Path:
+    """A job over JOB_ROWS prompts of different lengths (one part per 4 rows)."""
+    (tmp_path / "in").mkdir(exist_ok=True)
+    prompts = [f"row {i} says" + " hello there" * (i % 4) for i in range(JOB_ROWS)]
+    pq.write_table(pa.table({"prompt": prompts}), tmp_path / "in" / "0.parquet")
+    settings = {"max_tokens": 10, "rows_per_part": 4, "max_batch_size": 4, "device": "cpu",
+                "quiet": True, **keys}  # fmt: skip
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'input = "in"\noutput = "out"\ntarget = "{model}"\n'
+        + "".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items())
+    )
+    return job
+
+
+def one_process(job: Path, output: Path) -> pa.Table:
+    run_job(load_job(job, {"output": str(output)}))
+    return read_output(output)
+
+
+def run_tp(job: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`batchrun run JOB --tp 2 FLAGS` as a real process: it re-executes under torchrun."""
+    return subprocess.run(
+        [sys.executable, "-m", "batchrun.cli", "run", str(job), "--tp", "2", *flags],
+        cwd=REPO, env=ONE_THREAD_ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def read_output(out: Path) -> pa.Table:
+    parts = sorted(out.glob("part-*.parquet"))
+    return pa.concat_tables(pq.read_table(p) for p in parts).sort_by("row_index")
+
+
+def assert_same_rows(got: pa.Table, want: pa.Table) -> None:
+    """Every column equal; log-probabilities to float32 rounding (the ranks' partial sums are
+    added in another order than one process adds them)."""
+    assert got.schema == want.schema and got.num_rows == want.num_rows
+    for name in want.column_names:
+        if name in LOGPROB_COLUMNS:
+            assert _close(got.column(name).to_pylist(), want.column(name).to_pylist()), name
+        else:
+            assert got.column(name).equals(want.column(name)), name
+
+
+def _close(have: object, want: object) -> bool:
+    """Nested lists and {token_id, logprob} dicts: ids equal, values within 1e-4."""
+    if isinstance(want, dict) and isinstance(have, dict):
+        return have.keys() == want.keys() and all(_close(have[k], want[k]) for k in want)
+    if isinstance(want, list) and isinstance(have, list):
+        return len(have) == len(want) and all(_close(h, w) for h, w in zip(have, want, strict=True))
+    if isinstance(want, float) and isinstance(have, float):
+        return abs(have - want) <= 1e-4 * max(1.0, abs(want))
+    return have == want
+
+
+STATS_COMPARED = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens",
+                  "spec_rounds", "acceptance_length", "per_position_acceptance",
+                  "verify_width_steps", "finish_reasons")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},
+        {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7, "n": 2},
+        {"logprobs": 2, "prompt_logprobs": True},
+    ],
+    ids=["greedy", "seeded-top-p-top-k", "logprobs"],
+)
+def test_tp_job_writes_what_one_process_writes(
+    target: Path, tmp_path: Path, keys: dict[str, object]
+) -> None:
+    job = write_tp_job(tmp_path, target, **keys)
+    want = one_process(job, tmp_path / "one")
+    done = run_tp(job)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith(f"batchrun: {JOB_ROWS * int(keys.get('n', 1))}")
+    assert_same_rows(read_output(tmp_path / "out"), want)
+    assert (tmp_path / "out" / "_SUCCESS").exists()
+
+
+def test_tp_job_with_a_draft_drafts_what_one_process_drafts(target: Path, tmp_path: Path) -> None:
+    draft = make_tiny_draft(tmp_path / "draft", target, block_size=4)
+    # A full-width verify every step: `auto` picks widths from step times, run by run.
+    job = write_tp_job(tmp_path, target, draft=str(draft), max_tokens=16, verify_width="full")
+    want = one_process(job, tmp_path / "one")
+    done = run_tp(job)
+    assert done.returncode == 0, done.stderr
+    got = read_output(tmp_path / "out")
+    assert_same_rows(got, want)  # spec_rounds and spec_accept_hist included
+    assert sum(sum(h) for h in got.column("spec_accept_hist").to_pylist()) > JOB_ROWS
+    stats = [json.loads((tmp_path / d / "stats.json").read_text()) for d in ("out", "one")]
+    assert {k: stats[0][k] for k in STATS_COMPARED} == {k: stats[1][k] for k in STATS_COMPARED}
+
+
+def test_tp_job_resumes_the_rows_not_committed(target: Path, tmp_path: Path) -> None:
+    """Every rank reads the committed parts and skips the same rows (else they would not step
+    in lockstep): the rows of a lost part are redone, the other parts kept as they are."""
+    job = write_tp_job(tmp_path, target)
+    want = one_process(job, tmp_path / "out")
+    parts = sorted((tmp_path / "out").glob("part-*.parquet"))
+    kept = {p.name: p.read_bytes() for p in parts[::2]}
+    parts[1].unlink()
+    (tmp_path / "out" / "_SUCCESS").unlink()
+    done = run_tp(job)
+    assert done.returncode == 0, done.stderr
+    assert all((tmp_path / "out" / name).read_bytes() == data for name, data in kept.items())
+    assert_same_rows(read_output(tmp_path / "out"), want)
+
+
+def cli_rank(rank: int, port: int, job: Path, calls: Any) -> None:
+    """A process of `torchrun --nproc-per-node 2 -m batchrun.cli run JOB --tp 2`: rank 1's
+    output writes are recorded instead of done, and its own verify width would always be 1
+    (ranks that verified different widths would not run the same collectives)."""
+    torch.set_num_threads(1)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    if rank:
+        for name in ("acquire", "prepare", "commit", "write_json", "mark_success"):
+            setattr(OutputDir, name, lambda *_, name=name, **__: calls.append(name))
+        WidthPolicy.choose = lambda *_: 1  # type: ignore[method-assign]
+    cli.main(["run", str(job), "--tp", "2"], standalone_mode=False)
+    dist.destroy_process_group()
+
+
+def test_tp_ranks_under_an_outer_torchrun_and_only_rank_0_writes(
+    target: Path, tmp_path: Path
+) -> None:
+    draft = make_tiny_draft(tmp_path / "draft", target, block_size=4)
+    job = write_tp_job(tmp_path, target, draft=str(draft), max_tokens=16)
+    want = one_process(job, tmp_path / "one")
+    with mp.Manager() as manager:
+        calls = manager.list()
+        mp.spawn(cli_rank, args=(free_port(), job, calls), nprocs=2, join=True)
+        assert list(calls) == []
+    got = read_output(tmp_path / "out")
+    assert_same_rows(
+        got.drop(["spec_rounds", "spec_accept_hist", "acceptance_length"]),
+        want.drop(["spec_rounds", "spec_accept_hist", "acceptance_length"]),
+    )
+    widths = json.loads((tmp_path / "out" / "stats.json").read_text())["verify_width_steps"]
+    assert set(widths) - {"1"}  # rank 0's choices: not only rank 1's width 1
+    one, out = (sorted(p.name for p in (tmp_path / d).rglob("*")) for d in ("one", "out"))
+    assert out == one  # no shard: the files of one process's run
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tp", "3"], "tensor parallel size 3 does not divide the target's 4 attention heads"),
+        (["--tp", "2", "--device", "cuda"], "tp 2 needs 2 GPUs (one per rank); this host has 0"),
+        (["--tp", "2", "--device", "cuda:1"], "device 'cuda:1' with tp 2: use auto, cuda or cpu"),
+    ],
+)
+def test_a_tp_job_that_cannot_start_says_why_in_one_line(
+    target: Path, tmp_path: Path, flags: list[str], message: str
+) -> None:
+    if torch.cuda.is_available() and "cuda" in flags:
+        pytest.skip("this host has GPUs")
+    result = CliRunner().invoke(cli, ["run", str(write_tp_job(tmp_path, target)), *flags])
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"batchrun: error: {message}"), lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_tp_groups_under_torchrun_are_data_parallel_shards() -> None:
+    def shard(rank: int, world: int, tp: int) -> str | None:
+        environ = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+        job = JobSpec(input="in", output="out", target="model", device="cpu", tp=tp)
+        return apply_env_shard(job, environ, io.StringIO()).shard
+
+    assert [shard(r, 4, 2) for r in range(4)] == ["0/2", "0/2", "1/2", "1/2"]
+    assert [shard(r, 2, 2) for r in range(2)] == [None, None]  # one group: the whole job
+    assert [shard(r, 2, 1) for r in range(2)] == ["0/2", "1/2"]  # tp 1: as before
+    with pytest.raises(JobError, match="WORLD_SIZE=3 is not a multiple of the tensor parallel"):
+        shard(0, 3, 2)
