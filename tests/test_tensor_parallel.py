@@ -250,6 +250,8 @@ def test_tp_job_writes_what_one_process_writes(
     assert done.stdout.splitlines()[-1].startswith(f"batchrun: {JOB_ROWS * int(keys.get('n', 1))}")
     assert_same_rows(read_output(tmp_path / "out"), want)
     assert (tmp_path / "out" / "_SUCCESS").exists()
+    stats = [json.loads((tmp_path / d / "stats.json").read_text()) for d in ("out", "one")]
+    assert [s["tensor_parallel"] for s in stats] == [2, 1]
 
 
 def test_tp_job_with_a_draft_drafts_what_one_process_drafts(target: Path, tmp_path: Path) -> None:

@@ -226,6 +226,7 @@ class Engine:
             "draft": str(self.config.draft) if self.config.draft else None,
             "dtype": self._dtype,
             "device": str(self.device),
+            "tensor_parallel": self.tp.world_size if self.tp is not None else 1,
             "attention_backend": self._backend_name,
             "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
             "verify_width_steps": dict(sorted(self.width_steps.items())) or None,
