@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from batchrun.attention.meta import AttentionMeta, allocate_kv, cache_slots
 from batchrun.attention.torch_backend import TorchAttention
+from batchrun.bench.shapes import random_target, shape_from_flags
 from batchrun.cli import cli
 from batchrun.errors import JobError
 from batchrun.io.progress import OutputDir
@@ -350,3 +351,40 @@ def test_tp_groups_under_torchrun_are_data_parallel_shards() -> None:
     assert [shard(r, 2, 1) for r in range(2)] == ["0/2", "1/2"]  # tp 1: as before
     with pytest.raises(JobError, match="WORLD_SIZE=3 is not a multiple of the tensor parallel"):
         shard(0, 3, 2)
+
+
+# -- bench --shape --tp -----------------------------------------------------------------------
+
+TINY_SHAPE = ["--shape", "qwen3-4b", "--num-layers", "6", "--hidden-size", "64",
+              "--intermediate-size", "128", "--vocab-size", "1027"]  # fmt: skip
+
+
+def test_a_rank_builds_only_its_share_of_a_random_shape() -> None:
+    shape = shape_from_flags("qwen3-4b", num_layers=1, hidden_size=64, intermediate_size=128,
+                             vocab_size=1027)  # fmt: skip
+    whole = random_target(shape, torch.float32, CPU)
+    share = random_target(shape, torch.float32, CPU, TensorParallel(1, 2, CPU))
+    assert share.lm_head.weight.shape == (1027 - 513, 64)  # rank 1's vocabulary slice
+    params = {name: p.numel() for name, p in whole.named_parameters()}
+    for name, p in share.named_parameters():
+        if "embed_tokens" in name:  # tied with lm_head
+            assert p.numel() == (1027 - 513) * 64
+        else:  # norms whole; q/k/v, o, gate/up, down halved
+            assert p.numel() == params[name] // (1 if "norm" in name else 2), name
+
+
+def test_bench_shape_sweeps_on_two_gloo_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "batchrun.cli", "bench", *TINY_SHAPE, "--device", "cpu",
+         "--tp", "2", "--batch-sizes", "2", "--contexts", "16", "--steps", "2", "--no-hf-eager",
+         "--hf-compiled-batches", "", "--no-cuda-graphs", "--out", str(out)],
+        cwd=REPO, env=ONE_THREAD_ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count('"batch": 2') == 1  # rank 0 alone reports
+    data = json.loads(out.read_text())
+    assert data["setup"]["tensor_parallel"] == 2 and data["hf_generate"] == []
+    modes = {(p["mode"], p["width"]) for p in data["points"]}
+    assert modes == {("target_only", 1)} | {("dflash", w) for w in (1, 2, 4, 8, 16)}
+    assert all(p["tokens_per_second"] > 0 for p in data["points"])
