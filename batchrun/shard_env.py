@@ -120,7 +120,8 @@ def apply_env_shard(
         return job
     shard, device = f"{found.index}/{found.count}", job.device
     line = f"batchrun: shard {shard} from {found.origin}"
-    if found.local_rank >= 0 and job.device in ("auto", "cuda"):
+    # A tensor-parallel group's processes take GPU LOCAL_RANK as they join it (parallel/group.py).
+    if found.local_rank >= 0 and job.device in ("auto", "cuda") and job.tp == 1:
         devices = cuda_devices()
         if devices > 1:  # one visible GPU: the launcher gave this process its own
             if found.local_rank >= devices:

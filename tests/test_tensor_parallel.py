@@ -296,7 +296,6 @@ def cli_rank(rank: int, port: int, job: Path, calls: Any) -> None:
             setattr(OutputDir, name, lambda *_, name=name, **__: calls.append(name))
         WidthPolicy.choose = lambda *_: 1  # type: ignore[method-assign]
     cli.main(["run", str(job), "--tp", "2"], standalone_mode=False)
-    dist.destroy_process_group()
 
 
 def test_tp_ranks_under_an_outer_torchrun_and_only_rank_0_writes(
@@ -343,8 +342,10 @@ def test_a_tp_job_that_cannot_start_says_why_in_one_line(
 def test_tp_groups_under_torchrun_are_data_parallel_shards() -> None:
     def shard(rank: int, world: int, tp: int) -> str | None:
         environ = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
-        job = JobSpec(input="in", output="out", target="model", device="cpu", tp=tp)
-        return apply_env_shard(job, environ, io.StringIO()).shard
+        job = JobSpec(input="in", output="out", target="model", tp=tp)
+        found = apply_env_shard(job, environ, io.StringIO(), cuda_devices=lambda: 4)
+        assert found.device == ("auto" if tp > 1 else f"cuda:{rank}")  # a TP rank joins its GPU
+        return found.shard
 
     assert [shard(r, 4, 2) for r in range(4)] == ["0/2", "0/2", "1/2", "1/2"]
     assert [shard(r, 2, 2) for r in range(2)] == [None, None]  # one group: the whole job

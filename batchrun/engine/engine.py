@@ -273,7 +273,7 @@ class Engine:
             bucket = ladder_bucket(len(self.scheduler.running), self.config.max_batch_size)
             width = self.width_policy.choose(bucket)
             if self.tp is not None:  # chosen from this rank's step times: rank 0's wins
-                width = self.tp.of_first(width)
+                width = self.tp.first_int(width)
         batch = self.scheduler.schedule(width)
         if self.block_size and any(it.decoding for it in batch):
             self.width_steps[width] += 1

@@ -66,6 +66,12 @@ class TensorParallel:
         dist.broadcast_object_list(box, group=self.control, group_src=0)
         return cast(T, box[0])
 
+    def first_int(self, value: int) -> int:
+        """of_first for an int, without pickling (once a step)."""
+        x = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(x, group=self.control, group_src=0)
+        return int(x.item())
+
     def barrier(self) -> None:
         dist.barrier(group=self.control)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from batchrun.errors import JobError
 from batchrun.job import JobSpec
@@ -67,4 +68,6 @@ def run_rank(job: JobSpec) -> tuple[dict[str, Any], TensorParallel]:
     """This torchrun process's part of the job: its group's, on GPU LOCAL_RANK or the CPU."""
     tp = init_from_env(os.environ, device_type(job), job.tp)
     local_shape(qwen3_shape(read_config(Path(job.target), "target model")), tp)  # one line if not
-    return run_job(job, tp=tp), tp
+    stats = run_job(job, tp=tp)
+    dist.destroy_process_group()  # after a failure, torchrun ends the other ranks instead
+    return stats, tp

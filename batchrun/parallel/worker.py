@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import sys
 
-import torch.distributed as dist
-
 from batchrun.errors import JobError
 from batchrun.job import JobSpec
 from batchrun.parallel.launch import run_rank
@@ -24,7 +22,6 @@ def main(argv: list[str]) -> int:
         return 2
     if tp.rank == 0:
         print(summary_line(stats, job.output))
-    dist.destroy_process_group()
     return 0
 
 
