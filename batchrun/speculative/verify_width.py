@@ -64,11 +64,18 @@ def best_width(
 
 class WidthPolicy:
     """Running acceptance per draft position and step cost per (width, batch size bucket).
-    `choose` measures every width in a bucket (MIN_SAMPLES steps each), then picks the best;
+    `choose` measures the widths of a bucket (MIN_SAMPLES steps each), then picks the best;
     a width left unrun for REMEASURE_EVERY steps is measured again, so one unlucky sample
     cannot rule it out for the rest of the job (and wide rounds keep feeding acceptance when
     width 1 wins). The engine drops the time of a step whose width differs from the step
-    before: a switch costs the pipeline more than the width does."""
+    before: a switch costs the pipeline more than the width does.
+
+    Measuring a narrow width in a short job costs the tokens a wide one would have committed,
+    so a bucket skips the widths that cannot win: the widest is measured first, then width 1
+    (the cheapest step there is, so a lower bound on every width's cost), and a width runs only
+    if its expected tokens at width 1's cost beat the best measured rate. The best width also
+    falls as the batch grows (wide verifies turn compute-bound first), so a bucket only
+    considers widths between the choices of the nearest larger and smaller buckets chosen."""
 
     def __init__(self, block_size: int, widths: Sequence[int]) -> None:
         self.widths = tuple(widths)
@@ -98,14 +105,27 @@ class WidthPolicy:
             at = self._measured_at.get((w, bucket))
             if at is not None and self._step - at > REMEASURE_EVERY:
                 del self.samples[w, bucket], self._measured_at[w, bucket]
-        costs = {w: self.cost(w, bucket) for w in self.widths}
-        unmeasured = [w for w, c in costs.items() if c is None]
-        if unmeasured:
-            return unmeasured[-1]  # widest first
-        known = {w: c for w, c in costs.items() if c is not None}
-        width = best_width(self.accept(), known, self._chosen.get(bucket))
+        widths = self._widths_for(bucket)
+        accept = self.accept()
+        known = {w: c for w in widths if (c := self.cost(w, bucket)) is not None}
+        best_rate = max((expected_tokens(accept, w) / c for w, c in known.items()), default=0.0)
+        floor = known.get(1) if widths[0] == 1 else None  # no step is cheaper than width 1's
+        for w in (widths[-1], *widths[:1], *widths[-2:0:-1]):  # widest, 1, then wide to narrow
+            if w not in known and (floor is None or expected_tokens(accept, w) / floor > best_rate):
+                return w
+        width = best_width(accept, known, self._chosen.get(bucket))
         self._chosen[bucket] = width
         return width
+
+    def _widths_for(self, bucket: int) -> tuple[int, ...]:
+        """The widths between the choices of the nearest larger and smaller chosen buckets
+        (all of them where those disagree with the rule that the best width falls with the
+        batch: noise in one bucket must not lock another out)."""
+        larger = [w for b, w in self._chosen.items() if b > bucket]
+        smaller = [w for b, w in self._chosen.items() if b < bucket]
+        low, high = max(larger, default=1), min(smaller, default=self.widths[-1])
+        inside = tuple(w for w in self.widths if low <= w <= high)
+        return inside or self.widths
 
     def record_round(self, width: int, accepted: int) -> None:
         """A verify of `width` rows accepted `accepted` drafts."""
