@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,7 @@ from batchrun.bench.command import bench
 from batchrun.errors import JobError
 from batchrun.io.prompts import DEFAULT_PROMPT_COLUMNS, OVERRIDE_COLUMNS, PromptKind
 from batchrun.job import JobSpec, load_job
-from batchrun.pipeline import OpenedJob, open_job, run_job
+from batchrun.pipeline import OpenedJob, open_job, run_job, summary_line
 from batchrun.shard_env import apply_env_shard
 
 if TYPE_CHECKING:
@@ -118,6 +119,12 @@ _RUN_OPTIONS = [
         "--gpu-memory-fraction", type=float, help="GPU memory batchrun may use (KV pools last)."
     ),
     click.option(
+        "--tp",
+        type=int,
+        help="Tensor parallel size: processes (one per GPU) the target is split across, "
+        "launched with torchrun.",
+    ),
+    click.option(
         "--shard",
         help='Run shard I of N, as "I/N": about 1/N of the rows, as whole row groups (unset: '
         "from a Slurm array task or a torchrun rank, if any).",
@@ -212,16 +219,22 @@ def run(job_file: Path | None, ray_address: str | None, replicas: int | None, **
     if ray_address is not None:
         from batchrun.ray.run import run_job_ray
 
+        if job.tp > 1:
+            raise click.UsageError("--tp runs under torchrun, not with --ray")
         stats = run_job_ray(job, ray_address or None, replicas)
     elif replicas is not None:
         raise click.UsageError("--replicas needs --ray")
+    elif job.tp > 1:
+        from batchrun.parallel import launch  # torch.distributed, for tensor parallelism only
+
+        if "RANK" not in os.environ:
+            sys.exit(launch.relaunch(job))
+        stats, tp = launch.run_rank(job)
+        if tp.rank != 0:
+            return  # the group's rank 0 speaks for it
     else:
         stats = run_job(job)
-    click.echo(
-        f"batchrun: {stats['rows']} rows ({stats['ok_rows']} ok, "
-        f"{stats['error_rows']} errors), {stats['completion_tokens']} completion tokens "
-        f"-> {job.output}"
-    )
+    click.echo(summary_line(stats, job.output))
 
 
 @_help_states_job_defaults
@@ -236,6 +249,10 @@ def validate(job_file: Path | None, **flags: Any) -> None:
     job = _job(job_file, flags)
     opened = open_job(job)
     found = preflight(job, opened.prompt)
+    if job.tp > 1:
+        from batchrun.parallel.launch import check
+
+        check(job)
     lines = [f"job file: {job_file}"] if job_file is not None else []
     click.echo("\n".join([*lines, *_input_lines(opened), *_model_lines(job, found), "ok"]))
 

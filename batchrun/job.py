@@ -51,6 +51,7 @@ class JobSpec:
     max_batched_tokens: int = 2048
     schedule_window: int = 4096
     gpu_memory_fraction: float = 0.9
+    tp: int = 1  # tensor-parallel processes
     shard: str | None = None  # "I/N"
     overwrite: bool = False
     quiet: bool = False

@@ -49,6 +49,8 @@ from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from batchrun.parallel.group import TensorParallel
+
 # An input row: its row_index, input columns, values of the columns read, request (or why not).
 InputRow = tuple[int, pa.RecordBatch, dict[str, Any], Request | str]
 QUEUE_FACTOR = 4  # requests queued in the engine, per unit of max_batch_size
@@ -132,11 +134,16 @@ def open_job(job: JobSpec) -> OpenedJob:
     return OpenedJob(job, source, prompt, id_column, schema, out, fingerprint)
 
 
-def build_engine(job: JobSpec, tokenizer: PreTrainedTokenizerBase | None = None) -> EngineLike:
-    """The job's engine; `tokenizer`, when preflight has loaded it already, is not loaded again."""
+def build_engine(
+    job: JobSpec,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    tp: TensorParallel | None = None,
+) -> EngineLike:
+    """The job's engine (with tp, this rank's); `tokenizer`, when preflight has loaded it
+    already, is not loaded again."""
     from batchrun.engine.engine import Engine  # the model stack loads only when a job runs
 
-    return Engine(job.engine_config(), tokenizer)
+    return Engine(job.engine_config(), tokenizer, tp)
 
 
 def generate(
@@ -157,19 +164,27 @@ def generate(
         yield engine.step()
 
 
-def run_job(job: JobSpec, engine: EngineLike | None = None) -> dict[str, Any]:
-    """Run the job (or its shard) to the end; returns its stats.json content."""
+def run_job(
+    job: JobSpec, engine: EngineLike | None = None, tp: TensorParallel | None = None
+) -> dict[str, Any]:
+    """Run the job (or its shard) to the end; returns its stats.json content.
+
+    With tp, every rank of the tensor-parallel group runs this in lockstep on the same input:
+    rank 0 alone claims, prepares and writes the output; every rank reads which rows are done
+    once rank 0 has prepared, and before it commits anything new."""
     clock = RunClock()
     opened = open_job(job)
+    leads = tp is None or tp.rank == 0
     found = None
     if engine is None:
         from batchrun.preflight import preflight  # needs transformers, as the engine does
 
         found = preflight(job, opened.prompt)  # what validate checks, before any weights load
-    opened.out.acquire()  # before loading the model: a second run on this output stops at once
+    if leads:
+        opened.out.acquire()  # before loading the model: a second run stops at once
     try:
         if engine is None:
-            engine = build_engine(job, found.tokenizer if found is not None else None)
+            engine = build_engine(job, found.tokenizer if found is not None else None, tp)
         clock.engine_ready()  # tokens/s counts generation only, not start-up and model loading
         builder = RequestBuilder(
             job,
@@ -179,23 +194,45 @@ def run_job(job: JobSpec, engine: EngineLike | None = None) -> dict[str, Any]:
             engine.max_model_len,
             engine.vocab_size,
         )
-        damaged = opened.out.prepare(opened.fingerprint, job.overwrite)
+        damaged = opened.out.prepare(opened.fingerprint, job.overwrite) if leads else []
         if damaged:
             print(
                 f"batchrun: warning: {len(damaged)} damaged part(s) moved to "
                 f"{PROGRESS_DIR}/{DAMAGED_DIR}/ ({', '.join(damaged)}); their rows are redone",
                 file=sys.stderr,
             )
-        return _Run(opened, engine, builder, clock).execute()
+        if tp is not None:
+            tp.barrier()  # rank 0 has prepared the output: every rank may read it
+        run = _Run(opened, engine, builder, clock, writes=leads)
+        if tp is not None:
+            tp.barrier()  # every rank has read the done rows: rank 0 may commit
+        return run.execute()
     finally:
         opened.out.release()
 
 
+def summary_line(stats: dict[str, Any], output: str) -> str:
+    """What `batchrun run` prints when a job is done."""
+    return (
+        f"batchrun: {stats['rows']} rows ({stats['ok_rows']} ok, "
+        f"{stats['error_rows']} errors), {stats['completion_tokens']} completion tokens "
+        f"-> {output}"
+    )
+
+
 class _Run:
     def __init__(
-        self, opened: OpenedJob, engine: EngineLike, builder: RequestBuilder, clock: RunClock
+        self,
+        opened: OpenedJob,
+        engine: EngineLike,
+        builder: RequestBuilder,
+        clock: RunClock,
+        writes: bool = True,
     ) -> None:
+        """writes=False: a tensor-parallel rank other than 0, which runs the engine in step
+        with rank 0 but writes nothing (no parts, stats, progress bar or error log)."""
         self.job, self.out, self.engine, self.builder = opened.job, opened.out, engine, builder
+        self.writes = writes
         self.opened = opened
         self.clock = clock
         rows = opened.rows
@@ -213,8 +250,9 @@ class _Run:
         self.run_tokens = 0  # generated in this run, for tokens/s
         self.run_spec_tokens = 0
         self.run_spec_rounds = 0
-        self.bar = ProgressBar(self.job_rows, enabled=not self.job.quiet)
-        self.error_log = ErrorLog(self.bar, self.job.quiet, opened.id_column)
+        quiet = self.job.quiet or not writes
+        self.bar = ProgressBar(self.job_rows, enabled=not quiet)
+        self.error_log = ErrorLog(self.bar, quiet, opened.id_column)
 
     def execute(self) -> dict[str, Any]:
         try:
@@ -289,7 +327,7 @@ class _Run:
 
     def _buffer(self, inputs: pa.RecordBatch, rows: list[OutputRow]) -> None:
         """An input row's output rows, all at once (a part never splits them)."""
-        for row in rows:
+        for row in rows if self.writes else ():
             self.writer.add(inputs, row)
         self.done_rows += 1
         self._draw()
@@ -313,6 +351,8 @@ class _Run:
         )
 
     def _finish(self) -> dict[str, Any]:
+        if not self.writes:
+            return self._stats()
         if self.job_rows == 0 and not self.out.own_parts():
             # A zero-row job (or shard) still leaves a part: readers find the output schema.
             self.out.commit(build_table(self.opened.schema, [], []))

@@ -162,13 +162,22 @@ def job_schema() -> dict[str, Any]:
             "description": "Fraction of the GPU's memory batchrun may use: the KV pools get "
             "what is left of it after weights, CUDA graphs and activations.",
         },
+        "tp": _integer(
+            "Tensor parallel size: the target's heads, MLP rows and vocabulary split across this "
+            "many processes, one per GPU (gloo processes on a CPU), run under torchrun "
+            "(re-executed under it when not launched so). Under a torchrun of WORLD_SIZE "
+            "processes, each tp consecutive ranks form one group, a data-parallel shard of "
+            "WORLD_SIZE / tp. Outputs do not change.",
+            1,
+            1,
+        ),
         "shard": {
             "type": "string",
             "pattern": "^[0-9]+/[0-9]+$",
             "description": 'Process shard I of N, given as "I/N": whole row groups, one '
             "contiguous run of them with about 1/N of the rows; shards share one output "
-            "directory. Unset: from SLURM_ARRAY_TASK_ID/COUNT or RANK/WORLD_SIZE if set, else "
-            "every row.",
+            "directory. Unset: from SLURM_ARRAY_TASK_ID/COUNT or RANK/WORLD_SIZE (each "
+            "tensor-parallel group one shard) if set, else every row.",
         },
         "overwrite": _flag(
             "Delete this job's earlier output in the output directory first.", False

@@ -4,7 +4,8 @@
   of SLURM_ARRAY_TASK_COUNT (ids need not start at 0: `--array=5-8` is shards 0..3 of 4).
 - A torchrun process: shard RANK of WORLD_SIZE; LOCAL_RANK picks its GPU (the device becomes
   cuda:LOCAL_RANK where it is auto or cuda and CUDA is there; a process that sees one GPU only
-  keeps it).
+  keeps it). With tensor parallelism (tp > 1) each tp consecutive ranks are one group that runs
+  one shard: shard RANK // tp of WORLD_SIZE // tp (no shard when that is 1 of 1).
 - Both (torchrun inside each task of a Slurm array): shard task * WORLD_SIZE + RANK of
   COUNT * WORLD_SIZE, so every process of every task has rows of its own.
 
@@ -68,19 +69,25 @@ def _slurm(environ: Mapping[str, str]) -> tuple[int, int, str] | None:
     return offset // step, count, origin + f"SLURM_ARRAY_TASK_COUNT={count}"
 
 
-def _torchrun(environ: Mapping[str, str]) -> tuple[int, int, str] | None:
+def _torchrun(environ: Mapping[str, str], tp: int) -> tuple[int, int, str] | None:
     if not any(key in environ for key in TORCHRUN_KEYS):
         return None
     rank = _integer(environ, "RANK", 0)
     world = _integer(environ, "WORLD_SIZE", 1)
     if rank >= world:
         raise JobError(f"environment variable RANK={rank} is not below WORLD_SIZE={world}")
-    return rank, world, f"RANK={rank}, WORLD_SIZE={world}"
+    if world % tp:
+        raise JobError(f"WORLD_SIZE={world} is not a multiple of the tensor parallel size {tp}")
+    origin = f"RANK={rank}, WORLD_SIZE={world}" + (f", tp={tp}" if tp > 1 else "")
+    return rank // tp, world // tp, origin
 
 
-def shard_from_env(environ: Mapping[str, str]) -> EnvShard | None:
-    """The shard the environment gives (None: not launched as an array task or a rank)."""
-    slurm, torchrun = _slurm(environ), _torchrun(environ)
+def shard_from_env(environ: Mapping[str, str], tp: int = 1) -> EnvShard | None:
+    """The shard the environment gives (None: not launched as an array task or a rank, or one
+    tensor-parallel group is all there is)."""
+    slurm, torchrun = _slurm(environ), _torchrun(environ, tp)
+    if slurm is None and torchrun is not None and torchrun[1] == 1 and tp > 1:
+        return None
     local_rank = _integer(environ, "LOCAL_RANK", 0, default=-1) if torchrun else -1
     if slurm is not None and torchrun is not None:
         (task, tasks, slurm_origin), (rank, world, rank_origin) = slurm, torchrun
@@ -108,12 +115,13 @@ def apply_env_shard(
     """The job with its shard (and torchrun's GPU) from the environment, if it names no shard."""
     if job.shard is not None:
         return job  # --shard or the job file's shard wins
-    found = shard_from_env(environ)
+    found = shard_from_env(environ, job.tp)
     if found is None:
         return job
     shard, device = f"{found.index}/{found.count}", job.device
     line = f"batchrun: shard {shard} from {found.origin}"
-    if found.local_rank >= 0 and job.device in ("auto", "cuda"):
+    # A tensor-parallel group's processes take GPU LOCAL_RANK as they join it (parallel/group.py).
+    if found.local_rank >= 0 and job.device in ("auto", "cuda") and job.tp == 1:
         devices = cuda_devices()
         if devices > 1:  # one visible GPU: the launcher gave this process its own
             if found.local_rank >= devices:

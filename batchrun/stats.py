@@ -154,6 +154,7 @@ class StatsAccumulator:
             "draft": info.get("draft"),
             "dtype": info.get("dtype"),
             "device": info.get("device"),
+            "tensor_parallel": info.get("tensor_parallel", 1),  # processes the target spans
             "attention_backend": info.get("attention_backend"),
             "attention_backend_ms": info.get("attention_backend_ms"),
             "verify_width_steps": info.get("verify_width_steps"),

@@ -265,9 +265,9 @@ def test_tokens_per_second_times_generation_only(
     build = pipeline.build_engine
     load_time = 1.0
 
-    def slow_build(job: JobSpec, tokenizer: Any = None) -> pipeline.EngineLike:
+    def slow_build(job: JobSpec, tokenizer: Any = None, tp: Any = None) -> pipeline.EngineLike:
         time.sleep(load_time)  # a model that takes a while to load
-        return build(job, tokenizer)
+        return build(job, tokenizer, tp)
 
     monkeypatch.setattr(pipeline, "build_engine", slow_build)
     write_prompts(tmp_path / "in", PROMPTS)

@@ -4,6 +4,7 @@ sweep at a real model's shape with random weights (--shape)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -80,7 +81,20 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
 @click.option("--max-batch-size", default=64, show_default=True, help="--target.")
 @click.option("--max-batched-tokens", default=4096, show_default=True, help="--target.")
 @click.option("--dtype", default="auto", show_default=True)
-@click.option("--device", default="auto", show_default=True, help="--target.")
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="--target; --shape runs on cuda (cpu only checks the code path, e.g. with --tp).",
+)
+@click.option(
+    "--tp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="--shape: tensor parallel size; re-executed under torchrun, one process per GPU, each "
+    "building only its share of the target.",
+)
 @click.option(
     "--attention-backend",
     default="auto",
@@ -99,10 +113,25 @@ def bench(out: Path | None, **opts: Any) -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2) + "\n")
 
-    result = _sweep(opts, write) if opts["shape"] else _end_to_end(opts)
+    if opts["tp"] > 1 and not opts["shape"]:
+        raise click.UsageError("--tp is for --shape (a job runs tensor parallel with run --tp)")
+    if opts["tp"] > 1 and "RANK" not in os.environ:
+        sys.exit(_relaunch(opts["tp"]))
+    result, leads = _sweep(opts, write) if opts["shape"] else (_end_to_end(opts), True)
+    if not leads:
+        return  # a tensor-parallel rank other than 0: rank 0 reports for the group
     result["args"] = ["batchrun", *sys.argv[1:]]  # the command that made it
     write(result)
     click.echo(json.dumps(result.get("ratios") or result.get("summary"), indent=2))
+
+
+def _relaunch(tp: int) -> int:
+    """This command again, as tp torchrun processes on this host; their exit status."""
+    import subprocess
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={tp}", "-m", "batchrun.cli", *sys.argv[1:]]  # fmt: skip
+    return subprocess.call(command)
 
 
 def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:
@@ -130,14 +159,24 @@ def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _sweep(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+def _sweep(
+    opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]
+) -> tuple[dict[str, Any], bool]:
+    """The sweep's result, and whether this process reports it (rank 0 of a TP group)."""
     import torch
 
     from batchrun.bench.shapes import shape_from_flags
     from batchrun.bench.sweep import SweepPlan, run_sweep
 
-    if not torch.cuda.is_available():
+    device = torch.device("cuda" if opts["device"] == "auto" else opts["device"])
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("--shape runs on a CUDA device; none is available")
+    tp = None
+    if opts["tp"] > 1:
+        from batchrun.parallel.group import init_from_env
+
+        tp = init_from_env(os.environ, device.type, opts["tp"])
+        device = tp.device
     shape = shape_from_flags(
         opts["shape"],
         num_layers=opts["num_layers"],
@@ -145,7 +184,8 @@ def _sweep(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> 
         intermediate_size=opts["intermediate_size"],
         vocab_size=opts["vocab_size"],
     )
-    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    half = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"auto": half, "bfloat16": torch.bfloat16, "float16": torch.float16}
     plan = SweepPlan(
         shape_name=opts["shape"],
         shape=shape,
@@ -161,5 +201,8 @@ def _sweep(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> 
         dtype=dtype.get(opts["dtype"], torch.float32),
         attention_backends=tuple(opts["attention_backend"].split(",")),
         cuda_graphs=opts["cuda_graphs"],
+        device=device,
+        tp=tp,
     )
-    return run_sweep(plan, progress)
+    leads = tp is None or tp.rank == 0
+    return run_sweep(plan, progress if leads else lambda _: None), leads

@@ -11,6 +11,8 @@ import torch
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.loader import checkpoint_tensors, load_weights
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.parallel.group import TensorParallel
+from batchrun.parallel.sharding import TensorParallelQwen3
 
 _QWEN3 = dict(
     vocab_size=151936, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
@@ -50,15 +52,21 @@ def _randomize(module: torch.nn.Module, seed: int) -> None:
                 param.normal_(0.0, 0.02, generator=gen)
 
 
-def random_target(shape: Qwen3Shape, dtype: torch.dtype, device: torch.device) -> Qwen3ForCausalLM:
+def random_target(
+    shape: Qwen3Shape, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+) -> Qwen3ForCausalLM:
+    """With tp, only this rank's share is built (its own random weights)."""
     with torch.device(device):
-        model = Qwen3ForCausalLM(shape).to(dtype)
-    _randomize(model, seed=0)
+        model = Qwen3ForCausalLM(shape) if tp is None else TensorParallelQwen3(shape, tp)
+        model = model.to(dtype)
+    _randomize(model, seed=0 if tp is None else tp.rank)
     return model.eval()
 
 
-def random_draft(target: Qwen3ForCausalLM, max_positions: int) -> DFlashDraft:
-    s = target.shape
+def random_draft(target: Qwen3ForCausalLM, shape: Qwen3Shape, max_positions: int) -> DFlashDraft:
+    """shape: the target's whole shape (a tensor-parallel rank's model holds a share of its
+    heads); the draft is whole, the same on every rank."""
+    s = shape
     draft_shape = replace(s, num_layers=DRAFT_LAYERS)
     layer_ids = default_target_layer_ids(DRAFT_LAYERS, s.num_layers)
     device = target.lm_head.weight.device

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.models.qwen3 import Qwen3Shape
+from batchrun.parallel.group import TensorParallel
 from batchrun.speculative.verify_width import best_width, expected_tokens
 
 
@@ -47,6 +48,13 @@ class SweepPlan:
     dtype: torch.dtype
     attention_backends: tuple[str, ...]  # each sweeps every point; the first is summarized
     cuda_graphs: bool
+    device: torch.device = torch.device("cuda")  # a CPU sweep only checks the code path
+    tp: TensorParallel | None = None  # a tensor-parallel rank: its share of the target
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _median(values: list[float]) -> float:
@@ -92,11 +100,11 @@ def _time_steps(engine: Engine, reqs: list[Request], steps: int) -> dict[str, An
     engine.timer.reset(enabled=True)
     graphed = engine.runner.replays.total()
     before = sum(len(r.output_ids) for r in reqs)
-    torch.cuda.synchronize()
+    _sync(engine.device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    _sync(engine.device)
     wall_ms = (time.perf_counter() - start) / steps * 1e3
     committed = sum(len(r.output_ids) for r in reqs) - before
     timing = engine.timer.reset(enabled=False)
@@ -131,20 +139,26 @@ def run_sweep(
     plan: SweepPlan, progress: Callable[[dict[str, Any]], None] = lambda result: None
 ) -> dict[str, Any]:
     """The whole sweep; `progress` gets the result so far after each stage (so a run cut short
-    by a time limit still leaves its figures)."""
-    device = torch.device("cuda")
-    ceilings = measure_ceilings(plan.dtype, device)
-    model = random_target(plan.shape, plan.dtype, device)
+    by a time limit still leaves its figures). Under tensor parallelism every rank runs it in
+    step (the engine's collectives), each with its own share of the target; the roofline is
+    a rank's (the weights its GPU reads) and there is no generate() baseline (no rank holds the
+    whole model)."""
+    device = plan.device
+    ceilings = measure_ceilings(plan.dtype, device) if device.type == "cuda" else None
+    model = random_target(plan.shape, plan.dtype, device, plan.tp)
     max_batch = max(plan.batch_sizes)
     max_len = max(plan.contexts) + 4 * plan.steps + 64
-    draft = random_draft(model, plan.shape.max_position_embeddings + 1024) if plan.draft else None
+    max_positions = plan.shape.max_position_embeddings + 1024
+    draft = random_draft(model, plan.shape, max_positions) if plan.draft else None
+    # The weights a rank's GPU reads per step: its heads and MLP rows, its vocabulary slice.
+    floor_shape = replace(model.shape, vocab_size=model.lm_head.weight.shape[0])
     width = draft.block_size if draft is not None else 1
     points: list[dict[str, Any]] = []
     profiles: dict[str, str] = {}
     element = model.lm_head.weight.element_size()
     for backend in plan.attention_backends:
         config = EngineConfig(
-            target=Path(f"random-{plan.shape_name}"), device="cuda",
+            target=Path(f"random-{plan.shape_name}"), device=str(device),
             dtype=str(plan.dtype).removeprefix("torch."),
             attention_backend=backend, cuda_graphs=plan.cuda_graphs,
             max_batch_size=max_batch, max_batched_tokens=max(8192, max_batch * width),
@@ -153,7 +167,7 @@ def run_sweep(
         for with_draft in [False, True] if draft is not None else [False]:
             engine = Engine.from_models(
                 config, model, draft if with_draft else None,
-                num_pages=_pages(config, max_len, width),
+                num_pages=_pages(config, max_len, width), tp=plan.tp,
             )  # fmt: skip
             mode = "dflash" if with_draft else "target_only"
             used = engine.info()["attention_backend"]  # what `auto` resolved to
@@ -161,8 +175,8 @@ def run_sweep(
                 for context in plan.contexts:
                     for point in measure_point(engine, batch, context, plan.steps):
                         point |= {"mode": mode, "attention_backend": used}
-                        if not with_draft:
-                            floor = step_floor_ms(plan.shape, element, batch, context, 1, ceilings)
+                        if not with_draft and ceilings is not None:
+                            floor = step_floor_ms(floor_shape, element, batch, context, 1, ceilings)
                             point["roofline"] = floor
                             point["fraction_of_memory_roofline"] = (
                                 floor["memory_ms"] / point["ms_per_step"]
@@ -174,11 +188,12 @@ def run_sweep(
                 profiles[name] = profile_point(engine, batch, plan.contexts[0], 4)
             del engine
             gc.collect()  # the engine's graphs hold reference cycles; free its KV pools now
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     baselines: list[dict[str, Any]] = []
     result = _result(plan, ceilings, points, baselines, profiles)
     progress(result)
-    if plan.hf_eager or plan.hf_compiled_batches:
+    if plan.tp is None and (plan.hf_eager or plan.hf_compiled_batches):
         hf = hf_twin(model)
         for baseline in _hf_baselines(plan, hf):
             baselines.append(baseline)
@@ -189,12 +204,12 @@ def run_sweep(
 
 def _result(
     plan: SweepPlan,
-    ceilings: Ceilings,
+    ceilings: Ceilings | None,
     points: list[dict[str, Any]],
     baselines: list[dict[str, Any]],
     profiles: dict[str, str],
 ) -> dict[str, Any]:
-    device = torch.device("cuda")
+    device = plan.device
     accept = acceptance_profiles(plan)
     by_backend: dict[str, list[dict[str, Any]]] = {}
     for p in points:
@@ -208,10 +223,11 @@ def _result(
             "attention_backends": list(plan.attention_backends),
             "cuda_graphs": plan.cuda_graphs,
             "steps": plan.steps,
-            "gpu": torch.cuda.get_device_name(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "tensor_parallel": plan.tp.world_size if plan.tp is not None else 1,
             "torch": torch.__version__,
         },
-        "ceilings": asdict(ceilings),
+        "ceilings": asdict(ceilings) if ceilings is not None else None,
         "points": points,
         "hf_generate": baselines,
         "acceptance_profiles": accept,
@@ -291,7 +307,7 @@ def summarize(
             "context": key[1],
             "target_only_ms_per_token_step": p["ms_per_step"],
             "target_only_tokens_per_second": p["tokens_per_second"],
-            "fraction_of_memory_roofline": p["fraction_of_memory_roofline"],
+            "fraction_of_memory_roofline": p.get("fraction_of_memory_roofline"),
         }
         if key in rounds:
             costs = rounds[key]

@@ -56,6 +56,7 @@ from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import load_dflash
 from batchrun.models.loader import load_qwen3
 from batchrun.models.qwen3 import Qwen3ForCausalLM
+from batchrun.parallel.group import TensorParallel
 from batchrun.speculative.acceptance import RoundTrace, accepted_lengths
 from batchrun.speculative.sliding_window import ring_pages
 from batchrun.speculative.verify_width import WidthPolicy
@@ -81,19 +82,23 @@ class Launched:
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None = None
+        self,
+        config: EngineConfig,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
-        """Loads the models (and the target's tokenizer, unless it is given)."""
-        device = resolve_device(config.device)
+        """Loads the models (and the target's tokenizer, unless it is given); with tp, this
+        tensor-parallel rank's share of the target (on the group's device) and the whole draft."""
+        device = tp.device if tp is not None else resolve_device(config.device)
         target_dir = Path(config.target)
-        model, model_config = load_qwen3(target_dir, config.dtype, device, ROPE_HEADROOM)
+        model, model_config = load_qwen3(target_dir, config.dtype, device, ROPE_HEADROOM, tp)
         max_positions = model.shape.max_position_embeddings + ROPE_HEADROOM
         draft = (
             load_dflash(Path(config.draft), model, device, max_positions) if config.draft else None
         )
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_dir)
         eos = eos_token_ids(target_dir, model_config, tokenizer)
-        self._setup(config, model, draft, tokenizer, eos, config.num_pages)
+        self._setup(config, model, draft, tokenizer, eos, config.num_pages, tp)
 
     @classmethod
     def from_models(
@@ -104,10 +109,11 @@ class Engine:
         tokenizer: PreTrainedTokenizerBase | None = None,
         eos: set[int] | None = None,
         num_pages: int | None = None,
+        tp: TensorParallel | None = None,
     ) -> Engine:
         """An engine over models already on their device (`batchrun bench --shape`)."""
         engine = cls.__new__(cls)
-        engine._setup(config, model, draft, tokenizer, eos or set(), num_pages)
+        engine._setup(config, model, draft, tokenizer, eos or set(), num_pages, tp)
         return engine
 
     def _setup(
@@ -118,8 +124,12 @@ class Engine:
         tokenizer: PreTrainedTokenizerBase | None,
         eos: set[int],
         num_pages: int | None,
+        tp: TensorParallel | None,
     ) -> None:
-        self.config = config
+        """Under tensor parallelism every rank runs this engine in lockstep: the same requests,
+        the same schedule. What memory or timings decide here, rank 0's or the least is taken
+        on every rank."""
+        self.config, self.tp = config, tp
         self.model, self.draft = model, draft
         self.device = model.lm_head.weight.device
         self._tokenizer = tokenizer
@@ -139,6 +149,8 @@ class Engine:
             model.lm_head.weight.element_size(), width, self.device,
             draft_paged_layers=draft.attention.num_full if draft else 0, ring_pages=rings,
         )  # fmt: skip
+        if tp is not None:
+            num_pages = tp.minimum(num_pages)
         capacity = num_pages * config.page_size
         limit = min(
             config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings
@@ -161,6 +173,9 @@ class Engine:
         backend, ops, self.backend_ms = attention_backend(
             config.attention_backend, self.device, workload
         )
+        chosen = tp.of_first(backend.name) if tp is not None else backend.name
+        if chosen != backend.name:  # `auto` timed its candidates on each rank: rank 0's wins
+            backend, ops, _ = attention_backend(chosen, self.device, workload)
         # Sliding draft layers plan their own metadata: a second backend of the same kind.
         window_backend = None
         if window:
@@ -211,6 +226,7 @@ class Engine:
             "draft": str(self.config.draft) if self.config.draft else None,
             "dtype": self._dtype,
             "device": str(self.device),
+            "tensor_parallel": self.tp.world_size if self.tp is not None else 1,
             "attention_backend": self._backend_name,
             "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
             "verify_width_steps": dict(sorted(self.width_steps.items())) or None,
@@ -256,6 +272,8 @@ class Engine:
         if self.width_policy is not None and self.pinned_width is None:
             bucket = ladder_bucket(len(self.scheduler.running), self.config.max_batch_size)
             width = self.width_policy.choose(bucket)
+            if self.tp is not None:  # chosen from this rank's step times: rank 0's wins
+                width = self.tp.first_int(width)
         batch = self.scheduler.schedule(width)
         if self.block_size and any(it.decoding for it in batch):
             self.width_steps[width] += 1
@@ -324,9 +342,10 @@ class Engine:
         """The token of every sampled row, on the device: argmax when every row is greedy."""
         params = [it.req.params for it, k in zip(batch, samples, strict=True) if k]
         if all(p.temperature == 0 for p in params):
-            return out.logits.argmax(dim=-1)
+            return self.model.argmax(out.logits)
         rows = self.runner.state.sampling(out.row_slot, out.row_step)
-        return sample(out.logits, rows, any_filtered=_any_filtered(batch, samples))
+        logits = self.model.full_logits(out.logits)
+        return sample(logits, rows, any_filtered=_any_filtered(batch, samples))
 
     def _score(
         self,
@@ -340,9 +359,10 @@ class Engine:
         of the prompt rows, on their way to the host."""
         n = tokens.shape[0]
         rows = self.runner.state.sampling(out.row_slot[:n], out.row_step[:n])
+        model = self.model
         return score_step(
-            out.logits, out.hidden, rows, tokens, self.config.logprobs,
-            _any_filtered(batch, samples), prompt, self.model.logits,
+            model.full_logits(out.logits), out.hidden, rows, tokens, self.config.logprobs,
+            _any_filtered(batch, samples), prompt, lambda h: model.full_logits(model.logits(h)),
         )  # fmt: skip
 
     def _read_back(self, launched: Launched) -> list[Request]:

@@ -139,6 +139,7 @@ class DFlashDraft(nn.Module):
             assert layer_backend is not None, "a sliding layer attends through its own backend"
             x = layer(x, positions, self.rope, layer_backend, cache)
         rows = x.view(x.shape[0] // self.block_size, self.block_size, x.shape[-1])[:, 1:]
-        head = self.lm_head if self.lm_head is not None else target.lm_head
-        drafts = head(self.norm(rows)).argmax(dim=-1)
+        if self.lm_head is None:  # the target's head: its argmax (across tensor-parallel ranks)
+            return target.argmax(target.lm_head(self.norm(rows)))
+        drafts = self.lm_head(self.norm(rows)).argmax(dim=-1)
         return drafts if self.draft_to_target is None else self.draft_to_target[drafts]

@@ -14,6 +14,8 @@ from torch import nn
 from batchrun.errors import JobError
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.parallel.group import TensorParallel
+from batchrun.parallel.sharding import TensorParallelQwen3, shard_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -160,18 +162,25 @@ def _owner(module: nn.Module, param_name: str) -> Any:
 
 
 def load_qwen3(
-    model_dir: Path, dtype: str, device: torch.device, rope_headroom: int = 0
+    model_dir: Path,
+    dtype: str,
+    device: torch.device,
+    rope_headroom: int = 0,
+    tp: TensorParallel | None = None,
 ) -> tuple[Qwen3ForCausalLM, dict[str, Any]]:
+    """The target; with tp, this tensor-parallel rank's share of it."""
     config = read_config(model_dir, "target model")
     shape = qwen3_shape(config)
     torch_dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(shape).to(torch_dtype)
+        model = Qwen3ForCausalLM(shape) if tp is None else TensorParallelQwen3(shape, tp)
+        model = model.to(torch_dtype)
     model.to_empty(device=device)  # no random init: every parameter is loaded below
     if shape.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     skip = {"lm_head.weight"} if shape.tie_word_embeddings else set()
-    load_weights(model, iter_safetensors(model_dir), "target", skip)
+    tensors = iter_safetensors(model_dir)
+    load_weights(model, tensors if tp is None else shard_checkpoint(tensors, tp), "target", skip)
     # Buffers are not in the checkpoint: build the RoPE table for real, in float32.
     model.rope = RotaryEmbedding(
         shape.head_dim, shape.max_position_embeddings + rope_headroom, shape.rope_theta

@@ -107,5 +107,15 @@ class Qwen3ForCausalLM(nn.Module):
         return x + residual if residual is not None else x, features
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of pre-norm hidden rows."""
+        """Float32 logits of pre-norm hidden rows (a tensor-parallel rank's: its vocabulary
+        slice's)."""
         return self.lm_head(self.model.norm(hidden)).float()
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token of each row of `logits()` (across the ranks' slices under tensor
+        parallelism)."""
+        return logits.argmax(dim=-1)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Rows of `logits()` over the whole vocabulary (gathered under tensor parallelism)."""
+        return logits

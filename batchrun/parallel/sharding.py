@@ -1,0 +1,96 @@
+"""How a Qwen3 target is split across tensor-parallel ranks.
+
+Each rank holds a contiguous share of the attention heads (its query heads with the KV heads
+they read, so its KV pages hold only those), of the MLP's intermediate rows and of the
+vocabulary. q/k/v and gate/up are column-parallel (the rank's output rows), o_proj and down_proj
+row-parallel (the matching input columns, partial sums all-reduced), embed_tokens and lm_head
+vocabulary-parallel; norms are replicated. A rank's model is the single-process model built with
+its local shape, the row-parallel, embedding and lm_head layers swapped for their parallel ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from batchrun.errors import JobError
+from batchrun.layers.attention import PagedAttention
+from batchrun.layers.mlp import SwiGLU
+from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.parallel.group import TensorParallel
+from batchrun.parallel.layers import RowParallelLinear, VocabParallelEmbedding
+from batchrun.parallel.vocab import gather_logits, greedy_tokens
+
+# Checkpoint tensor (its last two name parts) -> the dimension split across ranks. Splitting the
+# rows of q/k/v by even blocks gives each rank whole heads, since the heads divide evenly.
+SPLIT_DIM = {
+    "q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0,
+    "gate_proj.weight": 0, "up_proj.weight": 0,
+    "o_proj.weight": 1, "down_proj.weight": 1,
+    "embed_tokens.weight": 0, "lm_head.weight": 0,
+}  # fmt: skip
+
+
+def local_shape(shape: Qwen3Shape, tp: TensorParallel) -> Qwen3Shape:
+    """The shape of this rank's share: its heads and intermediate rows (vocab_size stays the
+    whole vocabulary's: what tokens exist, whatever slice of them a rank's logits hold)."""
+    for what, count in (
+        ("attention heads", shape.num_heads),
+        ("KV heads", shape.num_kv_heads),
+        ("intermediate rows", shape.intermediate_size),
+    ):
+        if count % tp.world_size:
+            raise JobError(
+                f"tensor parallel size {tp.world_size} does not divide the target's {count} {what}"
+            )
+    return dataclasses.replace(
+        shape,
+        num_heads=shape.num_heads // tp.world_size,
+        num_kv_heads=shape.num_kv_heads // tp.world_size,
+        intermediate_size=shape.intermediate_size // tp.world_size,
+    )
+
+
+class TensorParallelQwen3(Qwen3ForCausalLM):
+    """This rank's Qwen3 (shape: the whole model's): its logits are its vocabulary slice's;
+    argmax and full_logits work across the ranks, and every rank gets the same result."""
+
+    def __init__(self, shape: Qwen3Shape, tp: TensorParallel) -> None:
+        local = local_shape(shape, tp)
+        super().__init__(local)
+        self.tp = tp
+        for module in list(self.modules()):
+            if isinstance(module, PagedAttention):
+                module.o_proj = RowParallelLinear(module.q_size, shape.hidden_size, tp)
+            elif isinstance(module, SwiGLU):
+                module.down_proj = RowParallelLinear(local.intermediate_size, shape.hidden_size, tp)
+        embed = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
+        self.model.embed_tokens = embed
+        self.lm_head = nn.Linear(shape.hidden_size, embed.num_embeddings, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = embed.weight
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return greedy_tokens(logits, self.tp, self.shape.vocab_size)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_logits(logits, self.tp, self.shape.vocab_size)
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor (the whole of a replicated one)."""
+    dim = SPLIT_DIM.get(".".join(name.split(".")[-2:]))
+    if dim is None:
+        return tensor
+    start, end = tp.bounds(tensor.shape[dim])
+    return tensor.narrow(dim, start, end - start)
+
+
+def shard_checkpoint(
+    tensors: Iterator[tuple[str, torch.Tensor]], tp: TensorParallel
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        yield name, shard_tensor(name, tensor, tp)

@@ -1,0 +1,399 @@
+"""Tensor parallelism on the CPU: two gloo processes compute what one process does."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from click.testing import CliRunner
+from dflash_train import CONTINUATION, trained_draft_beside, training_prompts
+
+from batchrun.attention.meta import AttentionMeta, allocate_kv, cache_slots
+from batchrun.attention.torch_backend import TorchAttention
+from batchrun.bench.shapes import random_target, shape_from_flags
+from batchrun.cli import cli
+from batchrun.errors import JobError
+from batchrun.io.progress import OutputDir
+from batchrun.job import JobSpec, load_job
+from batchrun.models.loader import load_qwen3, qwen3_shape, read_config
+from batchrun.models.qwen3 import Qwen3ForCausalLM
+from batchrun.parallel.group import TensorParallel, init_from_env
+from batchrun.parallel.sharding import local_shape
+from batchrun.parallel.vocab import first_best
+from batchrun.pipeline import run_job
+from batchrun.shard_env import apply_env_shard
+from batchrun.speculative.verify_width import WidthPolicy
+from batchrun.tools.tiny_draft import make_tiny_draft
+
+CPU = torch.device("cpu")
+PAGE_SIZE = 4
+DECODE_STEPS = 3
+# Token ids of prompts of different lengths, so requests straddle pages differently.
+PROMPTS = [[5, 17, 300, 42, 9, 811, 64], [1000, 3], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 12]]
+
+# Logits and greedy tokens of the rows of one paged forward: (logits [T, V], tokens [R]).
+Head = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def paged_greedy(model: Qwen3ForCausalLM, head: Head) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Prefill PROMPTS in one batch, then DECODE_STEPS batched greedy steps, through KV pages
+    handed out in scrambled order. Returns each forward's logits (every row) and the tokens."""
+    s = model.shape
+    lengths = [len(p) + DECODE_STEPS for p in PROMPTS]
+    pages_each = -(-max(lengths) // PAGE_SIZE)
+    num_pages = len(PROMPTS) * pages_each
+    page_table = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
+    page_table = page_table.view(len(PROMPTS), pages_each).int()
+    kv = allocate_kv(s.num_layers, num_pages, PAGE_SIZE, s.num_kv_heads, s.head_dim,
+                     torch.float32, CPU)  # fmt: skip
+    backend = TorchAttention()
+    inputs, starts = [list(p) for p in PROMPTS], [0] * len(PROMPTS)
+    all_logits, tokens = [], []
+    for _ in range(DECODE_STEPS + 1):
+        q_lens = torch.tensor([len(x) for x in inputs])
+        ids = torch.tensor([t for x in inputs for t in x])
+        req = torch.repeat_interleave(torch.arange(len(inputs)), q_lens)
+        cu_q = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)])
+        positions = torch.tensor(starts)[req] + torch.arange(len(ids)) - cu_q[req]
+        kv_lens = torch.tensor(starts) + q_lens
+        backend.plan(AttentionMeta(
+            positions=positions,
+            slot_mapping=cache_slots(page_table, req, positions, PAGE_SIZE),
+            cu_q=cu_q.int(), kv_lens=kv_lens.int(), page_table=page_table, page_size=PAGE_SIZE,
+            max_q=int(q_lens.max()), max_kv=int(kv_lens.max()),
+        ))  # fmt: skip
+        with torch.no_grad():
+            hidden, _ = model(ids, positions, backend, kv)
+            logits, last_tokens = head(hidden)
+        last_tokens = last_tokens[cu_q[1:] - 1]
+        all_logits.append(logits)
+        tokens.append(last_tokens)
+        inputs, starts = [[int(t)] for t in last_tokens], kv_lens.tolist()
+    return all_logits, torch.stack(tokens, 1)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def tp_rank(rank: int, world: int, port: int, model_dir: Path, out_dir: Path) -> None:
+    """One torchrun-like process: joins the gloo group, loads its share, runs paged_greedy."""
+    torch.set_num_threads(1)
+    environ = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    tp = init_from_env(environ, device_type="cpu")
+    model, _ = load_qwen3(model_dir, "float32", CPU, tp=tp)
+
+    def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        local = model.logits(hidden)
+        return model.full_logits(local), model.argmax(local)
+
+    logits, tokens = paged_greedy(model, head)
+    torch.save({"logits": logits, "tokens": tokens, "kv_heads": model.shape.num_kv_heads},
+               out_dir / f"rank{rank}.pt")  # fmt: skip
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [{}, {"vocab_size": 1027, "tie_word_embeddings": False, "num_heads": 8, "num_kv_heads": 4}],
+    ids=["tied", "untied-uneven-vocab"],
+)
+def test_two_gloo_ranks_match_one_process(
+    make_model: Callable[..., Path], tmp_path: Path, shape: dict[str, object]
+) -> None:
+    model_dir = make_model(**shape)
+    single, _ = load_qwen3(model_dir, "float32", CPU)
+
+    def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = single.logits(hidden)
+        return logits, logits.argmax(-1)
+
+    want_logits, want_tokens = paged_greedy(single, head)
+    mp.spawn(tp_rank, args=(2, free_port(), model_dir, tmp_path), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["kv_heads"] == single.shape.num_kv_heads // 2  # each rank pages half the heads
+        assert torch.equal(got["tokens"], want_tokens)
+        assert len(got["logits"]) == len(want_logits)
+        for have, want in zip(got["logits"], want_logits, strict=True):
+            assert have.shape == want.shape
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_first_best_breaks_ties_as_argmax(world: int) -> None:
+    gen = torch.Generator().manual_seed(world)
+    vocab = 23  # not a multiple of world: uneven slices
+    logits = torch.randint(0, 4, (200, vocab), generator=gen).float()  # many ties
+    logits[5, 7] = logits[6, 20] = float("nan")  # torch.argmax picks a NaN
+    logits[7, 3] = logits[7, 15] = float("nan")  # the first NaN
+    values, indices = [], []
+    for rank in range(world):
+        start, end = TensorParallel(rank, world, CPU).bounds(vocab)
+        local = logits[:, start:end]
+        index = local.argmax(-1)
+        values.append(local.gather(-1, index.unsqueeze(-1)).squeeze(-1))
+        indices.append(index + start)
+    assert torch.equal(first_best(torch.stack(values), torch.stack(indices)), logits.argmax(-1))
+
+
+def test_heads_that_do_not_split_are_refused(make_model: Callable[..., Path]) -> None:
+    shape = qwen3_shape(read_config(make_model(num_heads=4, num_kv_heads=1)))
+    with pytest.raises(JobError, match="does not divide the target's 1 KV heads"):
+        local_shape(shape, TensorParallel(0, 2, CPU))
+
+
+def test_init_outside_torchrun_is_refused() -> None:
+    with pytest.raises(JobError, match="runs under torchrun: RANK"):
+        init_from_env({}, device_type="cpu")
+
+
+# -- whole jobs -----------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+ONE_THREAD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+JOB_ROWS = 10
+LOGPROB_COLUMNS = ("completion_logprobs", "completion_logprob_sum", "top_logprobs",
+                   "prompt_logprobs")  # fmt: skip
+
+
+def write_tp_job(
+    tmp_path: Path, model: Path, token_ids: list[list[int]] | None = None, **keys: object
+) -> Path:
+    """A job over JOB_ROWS text prompts of different lengths (one part per 4 rows), or over
+    the prompts `token_ids`."""
+    (tmp_path / "in").mkdir(exist_ok=True)
+    prompts = [f"row {i} says" + " hello there" * (i % 4) for i in range(JOB_ROWS)]
+    table = pa.table({"prompt": prompts} if token_ids is None else {"prompt_token_ids": token_ids})
+    pq.write_table(table, tmp_path / "in" / "0.parquet")
+    settings = {"max_tokens": 10, "rows_per_part": 4, "max_batch_size": 4, "device": "cpu",
+                "quiet": True, **keys}  # fmt: skip
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'input = "in"\noutput = "out"\ntarget = "{model}"\n'
+        + "".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items())
+    )
+    return job
+
+
+def one_process(job: Path, output: Path) -> pa.Table:
+    run_job(load_job(job, {"output": str(output)}))
+    return read_output(output)
+
+
+def run_tp(job: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`batchrun run JOB --tp 2 FLAGS` as a real process: it re-executes under torchrun."""
+    return subprocess.run(
+        [sys.executable, "-m", "batchrun.cli", "run", str(job), "--tp", "2", *flags],
+        cwd=REPO, env=ONE_THREAD_ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def read_output(out: Path) -> pa.Table:
+    parts = sorted(out.glob("part-*.parquet"))
+    return pa.concat_tables(pq.read_table(p) for p in parts).sort_by("row_index")
+
+
+def assert_same_rows(got: pa.Table, want: pa.Table) -> None:
+    """Every column equal; log-probabilities to float32 rounding (the ranks' partial sums are
+    added in another order than one process adds them)."""
+    assert got.schema == want.schema and got.num_rows == want.num_rows
+    for name in want.column_names:
+        if name in LOGPROB_COLUMNS:
+            assert _close(got.column(name).to_pylist(), want.column(name).to_pylist()), name
+        else:
+            assert got.column(name).equals(want.column(name)), name
+
+
+def _close(have: object, want: object) -> bool:
+    """Nested lists and {token_id, logprob} dicts: ids equal, values within 1e-4."""
+    if isinstance(want, dict) and isinstance(have, dict):
+        return have.keys() == want.keys() and all(_close(have[k], want[k]) for k in want)
+    if isinstance(want, list) and isinstance(have, list):
+        return len(have) == len(want) and all(_close(h, w) for h, w in zip(have, want, strict=True))
+    if isinstance(want, float) and isinstance(have, float):
+        return abs(have - want) <= 1e-4 * max(1.0, abs(want))
+    return have == want
+
+
+STATS_COMPARED = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens",
+                  "spec_rounds", "acceptance_length", "per_position_acceptance",
+                  "verify_width_steps", "finish_reasons")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},
+        {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7, "n": 2},
+        {"logprobs": 2, "prompt_logprobs": True},
+    ],
+    ids=["greedy", "seeded-top-p-top-k", "logprobs"],
+)
+def test_tp_job_writes_what_one_process_writes(
+    target: Path, tmp_path: Path, keys: dict[str, object]
+) -> None:
+    job = write_tp_job(tmp_path, target, **keys)
+    want = one_process(job, tmp_path / "one")
+    done = run_tp(job)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith(f"batchrun: {JOB_ROWS * int(keys.get('n', 1))}")
+    assert_same_rows(read_output(tmp_path / "out"), want)
+    assert (tmp_path / "out" / "_SUCCESS").exists()
+    stats = [json.loads((tmp_path / d / "stats.json").read_text()) for d in ("out", "one")]
+    assert [s["tensor_parallel"] for s in stats] == [2, 1]
+
+
+def test_tp_job_with_a_draft_drafts_what_one_process_drafts(target: Path, tmp_path: Path) -> None:
+    """The trained draft on the prompts it learnt: it is accepted often, so drafts that were
+    not one process's would change the acceptance (and ranks that drafted apart would verify
+    different tokens)."""
+    draft = trained_draft_beside(target)
+    # A full-width verify every step: `auto` picks widths from step times, run by run.
+    job = write_tp_job(tmp_path, target, training_prompts(seed=0), draft=str(draft),
+                       max_tokens=CONTINUATION, verify_width="full")  # fmt: skip
+    want = one_process(job, tmp_path / "one")
+    done = run_tp(job)
+    assert done.returncode == 0, done.stderr
+    assert_same_rows(read_output(tmp_path / "out"), want)  # spec_accept_hist included
+    stats = [json.loads((tmp_path / d / "stats.json").read_text()) for d in ("out", "one")]
+    assert stats[1]["acceptance_length"] > 2
+    assert {k: stats[0][k] for k in STATS_COMPARED} == {k: stats[1][k] for k in STATS_COMPARED}
+
+
+def test_tp_job_resumes_the_rows_not_committed(target: Path, tmp_path: Path) -> None:
+    """Every rank reads the committed parts and skips the same rows (else they would not step
+    in lockstep): the rows of a lost part are redone, the other parts kept as they are."""
+    job = write_tp_job(tmp_path, target)
+    want = one_process(job, tmp_path / "out")
+    parts = sorted((tmp_path / "out").glob("part-*.parquet"))
+    kept = {p.name: p.read_bytes() for p in parts[::2]}
+    parts[1].unlink()
+    (tmp_path / "out" / "_SUCCESS").unlink()
+    done = run_tp(job)
+    assert done.returncode == 0, done.stderr
+    assert all((tmp_path / "out" / name).read_bytes() == data for name, data in kept.items())
+    assert_same_rows(read_output(tmp_path / "out"), want)
+
+
+def cli_rank(rank: int, port: int, job: Path, calls: Any) -> None:
+    """A process of `torchrun --nproc-per-node 2 -m batchrun.cli run JOB --tp 2`: rank 1's
+    output writes are recorded instead of done, and its own verify width would always be 1
+    (ranks that verified different widths would not run the same collectives)."""
+    torch.set_num_threads(1)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    if rank:
+        for name in ("acquire", "prepare", "commit", "write_json", "mark_success"):
+            setattr(OutputDir, name, lambda *_, name=name, **__: calls.append(name))
+        WidthPolicy.choose = lambda *_: 1  # type: ignore[method-assign]
+    cli.main(["run", str(job), "--tp", "2"], standalone_mode=False)
+
+
+def test_tp_ranks_under_an_outer_torchrun_and_only_rank_0_writes(
+    target: Path, tmp_path: Path
+) -> None:
+    draft = make_tiny_draft(tmp_path / "draft", target, block_size=4)
+    job = write_tp_job(tmp_path, target, draft=str(draft), max_tokens=16)
+    want = one_process(job, tmp_path / "one")
+    with mp.Manager() as manager:
+        calls = manager.list()
+        mp.spawn(cli_rank, args=(free_port(), job, calls), nprocs=2, join=True)
+        assert list(calls) == []
+    got = read_output(tmp_path / "out")
+    assert_same_rows(
+        got.drop(["spec_rounds", "spec_accept_hist", "acceptance_length"]),
+        want.drop(["spec_rounds", "spec_accept_hist", "acceptance_length"]),
+    )
+    widths = json.loads((tmp_path / "out" / "stats.json").read_text())["verify_width_steps"]
+    assert set(widths) - {"1"}  # rank 0's choices: not only rank 1's width 1
+    one, out = (sorted(p.name for p in (tmp_path / d).rglob("*")) for d in ("one", "out"))
+    assert out == one  # no shard: the files of one process's run
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tp", "3"], "tensor parallel size 3 does not divide the target's 4 attention heads"),
+        (["--tp", "2", "--device", "cuda"], "tp 2 needs 2 GPUs (one per rank); this host has 0"),
+        (["--tp", "2", "--device", "cuda:1"], "device 'cuda:1' with tp 2: use auto, cuda or cpu"),
+    ],
+)
+def test_a_tp_job_that_cannot_start_says_why_in_one_line(
+    target: Path, tmp_path: Path, flags: list[str], message: str
+) -> None:
+    if torch.cuda.is_available() and "cuda" in flags:
+        pytest.skip("this host has GPUs")
+    result = CliRunner().invoke(cli, ["run", str(write_tp_job(tmp_path, target)), *flags])
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"batchrun: error: {message}"), lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_tp_groups_under_torchrun_are_data_parallel_shards() -> None:
+    def shard(rank: int, world: int, tp: int) -> str | None:
+        environ = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+        job = JobSpec(input="in", output="out", target="model", tp=tp)
+        found = apply_env_shard(job, environ, io.StringIO(), cuda_devices=lambda: 4)
+        assert found.device == ("auto" if tp > 1 else f"cuda:{rank}")  # a TP rank joins its GPU
+        return found.shard
+
+    assert [shard(r, 4, 2) for r in range(4)] == ["0/2", "0/2", "1/2", "1/2"]
+    assert [shard(r, 2, 2) for r in range(2)] == [None, None]  # one group: the whole job
+    assert [shard(r, 2, 1) for r in range(2)] == ["0/2", "1/2"]  # tp 1: as before
+    with pytest.raises(JobError, match="WORLD_SIZE=3 is not a multiple of the tensor parallel"):
+        shard(0, 3, 2)
+
+
+# -- bench --shape --tp -----------------------------------------------------------------------
+
+TINY_SHAPE = ["--shape", "qwen3-4b", "--num-layers", "6", "--hidden-size", "64",
+              "--intermediate-size", "128", "--vocab-size", "1027"]  # fmt: skip
+
+
+def test_a_rank_builds_only_its_share_of_a_random_shape() -> None:
+    shape = shape_from_flags("qwen3-4b", num_layers=1, hidden_size=64, intermediate_size=128,
+                             vocab_size=1027)  # fmt: skip
+    whole = random_target(shape, torch.float32, CPU)
+    share = random_target(shape, torch.float32, CPU, TensorParallel(1, 2, CPU))
+    assert share.lm_head.weight.shape == (1027 - 513, 64)  # rank 1's vocabulary slice
+    params = {name: p.numel() for name, p in whole.named_parameters()}
+    for name, p in share.named_parameters():
+        if "embed_tokens" in name:  # tied with lm_head
+            assert p.numel() == (1027 - 513) * 64
+        else:  # norms whole; q/k/v, o, gate/up, down halved
+            assert p.numel() == params[name] // (1 if "norm" in name else 2), name
+
+
+def test_bench_shape_sweeps_on_two_gloo_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "batchrun.cli", "bench", *TINY_SHAPE, "--device", "cpu",
+         "--tp", "2", "--batch-sizes", "2", "--contexts", "16", "--steps", "2", "--no-hf-eager",
+         "--hf-compiled-batches", "", "--no-cuda-graphs", "--out", str(out)],
+        cwd=REPO, env=ONE_THREAD_ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count('"batch": 2') == 1  # rank 0 alone reports
+    data = json.loads(out.read_text())
+    assert data["setup"]["tensor_parallel"] == 2 and data["hf_generate"] == []
+    modes = {(p["mode"], p["width"]) for p in data["points"]}
+    assert modes == {("target_only", 1)} | {("dflash", w) for w in (1, 2, 4, 8, 16)}
+    assert all(p["tokens_per_second"] > 0 for p in data["points"])
