@@ -69,5 +69,6 @@ def run_rank(job: JobSpec) -> tuple[dict[str, Any], TensorParallel]:
     tp = init_from_env(os.environ, device_type(job), job.tp)
     local_shape(qwen3_shape(read_config(Path(job.target), "target model")), tp)  # one line if not
     stats = run_job(job, tp=tp)
+    tp.barrier()  # no rank tears its connections down while another still uses them (gloo aborts)
     dist.destroy_process_group()  # after a failure, torchrun ends the other ranks instead
     return stats, tp
