@@ -11,7 +11,6 @@ would pick from these costs (speculative/verify_width.py)."""
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
@@ -26,6 +25,7 @@ from batchrun.bench.roofline import Ceilings, measure_ceilings, step_floor_ms
 from batchrun.bench.shapes import DRAFT_BLOCK, hf_twin, random_draft, random_target
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
+from batchrun.engine.heap import collect_everything
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.parallel.group import TensorParallel
@@ -187,7 +187,7 @@ def run_sweep(
                 name = f"{used} {mode} batch {batch}"
                 profiles[name] = profile_point(engine, batch, plan.contexts[0], 4)
             del engine
-            gc.collect()  # the engine's graphs hold reference cycles; free its KV pools now
+            collect_everything()  # its graphs hold reference cycles: free its KV pools now
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     baselines: list[dict[str, Any]] = []

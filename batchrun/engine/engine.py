@@ -27,6 +27,7 @@ from batchrun.attention.choice import MEASURED_CONTEXT, Workload
 from batchrun.engine.config import EngineConfig, check_batch_budget, verify_widths
 from batchrun.engine.cuda_graphs import ladder_bucket
 from batchrun.engine.device_state import to_host
+from batchrun.engine.heap import collect_everything, freeze_heap
 from batchrun.engine.loading import (
     attention_backend,
     eos_token_ids,
@@ -89,6 +90,7 @@ class Engine:
     ) -> None:
         """Loads the models (and the target's tokenizer, unless it is given); with tp, this
         tensor-parallel rank's share of the target (on the group's device) and the whole draft."""
+        collect_everything()
         device = tp.device if tp is not None else resolve_device(config.device)
         target_dir = Path(config.target)
         model, model_config = load_qwen3(target_dir, config.dtype, device, ROPE_HEADROOM, tp)
@@ -213,6 +215,7 @@ class Engine:
         self._last_width = 0  # the width of the step read back before
         self._backend_name = backend.name
         self._dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+        freeze_heap()  # what exists now lives as long as the job: no collection need walk it
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
