@@ -25,6 +25,17 @@ def synthetic_prompts(vocab: int, count: int, length: int, seed: int) -> list[li
     return torch.randint(0, vocab, (count, length), generator=gen).tolist()
 
 
+def workload(
+    vocab: int, num_prompts: int, prompt_len: int, shared_prefix: int, seed: int
+) -> list[list[int]]:
+    """Random prompts, each starting with the same shared_prefix tokens when that is > 0."""
+    prompts = synthetic_prompts(vocab, num_prompts, prompt_len, seed)
+    if not shared_prefix:
+        return prompts
+    prefix = synthetic_prompts(vocab, 1, shared_prefix, seed + 1)[0]
+    return [prefix + p for p in prompts]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -128,11 +139,14 @@ def bench(
     seed: int = 0,
 ) -> dict[str, Any]:
     target_only = Engine(replace(config, draft=None))
-    prompts = synthetic_prompts(target_only.vocab_size, num_prompts, prompt_len, seed)
-    if shared_prefix:
-        prefix = synthetic_prompts(target_only.vocab_size, 1, shared_prefix, seed + 1)[0]
-        prompts = [prefix + p for p in prompts]
-    run_engine(target_only, prompts[:2], 4)  # warm-up: first-call allocations, kernels
+    vocab, gpu = target_only.vocab_size, target_only.device.type == "cuda"
+    prompts = workload(vocab, num_prompts, prompt_len, shared_prefix, seed)
+    # Each timed run follows a warm-up on other prompts (none of them cached for it): first-call
+    # allocations, and on a GPU a workload of the same shape, so that the timed run meets no
+    # Triton kernel variant to compile and no graph size for the first time.
+    warm = workload(vocab, num_prompts if gpu else 2, prompt_len, shared_prefix, seed + 2)
+    warm_tokens = max_tokens if gpu else 4
+    run_engine(target_only, warm, warm_tokens)
     results: dict[str, Any] = {"target_only": run_engine(target_only, prompts, max_tokens)}
     info = target_only.info()
     dtype, device = target_only.model.lm_head.weight.dtype, target_only.device
@@ -140,19 +154,19 @@ def bench(
     if n > 1:  # each a fresh engine: neither run finds the other's prompts cached
         for name, separate in ((f"n_{n}", False), (f"separate_rows_{n}", True)):
             engine = Engine(replace(config, draft=None))
-            # Warm up with sampled requests too: their sampling kernels compile on first use.
-            run_engine(engine, prompts[:2], 4, sampled_requests(prompts[:2], 4, n, separate))
+            # Sampled requests: their sampling kernels compile on first use.
+            run_engine(engine, warm, warm_tokens, sampled_requests(warm, warm_tokens, n, separate))
             requests = sampled_requests(prompts, max_tokens, n, separate)
             results[name] = run_engine(engine, prompts, max_tokens, requests)
             del engine
     if shared_prefix:
         uncached = Engine(replace(config, draft=None, prefix_caching=False))
-        run_engine(uncached, prompts[:2], 4)
+        run_engine(uncached, warm, warm_tokens)
         results["no_prefix_cache"] = run_engine(uncached, prompts, max_tokens)
         del uncached
     if config.draft:
         spec = Engine(config)
-        run_engine(spec, prompts[:2], 4)
+        run_engine(spec, warm, warm_tokens)
         results["speculative"] = run_engine(spec, prompts, max_tokens)
         info = spec.info()
         del spec
