@@ -33,6 +33,7 @@ def test_bench_compares_n_samples_with_separate_rows(tiny_model: Path, tmp_path:
     out = tmp_path / "bench.json"
     args = ["bench", "--target", str(tiny_model), "--device", "cpu", "--no-hf-baseline"]
     args += ["--num-prompts", "3", "--prompt-len", "40", "--max-tokens", "5", "--n", "4"]
+    args += ["--profile-batches", "2"]
     result = CliRunner().invoke(cli, [*args, "--out", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
@@ -41,6 +42,7 @@ def test_bench_compares_n_samples_with_separate_rows(tiny_model: Path, tmp_path:
     assert 3 * 4 <= grouped["output_tokens"] == separate["output_tokens"] <= 3 * 4 * 5
     assert data["ratios"]["n_4_outputs_identical_to_separate_rows"] is True
     assert data["ratios"]["n_4_vs_separate_rows"] > 0 and data["setup"]["n"] == 4
+    assert "aten::" in data["profiles"]["target-only batch 2"]  # steady decode's op table
 
 
 def test_sweep_projects_full_width_and_adaptive_dflash() -> None:

@@ -71,7 +71,11 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     help="--shape: also project DFlash at the per-position acceptance of this job's stats.json.",
 )
 @click.option("--no-draft", is_flag=True, help="--shape: target-only points only.")
-@click.option("--profile-batches", default="", help="--shape: batch sizes to profile, e.g. 1,128.")
+@click.option(
+    "--profile-batches",
+    default="",
+    help="Batch sizes to profile steady decode at (a kernel table each), e.g. 1,128.",
+)
 @click.option("--hf-eager/--no-hf-eager", default=True, show_default=True)
 @click.option("--hf-compiled-batches", default="32,128", show_default=True)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
@@ -156,6 +160,7 @@ def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:
         hf_baseline=opts["hf_baseline"],
         shared_prefix=opts["shared_prefix"],
         n=opts["n"],
+        profile_batches=_ints(opts["profile_batches"]),
     )
 
 

@@ -15,25 +15,11 @@ from typing import Any
 
 import torch
 
+from batchrun.bench.prompts import workload
+from batchrun.bench.steady import profile_point
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams, row_seed, sample_seed
-
-
-def synthetic_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (count, length), generator=gen).tolist()
-
-
-def workload(
-    vocab: int, num_prompts: int, prompt_len: int, shared_prefix: int, seed: int
-) -> list[list[int]]:
-    """Random prompts, each starting with the same shared_prefix tokens when that is > 0."""
-    prompts = synthetic_prompts(vocab, num_prompts, prompt_len, seed)
-    if not shared_prefix:
-        return prompts
-    prefix = synthetic_prompts(vocab, 1, shared_prefix, seed + 1)[0]
-    return [prefix + p for p in prompts]
 
 
 def _sync(device: torch.device) -> None:
@@ -137,6 +123,7 @@ def bench(
     shared_prefix: int = 0,
     n: int = 1,
     seed: int = 0,
+    profile_batches: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     target_only = Engine(replace(config, draft=None))
     vocab, gpu = target_only.vocab_size, target_only.device.type == "cuda"
@@ -148,6 +135,10 @@ def bench(
     warm_tokens = max_tokens if gpu else 4
     run_engine(target_only, warm, warm_tokens)
     results: dict[str, Any] = {"target_only": run_engine(target_only, prompts, max_tokens)}
+    profiles = {  # steady decode at a prompt's length of context
+        f"target-only batch {b}": profile_point(target_only, b, prompt_len, 6)
+        for b in profile_batches
+    }
     info = target_only.info()
     dtype, device = target_only.model.lm_head.weight.dtype, target_only.device
     del target_only
@@ -218,4 +209,4 @@ def bench(
         },
         "results": results,
         "ratios": ratios,
-    }
+    } | ({"profiles": profiles} if profiles else {})

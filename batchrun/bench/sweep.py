@@ -19,14 +19,15 @@ from typing import Any
 
 import torch
 
-from batchrun.bench.end_to_end import synthetic_prompts
 from batchrun.bench.hf_baseline import decode_ms_per_step
+from batchrun.bench.prompts import random_prompts
 from batchrun.bench.roofline import Ceilings, measure_ceilings, step_floor_ms
 from batchrun.bench.shapes import DRAFT_BLOCK, hf_twin, random_draft, random_target
+from batchrun.bench.steady import profile_point, start_decoding
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.heap import collect_everything
-from batchrun.engine.request import Request, SamplingParams
+from batchrun.engine.request import Request
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.parallel.group import TensorParallel
 from batchrun.speculative.verify_width import best_width, expected_tokens
@@ -59,26 +60,6 @@ def _sync(device: torch.device) -> None:
 
 def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] if values else 0.0
-
-
-def random_prompts(vocab: int, batch: int, context: int) -> list[list[int]]:
-    """The point's prompts, the same for the engine and for generate()."""
-    return synthetic_prompts(vocab, batch, context, seed=batch * 7919 + context)
-
-
-def start_decoding(engine: Engine, batch: int, context: int) -> list[Request]:
-    """`batch` requests prefilled and two steps into decoding (at the pinned verify width, if
-    any): the steady state to time."""
-    prompts = random_prompts(engine.vocab_size, batch, context)
-    budget = engine.max_model_len - context - 1
-    reqs = [Request(i, p, SamplingParams(max_tokens=budget)) for i, p in enumerate(prompts)]
-    for req in reqs:
-        engine.add(req)
-    while any(not r.output_ids for r in reqs):  # prefill, in chunks
-        engine.step()
-    for _ in range(2):
-        engine.step()
-    return reqs
 
 
 def measure_point(engine: Engine, batch: int, context: int, steps: int) -> list[dict[str, Any]]:
@@ -117,22 +98,6 @@ def _time_steps(engine: Engine, reqs: list[Request], steps: int) -> dict[str, An
         "tokens_per_second": committed / steps / wall_ms * 1e3,
         "graphed_forwards_per_step": (engine.runner.replays.total() - graphed) / steps,
     }
-
-
-def profile_point(engine: Engine, batch: int, context: int, steps: int) -> str:
-    """The GPU kernels of `steps` steady-state steps (graph replays included), as a table of
-    the most expensive ones."""
-    from torch.profiler import ProfilerActivity, profile
-
-    start_decoding(engine, batch, context)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    engine.abort_all()
-    table: str = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
-    return table
 
 
 def run_sweep(

@@ -10,6 +10,7 @@ collections then walk only what the job made since.
 
 from __future__ import annotations
 
+import atexit
 import gc
 
 
@@ -21,6 +22,10 @@ def collect_everything() -> None:
 
 
 def freeze_heap() -> None:
-    """Move every object alive now to the permanent generation, which no collection walks."""
+    """Move every object alive now to the permanent generation, which no collection walks.
+    At exit they go back, for the interpreter's last collection to free them: extension
+    modules report objects still alive then as leaks (Triton's bindings, a page of them)."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however many engines were built
+    atexit.register(gc.unfreeze)

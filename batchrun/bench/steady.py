@@ -1,0 +1,46 @@
+"""The engine's steady state, for `batchrun bench`: requests prefilled and decoding, and a
+profile of some of its steps."""
+
+from __future__ import annotations
+
+import torch
+
+from batchrun.bench.prompts import random_prompts
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import Request, SamplingParams
+
+
+def start_decoding(engine: Engine, batch: int, context: int) -> list[Request]:
+    """`batch` requests prefilled and two steps into decoding (at the pinned verify width, if
+    any): the steady state to time."""
+    prompts = random_prompts(engine.vocab_size, batch, context)
+    budget = engine.max_model_len - context - 1
+    reqs = [Request(i, p, SamplingParams(max_tokens=budget)) for i, p in enumerate(prompts)]
+    for req in reqs:
+        engine.add(req)
+    while any(not r.output_ids for r in reqs):  # prefill, in chunks
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    return reqs
+
+
+def profile_point(engine: Engine, batch: int, context: int, steps: int) -> str:
+    """The kernels of `steps` steady-state steps (graph replays included), as a table of the
+    most expensive ones: by GPU time on a GPU, by CPU time on a CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    start_decoding(engine, batch, context)
+    if cuda:
+        torch.cuda.synchronize(engine.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize(engine.device)
+    engine.abort_all()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table: str = prof.key_averages().table(sort_by=key, row_limit=30)
+    return table
