@@ -90,8 +90,9 @@ class Engine:
     ) -> None:
         """Loads the models (and the target's tokenizer, unless it is given); with tp, this
         tensor-parallel rank's share of the target (on the group's device) and the whole draft."""
-        collect_everything()
         device = tp.device if tp is not None else resolve_device(config.device)
+        if device.type == "cuda":  # a dropped engine's KV pools, freed before these are sized
+            collect_everything()
         target_dir = Path(config.target)
         model, model_config = load_qwen3(target_dir, config.dtype, device, ROPE_HEADROOM, tp)
         max_positions = model.shape.max_position_embeddings + ROPE_HEADROOM

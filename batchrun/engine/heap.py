@@ -16,16 +16,17 @@ import gc
 
 def collect_everything() -> None:
     """Collect all garbage, frozen objects included: an engine dropped before (its CUDA graphs
-    hold reference cycles) gives back its memory now, before the next one sizes its KV pools."""
+    hold reference cycles) gives back its memory now."""
     gc.unfreeze()
     gc.collect()
 
 
 def freeze_heap() -> None:
-    """Move every object alive now to the permanent generation, which no collection walks.
-    At exit they go back, for the interpreter's last collection to free them: extension
-    modules report objects still alive then as leaks (Triton's bindings, a page of them)."""
-    gc.collect()
+    """Move every object alive now to the permanent generation, which no collection walks,
+    after collecting all garbage (frozen before or not). At exit they go back, for the
+    interpreter's last collection to free them: extension modules report objects still alive
+    then as leaks (Triton's bindings, a page of them)."""
+    collect_everything()
     gc.freeze()
     atexit.unregister(gc.unfreeze)  # once, however many engines were built
     atexit.register(gc.unfreeze)
