@@ -16,15 +16,10 @@ from typing import Any
 import torch
 
 from batchrun.bench.prompts import workload
-from batchrun.bench.steady import profile_point
+from batchrun.bench.steady import profile_point, sync
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams, row_seed, sample_seed
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_engine(
@@ -34,7 +29,7 @@ def run_engine(
     if requests is None:
         params = SamplingParams(max_tokens=max_tokens)
         requests = [Request(i, p, params) for i, p in enumerate(prompts)]
-    _sync(engine.device)
+    sync(engine.device)
     start, cpu_start = time.perf_counter(), time.process_time()
     for req in requests:
         engine.add(req)
@@ -43,7 +38,7 @@ def run_engine(
     while engine.num_unfinished:
         finished += engine.step()
         steps += 1
-    _sync(engine.device)
+    sync(engine.device)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     finished.sort(key=lambda r: (r.row_index, r.sample_index))
     tokens = sum(len(r.output_ids) for r in finished)
@@ -90,14 +85,14 @@ def run_hf_generate(
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype)
     model.to(device).eval()  # type: ignore[arg-type]
     ids = torch.tensor(prompts, device=device)  # equal lengths: no padding needed
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
             do_sample=False, pad_token_id=0,
         )  # fmt: skip
-    _sync(device)
+    sync(device)
     wall = time.perf_counter() - start
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -126,7 +121,8 @@ def bench(
     profile_batches: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     target_only = Engine(replace(config, draft=None))
-    vocab, gpu = target_only.vocab_size, target_only.device.type == "cuda"
+    dtype, device = target_only.model.lm_head.weight.dtype, target_only.device
+    vocab, gpu = target_only.vocab_size, device.type == "cuda"
     prompts = workload(vocab, num_prompts, prompt_len, shared_prefix, seed)
     # Each timed run follows a warm-up on other prompts (none of them cached for it): first-call
     # allocations, and on a GPU a workload of the same shape, so that the timed run meets no
@@ -136,11 +132,10 @@ def bench(
     run_engine(target_only, warm, warm_tokens)
     results: dict[str, Any] = {"target_only": run_engine(target_only, prompts, max_tokens)}
     profiles = {  # steady decode at a prompt's length of context
-        f"target-only batch {b}": profile_point(target_only, b, prompt_len, 6)
+        f"target-only batch {b}": profile_point(target_only, b, len(prompts[0]), 6)
         for b in profile_batches
     }
     info = target_only.info()
-    dtype, device = target_only.model.lm_head.weight.dtype, target_only.device
     del target_only
     if n > 1:  # each a fresh engine: neither run finds the other's prompts cached
         for name, separate in ((f"n_{n}", False), (f"separate_rows_{n}", True)):

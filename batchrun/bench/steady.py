@@ -10,6 +10,12 @@ from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a CPU has none)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def start_decoding(engine: Engine, batch: int, context: int) -> list[Request]:
     """`batch` requests prefilled and two steps into decoding (at the pinned verify width, if
     any): the steady state to time."""
@@ -32,14 +38,12 @@ def profile_point(engine: Engine, batch: int, context: int, steps: int) -> str:
 
     cuda = engine.device.type == "cuda"
     start_decoding(engine, batch, context)
-    if cuda:
-        torch.cuda.synchronize(engine.device)
+    sync(engine.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()
-        if cuda:
-            torch.cuda.synchronize(engine.device)
+        sync(engine.device)
     engine.abort_all()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     table: str = prof.key_averages().table(sort_by=key, row_limit=30)

@@ -23,7 +23,7 @@ from batchrun.bench.hf_baseline import decode_ms_per_step
 from batchrun.bench.prompts import random_prompts
 from batchrun.bench.roofline import Ceilings, measure_ceilings, step_floor_ms
 from batchrun.bench.shapes import DRAFT_BLOCK, hf_twin, random_draft, random_target
-from batchrun.bench.steady import profile_point, start_decoding
+from batchrun.bench.steady import profile_point, start_decoding, sync
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.heap import collect_everything
@@ -53,11 +53,6 @@ class SweepPlan:
     tp: TensorParallel | None = None  # a tensor-parallel rank: its share of the target
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] if values else 0.0
 
@@ -81,11 +76,11 @@ def _time_steps(engine: Engine, reqs: list[Request], steps: int) -> dict[str, An
     engine.timer.reset(enabled=True)
     graphed = engine.runner.replays.total()
     before = sum(len(r.output_ids) for r in reqs)
-    _sync(engine.device)
+    sync(engine.device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    _sync(engine.device)
+    sync(engine.device)
     wall_ms = (time.perf_counter() - start) / steps * 1e3
     committed = sum(len(r.output_ids) for r in reqs) - before
     timing = engine.timer.reset(enabled=False)
