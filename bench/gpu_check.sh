@@ -38,6 +38,15 @@ if [ "${BENCH:-1}" = 1 ]; then
     timeout "${BENCH_TIMEOUT:-400}" python3 -m batchrun.cli bench --shape "${SHAPE:-qwen3-8b}" \
         ${BENCH_ARGS:-} --out "$OUT/bench-${SHAPE:-qwen3-8b}.json" 2>&1 | tee "$OUT/bench.log"
 fi
+if [ -n "${JOBS:-}" ]; then
+    # The job benchmark (batchrun bench --jobs): whole jobs at the Qwen3-8B shape, e.g.
+    #   TESTS=0 BENCH=0 JOBS=w1,w2,b1 bash bench/gpu_check.sh
+    # JOBS_ARGS adds flags (--tau, --widths, --hf-jobs, --jobs-max-batched-tokens).
+    # shellcheck disable=SC2086
+    timeout "${JOBS_TIMEOUT:-470}" python3 -m batchrun.cli bench --jobs "$JOBS" \
+        --scratch /tmp/batchrun-jobs ${JOBS_ARGS:-} --out "$OUT/jobs-${JOBS//,/-}.json" 2>&1 \
+        | grep -v -i warning | tee "$OUT/jobs-${JOBS//,/-}.log"
+fi
 if [ "${DEMO:-0}" = 1 ]; then
     # The demo job for real: no draft, the full block and the adaptive width, at two batch sizes
     # (DEMO_BATCHES, default "4 48"), each run REPEATS times (default 3; the median counts: one

@@ -577,10 +577,10 @@ def test_every_verify_width_is_lossless(
             assert r.drafts == expected[r.position][: len(r.drafts)], (req.row_index, r)
     if kind in TRAINED and width != "auto":  # the trained draft fills a round of any width
         assert max(len(t.committed) for t in engine.round_trace or []) == widest
-    if width == "auto":  # the widest and width 1 were measured; the policy saw acceptance
+    if width == "auto":  # width 1 and a drafting width were measured; the policy saw acceptance
         assert engine.width_policy is not None
         measured = {w for w, _ in engine.width_policy.samples}
-        assert measured <= set(engine.widths) and {block, 1} <= measured
+        assert measured <= set(engine.widths) and 1 in measured and len(measured) > 1
         assert sum(engine.width_policy.trials) > 0
 
 

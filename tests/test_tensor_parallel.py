@@ -302,7 +302,7 @@ def cli_rank(rank: int, port: int, job: Path, calls: Any) -> None:
     if rank:
         for name in ("acquire", "prepare", "commit", "write_json", "mark_success"):
             setattr(OutputDir, name, lambda *_, name=name, **__: calls.append(name))
-        WidthPolicy.choose = lambda *_: 1  # type: ignore[method-assign]
+        WidthPolicy.choose = lambda *_, **__: 1  # type: ignore[method-assign]
     cli.main(["run", str(job), "--tp", "2"], standalone_mode=False)
 
 

@@ -58,24 +58,69 @@ def test_the_current_width_stays_unless_another_is_clearly_better() -> None:
     assert best_width(accept, {1: 1.0, 2: 1.2}, current=1) == 2  # 25% more: switch
 
 
-def test_the_policy_measures_the_widths_that_can_win_then_chooses() -> None:
-    policy = WidthPolicy(16, WIDTHS)
+def _measure(policy: WidthPolicy, costs: dict[int, float], accepted: int, steps: int) -> list[int]:
+    """`steps` steps of bucket 32, each of 32 rounds accepting `accepted` drafts; the widths."""
     seen = []
-    costs = {1: 5.0, 2: 6.0, 4: 6.1, 8: 6.2, 16: 6.3}
-    for _ in range(MIN_SAMPLES * 4):
+    for _ in range(steps):
         width = policy.choose(bucket=32)
         seen.append(width)
         policy.record_cost(width, 32, costs[width])
-    # The widest, then width 1 (the least a step costs), then narrower ones while they could
-    # still win at width 1's cost: at the prior acceptance width 2's 1.5 tokens in 5 ms cannot
-    # beat width 8's 1.99 in 6.2 ms, so width 2 is never run.
-    assert seen == [w for w in (16, 1, 8, 4) for _ in range(MIN_SAMPLES)]
-    for _ in range(200):  # rounds at full width that accept four drafts each
-        policy.record_round(16, 4)
-    chosen = policy.choose(bucket=32)
-    assert chosen in (4, 8)
-    # A larger bucket is measured from that choice down: no wider width can win there.
-    assert policy.choose(bucket=64) == chosen
+        for _ in range(32 if width > 1 else 0):
+            policy.record_round(width, min(accepted, width - 1))
+    return seen
+
+
+COSTS = {1: 5.0, 2: 6.0, 4: 6.1, 8: 6.2, 16: 6.3}
+
+
+def test_the_policy_measures_the_widths_that_can_win_then_chooses() -> None:
+    """Width 1 first (the least a step costs), then one step of the narrowest drafting width
+    (the drafter's acceptance, cheaply), then the widest, then narrower ones only while they
+    could still win at the cost of a narrower width already measured: width 8 commits 5 tokens
+    like width 16 but could save at most 0.3 ms of its 6.3, under the margin."""
+    seen = _measure(WidthPolicy(16, WIDTHS), COSTS, accepted=4, steps=12)
+    assert seen == [1] * MIN_SAMPLES + [2] + [16] * (12 - MIN_SAMPLES - 1)
+
+
+def test_a_drafter_that_accepts_nothing_is_ruled_out_after_one_step() -> None:
+    """Its one probe step shows the first draft rejected: no width can commit more than width 1
+    at a cost no lower than that probe's, so nothing wider is ever run."""
+    policy = WidthPolicy(16, WIDTHS)
+    seen = _measure(policy, COSTS, accepted=0, steps=40)
+    assert seen == [1] * MIN_SAMPLES + [2] + [1] * (40 - MIN_SAMPLES - 1)
+    seen = _measure(policy, COSTS, accepted=0, steps=REMEASURE_EVERY + 20)  # stale, still out
+    assert set(seen) == {1}
+
+
+def test_steps_with_prefill_decode_one_row() -> None:
+    """Compute-bound: a verify row costs what a prefill row does and is kept with chance < 1."""
+    policy = WidthPolicy(16, WIDTHS)
+    _measure(policy, COSTS, accepted=15, steps=12)
+    assert policy.choose(32) > 1 and policy.choose(32, measure=False) == 1
+    assert policy.choose(32, max_width=2) in (1, 2)  # no wider than the token budget holds
+
+
+def test_a_verify_that_turns_compute_bound_is_ruled_out_unmeasured() -> None:
+    """Prefill chunks showed 0.02 ms a row: at 128 requests width 16 costs at least 41 ms, so a
+    drafter committing 3 tokens a round cannot win there against width 1's 10 ms; without that
+    evidence the widest width is measured."""
+
+    def widths_run(rows_seen: bool) -> list[int]:
+        policy = WidthPolicy(16, WIDTHS)
+        if rows_seen:
+            policy.record_rows(2048, 41.0)
+        seen = []
+        costs = {1: 10.0, 2: 12.0, 4: 14.0, 8: 22.0, 16: 44.0}
+        for _ in range(12):
+            width = policy.choose(128, requests=128)
+            seen.append(width)
+            policy.record_cost(width, 128, costs[width])
+            for _ in range(128 if width > 1 else 0):
+                policy.record_round(width, min(2, width - 1))
+        return seen
+
+    assert 16 not in widths_run(rows_seen=True)
+    assert 16 in widths_run(rows_seen=False)
 
 
 def test_a_bucket_considers_only_widths_between_its_neighbours_choices() -> None:

@@ -12,6 +12,8 @@ from typing import Any
 
 import click
 
+from batchrun.bench.workloads import WORKLOADS
+
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
@@ -84,6 +86,12 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
 @click.option("--max-tokens", default=128, show_default=True, help="--target: new tokens.")
 @click.option("--max-batch-size", default=64, show_default=True, help="--target.")
 @click.option("--max-batched-tokens", default=4096, show_default=True, help="--target.")
+@click.option(
+    "--jobs-max-batched-tokens",
+    "max_batched_tokens_jobs",
+    type=int,
+    help="--jobs: the jobs' --max-batched-tokens (default: run's).",
+)
 @click.option("--dtype", default="auto", show_default=True)
 @click.option(
     "--device",
@@ -105,18 +113,52 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     show_default=True,
     help="--shape: a comma list sweeps each, side by side (e.g. triton,flashinfer).",
 )
+@click.option(
+    "--jobs",
+    default="",
+    help="Whole jobs at --shape's shape (default qwen3-8b): a comma list of workloads "
+    f"({', '.join(WORKLOADS)}) or all; see bench/jobs.py.",
+)
+@click.option(
+    "--job-scale",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="--jobs: scale every workload's rows and lengths (a small model's test).",
+)
+@click.option(
+    "--widths",
+    default="auto,full",
+    show_default=True,
+    help="--jobs: the draft's verify widths to run.",
+)
+@click.option("--hf-jobs", default="", help="--jobs: also run generate() on these workloads.")
+@click.option(
+    "--scratch",
+    type=click.Path(path_type=Path),
+    help="--jobs: where the checkpoints and inputs go (kept and reused).",
+)
 @click.option("--hf-baseline/--no-hf-baseline", default=True, help="--target: time generate().")
 @click.option("--out", type=click.Path(path_type=Path), help="Write the result JSON here.")
 def bench(out: Path | None, **opts: Any) -> None:
     """Time the engine against baselines measured in the same run."""
-    if (opts["target"] is None) == (opts["shape"] is None):
-        raise click.UsageError("give exactly one of --target and --shape")
 
     def write(result: dict[str, Any]) -> None:
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2) + "\n")
 
+    if opts["jobs"]:
+        if opts["target"] is not None:
+            raise click.UsageError("--jobs writes its own random checkpoint: no --target")
+        result = _jobs(opts, write)
+        result["args"] = ["batchrun", *sys.argv[1:]]
+        write(result)
+        ratios = {name: w.get("ratios") for name, w in result["workloads"].items()}
+        click.echo(json.dumps(ratios, indent=2))
+        return
+    if (opts["target"] is None) == (opts["shape"] is None):
+        raise click.UsageError("give exactly one of --target and --shape")
     if opts["tp"] > 1 and not opts["shape"]:
         raise click.UsageError("--tp is for --shape (a job runs tensor parallel with run --tp)")
     if opts["tp"] > 1 and "RANK" not in os.environ:
@@ -136,6 +178,47 @@ def _relaunch(tp: int) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={tp}", "-m", "batchrun.cli", *sys.argv[1:]]  # fmt: skip
     return subprocess.call(command)
+
+
+def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    import tempfile
+
+    from batchrun.bench.jobs import JobsPlan, run_jobs
+    from batchrun.bench.shapes import shape_from_flags
+
+    names = list(WORKLOADS) if opts["jobs"] == "all" else opts["jobs"].split(",")
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise click.UsageError(
+            f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}"
+        )
+    shape = shape_from_flags(
+        opts["shape"] or "qwen3-8b", num_layers=opts["num_layers"], hidden_size=opts["hidden_size"],
+        intermediate_size=opts["intermediate_size"], vocab_size=opts["vocab_size"],
+    )  # fmt: skip
+    device = "cuda" if opts["device"] == "auto" else opts["device"]
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError(
+                "--jobs at a real shape runs on a CUDA device; none is available"
+            )
+    dtype = opts["dtype"] if opts["dtype"] != "auto" else (
+        "bfloat16" if device.startswith("cuda") else "float32")  # fmt: skip
+    plan = JobsPlan(
+        shape_name=opts["shape"] or "qwen3-8b",
+        shape=shape,
+        workloads=tuple(WORKLOADS[n].scaled(opts["job_scale"]) for n in names),
+        taus=_floats(opts["tau"]),
+        widths=tuple(w for w in opts["widths"].split(",") if w),
+        scratch=opts["scratch"] or Path(tempfile.gettempdir()) / "batchrun-bench",
+        dtype=dtype,
+        device=device,
+        hf_workloads=tuple(w for w in opts["hf_jobs"].split(",") if w),
+        max_batched_tokens=opts["max_batched_tokens_jobs"],
+    )
+    return run_jobs(plan, progress)
 
 
 def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:

@@ -77,3 +77,33 @@ def step_floor_ms(
         "compute_ms": compute_ms,
         "floor_ms": max(memory_ms, compute_ms),
     }
+
+
+def job_bound(
+    shape: Qwen3Shape,
+    element: int,
+    prompt_lens: list[int],
+    max_tokens: list[int],
+    batch: int,
+    ceilings: Ceilings,
+) -> dict[str, float]:
+    """The least time a whole job can take on this device without speculation: every token's
+    matmuls and attention at the measured matmul rate, or the weights read once per decode step
+    (at least the longest row's outputs, and every output spread over full batches) plus each
+    output token's K/V context read, at the measured copy rate, whichever is longer."""
+    s = shape
+    layer_params = weight_bytes(s, 1) - s.vocab_size * s.hidden_size
+    kv_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * element
+    attention = 4 * s.num_layers * s.num_heads * s.head_dim  # FLOPs per (query, key) pair
+    flops = kv_read = 0.0
+    for prompt, out in zip(prompt_lens, max_tokens, strict=True):
+        flops += 2 * layer_params * (prompt + out) + 2 * s.vocab_size * s.hidden_size * out
+        context = (prompt + out) * (prompt + out - 1) / 2  # keys each position attends to
+        flops += attention * context
+        kv_read += kv_per_token * (prompt * out + out * (out - 1) / 2)
+    steps = max(max(max_tokens, default=0), -(-sum(max_tokens) // batch))
+    moved = steps * weight_bytes(s, element) + kv_read
+    compute_s = flops / ceilings.matmul_flops_per_s
+    memory_s = moved / ceilings.copy_bytes_per_s
+    return {"compute_seconds": compute_s, "memory_seconds": memory_s,
+            "bound_seconds": max(compute_s, memory_s), "flops": flops, "bytes": moved}  # fmt: skip

@@ -75,6 +75,9 @@ class GraphSet:
                 graph.replay()
                 self.graphs[size] = (graph, outputs)
 
+    def __contains__(self, size: int) -> bool:
+        return size in self.graphs
+
     def bucket(self, num_requests: int) -> int | None:
         return min((s for s in self.graphs if s >= num_requests), default=None)
 

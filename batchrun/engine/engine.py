@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from batchrun.engine.page_pool import PagePool
 from batchrun.engine.request import Request, sample_requests
 from batchrun.engine.sampler import sample
 from batchrun.engine.scheduler import Scheduled, Scheduler
+from batchrun.engine.startup import StartupClock
 from batchrun.engine.step_inputs import plan_step, rows_sampled
 from batchrun.engine.step_timer import StepTimer
 from batchrun.engine.stopping import Stopper
@@ -59,8 +60,9 @@ from batchrun.models.loader import load_qwen3
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.parallel.group import TensorParallel
 from batchrun.speculative.acceptance import RoundTrace, accepted_lengths
+from batchrun.speculative.draft_oracle import DraftOracle
 from batchrun.speculative.sliding_window import ring_pages
-from batchrun.speculative.verify_width import WidthPolicy
+from batchrun.speculative.verify_width import WidthPolicy, step_width
 
 ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their tokens are cut
 
@@ -76,6 +78,7 @@ class Launched:
     ready: torch.cuda.Event | None
     num_drafts: int  # drafts per decoding request copied back (0: not traced)
     width: int  # the step's verify width
+    rows: int  # the rows its target forward computed
     uniform: bool  # every request decoded
     seconds: float | None  # off a GPU the launch ran the step: its time
     logprobs: StepLogprobs | None = None  # when the job asks for them
@@ -93,15 +96,19 @@ class Engine:
         device = tp.device if tp is not None else resolve_device(config.device)
         if device.type == "cuda":  # a dropped engine's KV pools, freed before these are sized
             collect_everything()
+        clock = StartupClock(device)
         target_dir = Path(config.target)
         model, model_config = load_qwen3(target_dir, config.dtype, device, ROPE_HEADROOM, tp)
+        clock.lap("load_target")
         max_positions = model.shape.max_position_embeddings + ROPE_HEADROOM
-        draft = (
-            load_dflash(Path(config.draft), model, device, max_positions) if config.draft else None
-        )
+        draft = None
+        if config.draft:
+            draft = load_dflash(Path(config.draft), model, device, max_positions)
+            clock.lap("load_draft")
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_dir)
         eos = eos_token_ids(target_dir, model_config, tokenizer)
-        self._setup(config, model, draft, tokenizer, eos, config.num_pages, tp)
+        clock.lap("load_tokenizer")
+        self._setup(config, model, draft, tokenizer, eos, config.num_pages, tp, clock)
 
     @classmethod
     def from_models(
@@ -116,7 +123,8 @@ class Engine:
     ) -> Engine:
         """An engine over models already on their device (`batchrun bench --shape`)."""
         engine = cls.__new__(cls)
-        engine._setup(config, model, draft, tokenizer, eos or set(), num_pages, tp)
+        clock = StartupClock(model.lm_head.weight.device)
+        engine._setup(config, model, draft, tokenizer, eos or set(), num_pages, tp, clock)
         return engine
 
     def _setup(
@@ -128,6 +136,7 @@ class Engine:
         eos: set[int],
         num_pages: int | None,
         tp: TensorParallel | None,
+        clock: StartupClock,
     ) -> None:
         """Under tensor parallelism every rank runs this engine in lockstep: the same requests,
         the same schedule. What memory or timings decide here, rank 0's or the least is taken
@@ -186,37 +195,64 @@ class Engine:
         use_ops(model, ops)
         if draft is not None:
             use_ops(draft, ops)
+        clock.lap("size_memory_choose_backend")
         self.runner = ModelRunner(
             model, draft, backend, num_pages, config.page_size, config.max_batch_size,
             config.max_batched_tokens, self.max_model_len, self.device, window_backend,
         )  # fmt: skip
         self.widths = verify_widths(config.verify_width, self.block_size)
+        self.pinned_width: int | None = None  # set by `batchrun bench` to time one width
+        # Benchmark only (`batchrun bench --jobs`): rewrites each step's drafts; never set by run.
+        self.draft_oracle: DraftOracle | None = None
+        clock.lap("allocate_kv")
+        if config.cuda_graphs and backend.graphable and self.device.type == "cuda":
+            self.runner.capture_graphs(config.max_batch_size, self.widths)
+            clock.lap("capture_graphs")
+        # Prompt tokens a request computes even when a cached prefix or a sibling sample's pages
+        # hold them: all of them for their log-probabilities; for a sliding draft, the W - 1
+        # positions its first block reads back.
+        self._recompute_tail = max(window - 1, 1) if window else 1
+        if config.prompt_logprobs:
+            self._recompute_tail = self.max_model_len
+        self.built_batch_size = config.max_batch_size  # graphs and slots exist up to it
+        self._start_job()
+        self.stopper = Stopper(tokenizer, eos, self.max_model_len)
+        self.timer = StepTimer(self.device)
+        self.round_trace: list[RoundTrace] | None = None  # set to a list to record rounds
+        self._backend_name = backend.name
+        self._dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+        freeze_heap()  # what exists now lives as long as the job: no collection need walk it
+        clock.lap("freeze_heap")
+        self.startup_seconds = clock.seconds
+
+    def new_job(self, max_batch_size: int | None = None) -> None:
+        """Start as a fresh engine: no cached prefixes, no width measurements, no counts. The
+        models, KV pools and CUDA graphs stay (`batchrun bench --jobs` runs jobs on one), and
+        the job may run fewer requests at a time than the engine was built for."""
+        if self.num_unfinished:
+            raise JobError("an engine starts a new job only when the last one has finished")
+        built = self.built_batch_size
+        self.config = replace(self.config, max_batch_size=min(max_batch_size or built, built))
+        self._start_job()
+
+    def _start_job(self) -> None:
+        config = self.config
+        self.pool = PagePool(self.pool.num_pages, config.page_size, self.pool.prefix_caching)
+        self.scheduler = Scheduler(
+            self.pool, config.max_batch_size, config.max_batched_tokens,
+            decode_width=self.block_size or 1, min_width=self.widths[0],
+            recompute_tail=self._recompute_tail,
+        )  # fmt: skip
         self.width_policy = (
             WidthPolicy(self.block_size, self.widths)
             if self.block_size and len(self.widths) > 1
             else None
         )
-        self.pinned_width: int | None = None  # set by `batchrun bench` to time one width
         self.width_steps: Counter[int] = Counter()  # verify width -> steps that decoded at it
-        if config.cuda_graphs and backend.graphable and self.device.type == "cuda":
-            self.runner.capture_graphs(config.max_batch_size, self.widths)
-        # Prompt tokens a request computes even when a cached prefix or a sibling sample's pages
-        # hold them: all of them for their log-probabilities; for a sliding draft, the W - 1
-        # positions its first block reads back.
-        tail = max(window - 1, 1) if window else 1
-        self.scheduler = Scheduler(
-            self.pool, config.max_batch_size, config.max_batched_tokens, decode_width=width,
-            recompute_tail=self.max_model_len if config.prompt_logprobs else tail,
-        )  # fmt: skip
-        self.stopper = Stopper(tokenizer, eos, self.max_model_len)
-        self.timer = StepTimer(self.device)
-        self.round_trace: list[RoundTrace] | None = None  # set to a list to record rounds
+        self.step_kinds: Counter[str] = Counter()  # prefill, mixed, decode -> steps
         self._launched: Launched | None = None
         self._last_done: float | None = None  # when the host last read a step's results
         self._last_width = 0  # the width of the step read back before
-        self._backend_name = backend.name
-        self._dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
-        freeze_heap()  # what exists now lives as long as the job: no collection need walk it
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -234,8 +270,10 @@ class Engine:
             "attention_backend": self._backend_name,
             "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
             "verify_width_steps": dict(sorted(self.width_steps.items())) or None,
+            "steps": dict(self.step_kinds),
             "cuda_graphs": bool(self.runner.target_graphs),
             "prefix_cache_hit_rate": self.pool.hit_rate,
+            "startup_seconds": self.startup_seconds,
         }
 
     @property
@@ -272,19 +310,32 @@ class Engine:
     def step(self) -> list[Request]:
         """Launch the next step, then read back the one before it; returns the requests that
         one finished."""
-        width = self.pinned_width or self.widths[-1]
-        if self.width_policy is not None and self.pinned_width is None:
-            bucket = ladder_bucket(len(self.scheduler.running), self.config.max_batch_size)
-            width = self.width_policy.choose(bucket)
-            if self.tp is not None:  # chosen from this rank's step times: rank 0's wins
-                width = self.tp.first_int(width)
+        width = self._width()
         batch = self.scheduler.schedule(width)
-        if self.block_size and any(it.decoding for it in batch):
+        decoding = sum(it.decoding for it in batch)
+        if batch:
+            kind = "decode" if decoding == len(batch) else "mixed" if decoding else "prefill"
+            self.step_kinds[kind] += 1
+        if self.block_size and decoding:
             self.width_steps[width] += 1
         launched = self._launch(batch, width) if batch else None
         finished = self._read_back(self._launched) if self._launched is not None else []
         self._launched = launched
         return finished
+
+    def _width(self) -> int:
+        """The next step's verify width: pinned, the policy's choice, or the only one."""
+        if self.pinned_width is not None or self.width_policy is None:
+            return self.pinned_width or self.widths[-1]
+        width = step_width(
+            self.width_policy, running=len(self.scheduler.running),
+            prefill_pending=self.scheduler.prefill_pending,
+            max_batch_size=self.config.max_batch_size,
+            max_batched_tokens=self.config.max_batched_tokens,
+        )  # fmt: skip
+        if self.tp is not None:  # chosen from this rank's step times: rank 0's wins
+            width = self.tp.first_int(width)
+        return width
 
     @torch.inference_mode()
     def _launch(self, batch: list[Scheduled], width: int) -> Launched:
@@ -294,6 +345,8 @@ class Engine:
         all_decoding = all(it.decoding for it in batch)
         pad_to = runner.graph_size(len(batch), width) if all_decoding else None
         runner.state.admit(self.scheduler.admitted)  # before planning: it resends their pages
+        if self.draft_oracle is not None:
+            self.draft_oracle.admit(self.scheduler.admitted)
         plan = plan_step(batch, samples, width, self.pool.page_size, runner.state.num_slots, pad_to)
         prompt = prompt_rows(batch) if self.config.prompt_logprobs else None
         for it in batch:  # the host's view moves on; decode rows commit when read back
@@ -309,7 +362,10 @@ class Engine:
         num_dec = plan.num_decoding
         drafts = None
         if self.draft is not None and num_dec and width > 1:
-            drafts = runner.draft_step(args, plan)[:, : width - 1]
+            drafts = runner.draft_step(args, plan)
+            if self.draft_oracle is not None:  # in place: a graph's target reads them there
+                self.draft_oracle.rewrite(drafts, args.slot[:num_dec], runner.state.out_len)
+            drafts = drafts[:, : width - 1]
         elif self.draft is not None and num_dec and runner.context_pending:
             runner.write_pending_context(args, plan)
         self.timer.mark()
@@ -336,7 +392,8 @@ class Engine:
         host, ready = _to_host(torch.cat(parts))
         return Launched(
             batch, samples, [it.req.epoch for it in batch], host, ready,
-            num_drafts=width - 1 if traced else 0, width=width, uniform=plan.uniform,
+            num_drafts=width - 1 if traced else 0, width=width, rows=plan.num_rows,
+            uniform=plan.uniform,
             seconds=None if ready is not None else time.perf_counter() - started, logprobs=scores,
         )  # fmt: skip
 
@@ -421,6 +478,8 @@ class Engine:
         for a in accepted if launched.width > 1 else ():
             policy.record_round(launched.width, a)
         seconds = launched.seconds if launched.seconds is not None else done - (last or done)
+        if seconds > 0 and not switched:
+            policy.record_rows(launched.rows, seconds * 1e3)
         if launched.uniform and seconds > 0 and not switched:
             bucket = ladder_bucket(len(launched.batch), self.config.max_batch_size)
             policy.record_cost(launched.width, bucket, seconds * 1e3)

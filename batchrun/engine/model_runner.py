@@ -68,6 +68,7 @@ class ModelRunner:
         self.model, self.draft, self.backend = model, draft, backend
         self.window_backend = window_backend
         self.device, self.page_size, self.num_pages = device, page_size, num_pages
+        self.max_batched_tokens = max_batched_tokens
         self.width = draft.block_size if draft is not None else 1
         dtype = model.lm_head.weight.dtype
         self.kv_caches = allocate_kv(
@@ -115,15 +116,18 @@ class ModelRunner:
         """Capture the steady-state step at each verify width for every ladder size up to
         max_batch_size (off a GPU: emulate them, for tests)."""
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        sizes = batch_ladder(max_batch_size)
+        sizes: list[int] = []
         for width in sorted(widths, reverse=True):
             name = f"target{width}"
             graphs = GraphSet(
                 name, partial(self._target_graph, width=width), self._clear, self.device
             )
+            sizes = graph_sizes(max_batch_size, width, self.max_batched_tokens)
             graphs.capture(sizes, pool, self._capture_scope(name, width))
             self.target_graphs[width] = graphs
-        if self.draft is not None and max(widths) > 1:
+        if self.draft is not None and max(widths) > 1:  # at the narrowest drafting width's sizes
+            sizes = graph_sizes(max_batch_size, min(w for w in widths if w > 1),
+                                self.max_batched_tokens)  # fmt: skip
             rows, width = max_batch_size * self.width, self.model.shape.hidden_size
             self.ctx_features = torch.zeros(
                 rows, width * len(self.capture_layers), dtype=self.model.lm_head.weight.dtype,
@@ -203,7 +207,12 @@ class ModelRunner:
         of the rows their last verify committed."""
         assert self.draft is not None
         num_dec = plan.num_decoding
-        graphed = plan.uniform and self.draft_graphs is not None and self.ctx_features is not None
+        graphed = (
+            plan.uniform
+            and self.draft_graphs is not None
+            and plan.num_requests in self.draft_graphs
+            and self.ctx_features is not None
+        )
         slots = args.slot if graphed else args.slot[:num_dec]
         context = self._context(slots)
         self.context_pending = False
@@ -284,7 +293,7 @@ class ModelRunner:
         width = plan.width
         self.context_pending = self.draft is not None and width > 1 and plan.num_decoding > 0
         graphs = self.target_graphs.get(width)
-        if plan.uniform and graphs is not None:
+        if plan.uniform and graphs is not None and plan.num_requests in graphs:
             size = plan.num_requests
             metas = partial(self._graph_target_metas, size, width)
             with self._replay_scope(graphs.name, size, metas):
@@ -347,6 +356,14 @@ class ModelRunner:
         logits = self.model.logits(hidden)
         outputs = (logits, inputs.row_slot, inputs.row_step)
         return outputs if features is None else (*outputs, features)
+
+
+def graph_sizes(max_batch_size: int, width: int, max_batched_tokens: int) -> list[int]:
+    """The ladder sizes a step of `width` can replay at: up to the most requests whose rows
+    fit the token budget, rounded up to the ladder (wider steps are never scheduled)."""
+    ladder = batch_ladder(max_batch_size)
+    most = max(max_batched_tokens // width, 1)
+    return [s for s in ladder if s < most] + [s for s in ladder if s >= most][:1]
 
 
 def step_in_size(max_batch_size: int, max_batched_tokens: int, max_pages: int) -> int:

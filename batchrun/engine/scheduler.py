@@ -55,15 +55,18 @@ class Scheduler:
         max_batched_tokens: int,
         decode_width: int,
         recompute_tail: int = 1,
+        min_width: int | None = None,
     ) -> None:
         """recompute_tail: prefill tokens a request admitted onto a cached prefix computes at
-        least (a draft with sliding-window layers refills its window from them)."""
+        least (a draft with sliding-window layers refills its window from them); min_width:
+        the narrowest verify width the engine may ask for (default decode_width), which bounds
+        how many requests can decode in one step's token budget."""
         check_batch_budget(max_batched_tokens, decode_width)
         self.pool = pool
         self.recompute_tail = recompute_tail
         self.max_batched_tokens = max_batched_tokens
         self.decode_width = decode_width  # 1, or the draft's block size B
-        self.max_running = min(max_batch_size, max_batched_tokens // decode_width)
+        self.max_running = min(max_batch_size, max_batched_tokens // (min_width or decode_width))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -81,8 +84,17 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def prefill_pending(self) -> bool:
+        """Whether the next step may carry prefill chunks: a running request has not finished
+        its prefill, or a waiting one has a slot to take."""
+        if self.waiting and len(self.running) < self.max_running:
+            return True
+        return any(req.num_cached < prefill_len(req) for req in self.running)
+
     def schedule(self, width: int | None = None) -> list[Scheduled]:
-        """The next step; decoding requests feed `width` rows each (default: the full block)."""
+        """The next step; decoding requests feed `width` rows each (default: the full block);
+        the caller keeps width * len(running) within the token budget."""
         self._planned, self._preempted, self.admitted = set(), set(), []
         width = width or self.decode_width
         batch: list[Scheduled] = []

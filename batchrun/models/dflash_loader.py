@@ -13,7 +13,13 @@ from batchrun.errors import JobError
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.dflash_formats import DraftConfig, draft_config
-from batchrun.models.loader import iter_safetensors, load_weights, qwen3_shape, read_config
+from batchrun.models.loader import (
+    iter_safetensors,
+    load_weights,
+    qwen3_shape,
+    read_config,
+    release_staging,
+)
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.speculative.sliding_window import BlockAttention
 
@@ -169,7 +175,8 @@ def load_dflash(
             max_positions, spec.attention, spec.head_rows,
         ).to(dtype)  # fmt: skip
     draft.to_empty(device=device)
-    load_weights(draft, iter_safetensors(draft_dir), "draft", skip=set(spec.not_loaded))
+    load_weights(draft, iter_safetensors(draft_dir, device), "draft", skip=set(spec.not_loaded))
+    release_staging(device)
     draft.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta).to(device)
     draft.draft_to_target = (
         _draft_to_target(draft_dir, spec.head_rows, target.shape.vocab_size).to(device)

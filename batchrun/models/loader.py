@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from batchrun.errors import JobError
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.models.safetensors_reader import read_safetensors
 from batchrun.parallel.group import TensorParallel
 from batchrun.parallel.sharding import TensorParallelQwen3, shard_checkpoint
 
@@ -77,14 +77,24 @@ def resolve_dtype(name: str, config: dict[str, Any], device: torch.device) -> to
     return torch.float16 if stored == "float16" else torch.bfloat16
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    model_dir: Path, device: torch.device | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, file by file, each file's in file order. On a CUDA
+    device they are read straight onto it (one file's data at a time), else onto the CPU.
+    Call release_staging after loading from a CUDA device."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise JobError(f"no .safetensors files in {model_dir}")
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+        yield from read_safetensors(file, device)
+
+
+def release_staging(device: torch.device) -> None:
+    """Hand the reader's per-file device buffers, which torch keeps cached, back to the driver:
+    the KV pools are sized by the memory reserved once the models are loaded."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def packed_target(module: nn.Module, name: str) -> tuple[str, int] | None:
@@ -179,8 +189,9 @@ def load_qwen3(
     if shape.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     skip = {"lm_head.weight"} if shape.tie_word_embeddings else set()
-    tensors = iter_safetensors(model_dir)
+    tensors = iter_safetensors(model_dir, device)
     load_weights(model, tensors if tp is None else shard_checkpoint(tensors, tp), "target", skip)
+    release_staging(device)
     # Buffers are not in the checkpoint: build the RoPE table for real, in float32.
     model.rope = RotaryEmbedding(
         shape.head_dim, shape.max_position_embeddings + rope_headroom, shape.rope_theta

@@ -14,12 +14,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 
+from batchrun.engine.cuda_graphs import ladder_bucket
+
 PRIOR_ACCEPT = 0.5  # a position's acceptance before any round has verified it
-PRIOR_WEIGHT = 4.0  # rounds that prior is worth
+PRIOR_WEIGHT = 1.0  # rounds that prior is worth
 MIN_SAMPLES = 3  # step times a width needs in a bucket before it is compared
 RECENT_SAMPLES = 8  # a cost is the least of this many newest step times
 REMEASURE_EVERY = 512  # steps after which a width not run since is measured again
 SWITCH_MARGIN = 0.05  # a width must promise this much more than the current one to replace it
+COMPUTE_ROWS = 1024  # a step of this many rows or more times the matmuls' rate per row
 
 
 def candidate_widths(block_size: int) -> tuple[int, ...]:
@@ -62,20 +65,50 @@ def best_width(
     return best
 
 
+def step_width(
+    policy: WidthPolicy,
+    *,
+    running: int,
+    prefill_pending: bool,
+    max_batch_size: int,
+    max_batched_tokens: int,
+) -> int:
+    """The policy's width for the engine's next step, over `running` requests: measured only
+    in a step of decode rows alone, and no wider than the token budget holds."""
+    running = max(running, 1)
+    return policy.choose(
+        ladder_bucket(running, max_batch_size),
+        measure=not prefill_pending,
+        max_width=max_batched_tokens // running,
+        requests=running,
+    )
+
+
 class WidthPolicy:
     """Running acceptance per draft position and step cost per (width, batch size bucket).
-    `choose` measures the widths of a bucket (MIN_SAMPLES steps each), then picks the best;
-    a width left unrun for REMEASURE_EVERY steps is measured again, so one unlucky sample
-    cannot rule it out for the rest of the job (and wide rounds keep feeding acceptance when
-    width 1 wins). The engine drops the time of a step whose width differs from the step
-    before: a switch costs the pipeline more than the width does.
 
-    Measuring a narrow width in a short job costs the tokens a wide one would have committed,
-    so a bucket skips the widths that cannot win: the widest is measured first, then width 1
-    (the cheapest step there is, so a lower bound on every width's cost), and a width runs only
-    if its expected tokens at width 1's cost beat the best measured rate. The best width also
-    falls as the batch grows (wide verifies turn compute-bound first), so a bucket only
-    considers widths between the choices of the nearest larger and smaller buckets chosen."""
+    A bucket measures its widths (MIN_SAMPLES steps each), then picks the best. Measuring costs
+    the tokens (or the time) the best width would have given, so a width is measured only if
+    it could still win, judged with two facts that need no measurement of it: a wider step never
+    costs less than a narrower one measured in the bucket (it does the same work and more), and
+    a round of width w commits at most expected_tokens(accept, w). The order follows: width 1
+    first (the cheapest step, no draft forward), then, while the drafter's acceptance is
+    unknown, the narrowest drafting width (the cheapest way to learn it: a drafter that accepts
+    nothing is then ruled out for every width at once), then the widest that could win, down.
+    A width left unrun for REMEASURE_EVERY steps is forgotten, so one unlucky sample cannot rule
+    it out for the whole job; it is measured again only if it could win.
+
+    A third fact bounds a wide step's cost from below before it ever runs: its rows' matmuls,
+    at the least time per row that a step of COMPUTE_ROWS rows or more has taken (prefill
+    chunks show it early), so a verify that turns compute-bound is ruled out unmeasured.
+
+    Only steps in which every request decodes measure a width. The other steps (prefill chunks
+    mixed in) decode one row per request: they are compute-bound, so a verify row costs what a
+    prefill row does, while its chance of being kept is below one. The engine
+    drops the time of a step whose width differs from the step before: a switch costs the
+    pipeline more than the width does. The best width also falls as the batch grows (wide
+    verifies turn compute-bound first), so a bucket only considers widths between the choices
+    of the nearest larger and smaller buckets chosen."""
 
     def __init__(self, block_size: int, widths: Sequence[int]) -> None:
         self.widths = tuple(widths)
@@ -85,6 +118,7 @@ class WidthPolicy:
         self._measured_at: dict[tuple[int, int], int] = {}  # the step of the newest sample
         self._chosen: dict[int, int] = {}  # bucket -> its width now
         self._step = 0
+        self._ms_per_row: deque[float] = deque(maxlen=RECENT_SAMPLES)  # of compute-bound steps
 
     def accept(self) -> list[float]:
         return [
@@ -99,23 +133,61 @@ class WidthPolicy:
         times = self.samples.get((width, bucket), ())
         return min(times) if len(times) >= MIN_SAMPLES else None
 
-    def choose(self, bucket: int) -> int:
+    def choose(
+        self,
+        bucket: int,
+        *,
+        measure: bool = True,
+        max_width: int | None = None,
+        requests: int | None = None,
+    ) -> int:
+        """The width of the next step. measure: every request decodes in it (its time tells
+        the width's cost; else width 1); max_width: the widest whose rows fit the step's token
+        budget; requests: how many decode in it (default: the bucket's size)."""
         self._step += 1
-        for w in self.widths:  # stale: forget it, so that it is measured afresh below
+        if not measure:
+            return 1
+        fits = [w for w in self.widths if max_width is None or w <= max_width] or [1]
+        for w in self.widths:  # stale: forget it, so that it may be measured afresh below
             at = self._measured_at.get((w, bucket))
             if at is not None and self._step - at > REMEASURE_EVERY:
                 del self.samples[w, bucket], self._measured_at[w, bucket]
-        widths = self._widths_for(bucket)
+        widths = [w for w in self._widths_for(bucket) if w in fits] or fits
         accept = self.accept()
         known = {w: c for w in widths if (c := self.cost(w, bucket)) is not None}
-        best_rate = max((expected_tokens(accept, w) / c for w, c in known.items()), default=0.0)
-        floor = known.get(1) if widths[0] == 1 else None  # no step is cheaper than width 1's
-        for w in (widths[-1], *widths[:1], *widths[-2:0:-1]):  # widest, 1, then wide to narrow
-            if w not in known and (floor is None or expected_tokens(accept, w) / floor > best_rate):
-                return w
-        width = best_width(accept, known, self._chosen.get(bucket))
-        self._chosen[bucket] = width
+        width = self._to_measure(widths, known, accept, bucket, requests or bucket)
+        if width is None:
+            width = best_width(accept, known, self._chosen.get(bucket))
+            self._chosen[bucket] = width
         return width
+
+    def _to_measure(
+        self,
+        widths: list[int],
+        known: dict[int, float],
+        accept: list[float],
+        bucket: int,
+        requests: int,
+    ) -> int | None:
+        """The next width this bucket measures, or None when none could win."""
+        if widths[0] not in known and widths[0] == 1:
+            return 1
+        drafting = [w for w in widths if w > 1]
+        if drafting and not self.trials[0] and drafting[0] not in known:
+            return drafting[0]  # the drafter is unknown: learn its acceptance cheaply
+        best_rate = max((expected_tokens(accept, w) / c for w, c in known.items()), default=0.0)
+        for w in reversed(widths):
+            if w in known:
+                continue
+            # The least it can cost: what a narrower width costs here (one sample will do).
+            floor = max(
+                (min(self.samples.get((v, bucket)) or [0.0]) for v in self.widths if v < w),
+                default=0.0,
+            )
+            floor = max(floor, requests * w * min(self._ms_per_row, default=0.0))
+            if not floor or expected_tokens(accept, w) / floor > best_rate * (1 + SWITCH_MARGIN):
+                return w
+        return None
 
     def _widths_for(self, bucket: int) -> tuple[int, ...]:
         """The widths between the choices of the nearest larger and smaller chosen buckets
@@ -132,6 +204,11 @@ class WidthPolicy:
         for j in range(min(accepted + 1, width - 1)):
             self.trials[j] += 1
             self.hits[j] += j < accepted
+
+    def record_rows(self, rows: int, ms: float) -> None:
+        """Any step's rows and time (a compute-bound one's tell the matmuls' rate)."""
+        if rows >= COMPUTE_ROWS:
+            self._ms_per_row.append(ms / rows)
 
     def record_cost(self, width: int, bucket: int, ms: float) -> None:
         key = (width, bucket)

@@ -1,0 +1,76 @@
+"""The job benchmark's workloads: Parquet inputs of random token ids, shaped as the jobs users
+run (equal prompts in waves, ragged prompts and budgets, long generations, one row at a time).
+`scale` shrinks rows and lengths alike, for a small model (the CPU test)."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    rows: int
+    prompt_len: tuple[int, int]  # a range: equal ends are one length, else log-uniform in it
+    max_tokens: tuple[int, int]  # likewise, per row
+    batch: int  # --max-batch-size
+
+    def scaled(self, scale: float) -> Workload:
+        def size(n: int) -> int:
+            return max(1, round(n * scale))
+
+        def span(r: tuple[int, int]) -> tuple[int, int]:
+            return (size(r[0]), size(r[1]))
+
+        return Workload(
+            self.name, size(self.rows), span(self.prompt_len), span(self.max_tokens),
+            max(1, min(self.batch, size(self.rows))),
+        )  # fmt: skip
+
+    @property
+    def ragged(self) -> bool:
+        return self.prompt_len[0] != self.prompt_len[1] or self.max_tokens[0] != self.max_tokens[1]
+
+    def rows_of(self, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+        """Prompts and per-row max_tokens (ids below 3 left out: special tokens of small
+        tokenizers)."""
+        rng = random.Random(f"{self.name}-{seed}")
+        prompts, budgets = [], []
+        for _ in range(self.rows):
+            length = _log_uniform(rng, *self.prompt_len)
+            prompts.append([rng.randrange(3, vocab) for _ in range(length)])
+            budgets.append(_log_uniform(rng, *self.max_tokens))
+        return prompts, budgets
+
+    def write(self, path: Path, vocab: int, seed: int) -> Path:
+        prompts, budgets = self.rows_of(vocab, seed)
+        columns = {"prompt_token_ids": pa.array(prompts, pa.list_(pa.int64()))}
+        if self.ragged:
+            columns["max_tokens"] = pa.array(budgets, pa.int64())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table(columns), path)
+        return path
+
+
+def _log_uniform(rng: random.Random, low: int, high: int) -> int:
+    if low == high:
+        return low
+    return min(high, int(math.exp(rng.uniform(math.log(low), math.log(high + 1)))))
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("w1", 256, (1024, 1024), (256, 256), 128),
+        Workload("w2", 64, (1024, 1024), (256, 256), 32),
+        Workload("w3", 1000, (32, 4096), (16, 1024), 256),
+        Workload("w4", 128, (128, 128), (2048, 2048), 128),
+        Workload("b1", 4, (512, 512), (256, 256), 1),
+    )
+}

@@ -1,0 +1,57 @@
+"""`batchrun bench --jobs` on the CPU at a tiny shape: whole jobs through run's own path, one
+engine per mode running every workload, the oracle's acceptance labelled and lossless."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from batchrun.bench.jobs import JobsPlan, outputs, run_jobs
+from batchrun.bench.workloads import WORKLOADS
+from batchrun.models.qwen3 import Qwen3Shape
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+TINY = Qwen3Shape(
+    vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+    max_position_embeddings=1024, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
+    plan = JobsPlan(
+        shape_name="tiny", shape=TINY,
+        workloads=(WORKLOADS["w2"].scaled(0.1), WORKLOADS["w3"].scaled(0.02)),
+        taus=(6.5,), widths=("auto", "full"), scratch=tmp_path, dtype="float32", device="cpu",
+    )  # fmt: skip
+    seen: list[dict] = []
+    result = run_jobs(plan, seen.append)
+    assert seen and seen[-1] is result  # the figures so far after each run
+    assert "oracle" in result["oracle"]
+    for mode in ("none", "auto", "full"):
+        assert result["startup"][mode]["stages"]["load_target"] >= 0
+    for name, entry in result["workloads"].items():
+        runs = entry["runs"]
+        assert set(runs) == {"none", "useless auto", "oracle tau 6.5 auto", "useless full",
+                             "oracle tau 6.5 full"}  # fmt: skip
+        rows = entry["workload"]["rows"]
+        for run in runs.values():
+            assert run["error_rows"] == 0 and run["completion_tokens"] > rows
+            assert sum(run["steps"].values()) > 0
+        oracle = runs["oracle tau 6.5 full"]
+        assert oracle["oracle"] and oracle["designed_tau"] == 6.5
+        assert oracle["acceptance_length"] > 3, name  # the oracle reached the verify
+        assert runs["useless full"]["acceptance_length"] < 1.5
+        assert "oracle tau 6.5 auto / best of none and full" in entry["ratios"]
+        # Lossless: every mode wrote the same completions (float32).
+        written = {run: outputs(tmp_path / "out" / name / run.replace(" ", "-")) for run in runs}
+        assert all(o == written["none"] for o in written.values()), name
+
+
+def test_the_command_refuses_unknown_workloads() -> None:
+    from batchrun.cli import cli
+
+    result = CliRunner().invoke(cli, ["bench", "--jobs", "w9", "--device", "cpu"])
+    assert result.exit_code == 2 and "unknown workload 'w9'" in result.output
