@@ -144,6 +144,8 @@ def bench(out: Path | None, **opts: Any) -> None:
     """Time the engine against baselines measured in the same run."""
 
     def write(result: dict[str, Any]) -> None:
+        """The result so far (each stage's progress too), with the command that made it."""
+        result["args"] = ["batchrun", *sys.argv[1:]]
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2) + "\n")
@@ -152,7 +154,6 @@ def bench(out: Path | None, **opts: Any) -> None:
         if opts["target"] is not None:
             raise click.UsageError("--jobs writes its own random checkpoint: no --target")
         result = _jobs(opts, write)
-        result["args"] = ["batchrun", *sys.argv[1:]]
         write(result)
         ratios = {name: w.get("ratios") for name, w in result["workloads"].items()}
         click.echo(json.dumps(ratios, indent=2))
@@ -166,7 +167,6 @@ def bench(out: Path | None, **opts: Any) -> None:
     result, leads = _sweep(opts, write) if opts["shape"] else (_end_to_end(opts), True)
     if not leads:
         return  # a tensor-parallel rank other than 0: rank 0 reports for the group
-    result["args"] = ["batchrun", *sys.argv[1:]]  # the command that made it
     write(result)
     click.echo(json.dumps(result.get("ratios") or result.get("summary"), indent=2))
 

@@ -27,6 +27,14 @@ def batch_ladder(max_batch_size: int) -> list[int]:
     return [*sizes, max_batch_size]
 
 
+def graph_sizes(max_batch_size: int, width: int, max_batched_tokens: int) -> list[int]:
+    """The ladder sizes a step of `width` can replay at: up to the most requests whose rows
+    fit the token budget, rounded up to the ladder (wider steps are never scheduled)."""
+    ladder = batch_ladder(max_batch_size)
+    most = max(max_batched_tokens // width, 1)
+    return [s for s in ladder if s < most] + [s for s in ladder if s >= most][:1]
+
+
 def ladder_bucket(num_requests: int, max_batch_size: int) -> int:
     """The ladder size a batch of num_requests runs at (its graph size, where graphs exist)."""
     return min(s for s in batch_ladder(max_batch_size) if s >= min(num_requests, max_batch_size))

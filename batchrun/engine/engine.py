@@ -160,6 +160,7 @@ class Engine:
             len(draft.target_layer_ids) if draft else 0,
             model.lm_head.weight.element_size(), width, self.device,
             draft_paged_layers=draft.attention.num_full if draft else 0, ring_pages=rings,
+            widths=verify_widths(config.verify_width, self.block_size),
         )  # fmt: skip
         if tp is not None:
             num_pages = tp.minimum(num_pages)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from batchrun.engine.config import EngineConfig
+from batchrun.engine.cuda_graphs import graph_sizes
 from batchrun.models.qwen3 import Qwen3Shape
 
 CPU_KV_BUDGET_BYTES = 2 << 30
@@ -52,9 +53,11 @@ def kv_pages(
     *,
     draft_paged_layers: int,
     ring_pages: int,
+    widths: tuple[int, ...] = (1,),
 ) -> int:
     """draft_paged_layers: the draft layers whose K/V lives in the pages (full attention);
-    ring_pages: each other (sliding) layer's ring, allocated apart."""
+    ring_pages: each other (sliding) layer's ring, allocated apart; widths: the verify widths
+    CUDA graphs are captured for."""
     bytes_per_page = page_bytes(target, draft, config.page_size, element, draft_paged_layers)
     rings = 0
     if draft is not None:
@@ -69,6 +72,7 @@ def kv_pages(
         )
         if config.cuda_graphs:  # the graphs' pool holds the largest graph's activations
             reserve += activation_bytes(target, graph_rows, graph_rows, feature_layers, element)
+            reserve += graph_outputs_bytes(config, target, widths, feature_layers, element)
         in_use = torch.cuda.memory_reserved(device)  # the weights, loaded before this
         budget = int(total * config.gpu_memory_fraction) - in_use - reserve - rings
     else:
@@ -76,3 +80,18 @@ def kv_pages(
     per_request = -(-(target.max_position_embeddings + width + 64) // config.page_size)
     want = config.max_batch_size * per_request
     return max(1, min(want, budget // bytes_per_page))
+
+
+def graph_outputs_bytes(
+    config: EngineConfig,
+    target: Qwen3Shape,
+    widths: tuple[int, ...],
+    feature_layers: int,
+    element: int,
+) -> int:
+    """What stays allocated for the graphs' replays: the logits buffer they share (float32, the
+    largest graph's rows) and each graph's own captured features."""
+    sizes = {w: graph_sizes(config.max_batch_size, w, config.max_batched_tokens) for w in widths}
+    largest = max(max(s) * w for w, s in sizes.items())
+    rows = sum(sum(s) * w for w, s in sizes.items())
+    return largest * target.vocab_size * 4 + rows * feature_layers * target.hidden_size * element

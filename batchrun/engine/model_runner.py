@@ -22,7 +22,7 @@ import torch
 
 from batchrun.attention.base import AttentionBackend, GraphShape, HostPlanned
 from batchrun.attention.meta import AttentionMeta, allocate_kv
-from batchrun.engine.cuda_graphs import GraphSet, batch_ladder
+from batchrun.engine.cuda_graphs import GraphSet, graph_sizes
 from batchrun.engine.device_state import DeviceState, staged
 from batchrun.engine.page_pool import pages_for
 from batchrun.engine.step_inputs import (
@@ -103,6 +103,7 @@ class ModelRunner:
         self.ctx_features: torch.Tensor | None = None  # [rows, layers * H], for the draft graph
         self.features: torch.Tensor | None = None  # the last target forward's captured rows
         self.target_graphs: dict[int, GraphSet] = {}  # verify width -> its graphs
+        self.graph_logits: torch.Tensor | None = None  # every target graph's logits, [rows, V]
         self.draft_graphs: GraphSet | None = None
         # The last verify's committed rows are not yet in the draft's context (a draft forward,
         # or at width 1 write_pending_context, stores them).
@@ -116,6 +117,9 @@ class ModelRunner:
         """Capture the steady-state step at each verify width for every ladder size up to
         max_batch_size (off a GPU: emulate them, for tests)."""
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        rows = max(max(graph_sizes(max_batch_size, w, self.max_batched_tokens)) * w for w in widths)
+        vocab = self.model.lm_head.weight.shape[0]  # a tensor-parallel rank's: its slice
+        self.graph_logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
         sizes: list[int] = []
         for width in sorted(widths, reverse=True):
             name = f"target{width}"
@@ -353,17 +357,12 @@ class ModelRunner:
     def _target_graph(self, size: int, width: int) -> tuple[torch.Tensor, ...]:
         inputs = self._graph_target_inputs(size, width)
         hidden, features = self._forward(inputs, store_context=width == 1)
-        logits = self.model.logits(hidden)
+        # Every graph writes its logits into one buffer outside the pool: each graph's own
+        # would stay allocated for its replays (17 GB at the 8B's vocabulary, batch 256).
+        assert self.graph_logits is not None  # allocated before any capture
+        logits = self.model.logits(hidden, out=self.graph_logits[: size * width])
         outputs = (logits, inputs.row_slot, inputs.row_step)
         return outputs if features is None else (*outputs, features)
-
-
-def graph_sizes(max_batch_size: int, width: int, max_batched_tokens: int) -> list[int]:
-    """The ladder sizes a step of `width` can replay at: up to the most requests whose rows
-    fit the token budget, rounded up to the ladder (wider steps are never scheduled)."""
-    ladder = batch_ladder(max_batch_size)
-    most = max(max_batched_tokens // width, 1)
-    return [s for s in ladder if s < most] + [s for s in ladder if s >= most][:1]
 
 
 def step_in_size(max_batch_size: int, max_batched_tokens: int, max_pages: int) -> int:

@@ -106,10 +106,11 @@ class Qwen3ForCausalLM(nn.Module):
         features = torch.cat([captured[i] for i in capture_layers], -1) if capture_layers else None
         return x + residual if residual is not None else x, features
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits of pre-norm hidden rows (a tensor-parallel rank's: its vocabulary
-        slice's)."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        slice's), into `out` if given."""
+        head = self.lm_head(self.model.norm(hidden))
+        return head.float() if out is None else out.copy_(head)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """The greedy token of each row of `logits()` (across the ranks' slices under tensor
