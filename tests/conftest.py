@@ -10,6 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+# Models and tokenizers are built locally by the tests; never reach for the hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU only in Triton's interpreter, chosen when triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
