@@ -193,9 +193,12 @@ def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> d
             f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}"
         )
     shape = shape_from_flags(
-        opts["shape"] or "qwen3-8b", num_layers=opts["num_layers"], hidden_size=opts["hidden_size"],
-        intermediate_size=opts["intermediate_size"], vocab_size=opts["vocab_size"],
-    )  # fmt: skip
+        opts["shape"] or "qwen3-8b",
+        num_layers=opts["num_layers"],
+        hidden_size=opts["hidden_size"],
+        intermediate_size=opts["intermediate_size"],
+        vocab_size=opts["vocab_size"],
+    )
     device = "cuda" if opts["device"] == "auto" else opts["device"]
     if device.startswith("cuda"):
         import torch
@@ -204,8 +207,9 @@ def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> d
             raise click.UsageError(
                 "--jobs at a real shape runs on a CUDA device; none is available"
             )
-    dtype = opts["dtype"] if opts["dtype"] != "auto" else (
-        "bfloat16" if device.startswith("cuda") else "float32")  # fmt: skip
+    dtype = opts["dtype"]
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
     plan = JobsPlan(
         shape_name=opts["shape"] or "qwen3-8b",
         shape=shape,

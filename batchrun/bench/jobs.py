@@ -57,6 +57,7 @@ class JobsPlan:
 
 
 def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Every workload in every mode; `progress` gets the result so far after each run."""
     device = torch.device(plan.device)
     dtype = getattr(torch, plan.dtype)
     cuda = device.type == "cuda"
@@ -69,65 +70,35 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
     )
     result: dict[str, Any] = {
         "setup": {
-            "shape_name": plan.shape_name, "shape": asdict(plan.shape), "dtype": plan.dtype,
+            "shape_name": plan.shape_name,
+            "shape": asdict(plan.shape),
+            "dtype": plan.dtype,
             "gpu": torch.cuda.get_device_name(device) if cuda else None,
-            "torch": torch.__version__, "scratch_models_seconds": time.perf_counter() - started,
+            "torch": torch.__version__,
+            "scratch_models_seconds": time.perf_counter() - started,
         },
         "ceilings": asdict(ceilings) if ceilings is not None else None,
         "oracle": ORACLE_LABEL,
         "startup": {},
         "workloads": {},
-    }  # fmt: skip
-    inputs: dict[str, tuple[Path, Path]] = {}
+    }
+    inputs = {}
     for w in plan.workloads:
-        timed = w.write(plan.scratch / "inputs" / f"{w.name}.parquet", plan.shape.vocab_size, 0)
-        warm = replace(w, rows=min(w.rows, w.batch), max_tokens=_capped(w.max_tokens, 32))
-        warm_path = warm.write(plan.scratch / "inputs" / f"{w.name}-warm.parquet",
-                               plan.shape.vocab_size, 1)  # fmt: skip
+        inputs[w.name] = _write_inputs(plan, w)
         prompts, budgets = w.rows_of(plan.shape.vocab_size, 0)
         entry: dict[str, Any] = {"workload": asdict(w), "runs": {}}
         if ceilings is not None:
-            element = dtype.itemsize
-            entry["bound"] = job_bound(plan.shape, element, [len(p) for p in prompts], budgets,
-                                       w.batch, ceilings)  # fmt: skip
+            lengths = [len(p) for p in prompts]
+            entry["bound"] = job_bound(
+                plan.shape, dtype.itemsize, lengths, budgets, w.batch, ceilings
+            )
         result["workloads"][w.name] = entry
-        inputs[w.name] = (timed, warm_path)
-    continuations: dict[str, dict[int, list[int]]] = {}
-    largest = max(w.batch for w in plan.workloads)
+    continuations: dict[str, dict[int, list[int]]] = {}  # the no-draft outputs, per workload
     for mode in ("none", *plan.widths):
-        engine: Engine | None = None
-        for w in plan.workloads:
-            for name, tau in _runs(mode, plan.taus):
-                job = _job(plan, target, draft if mode != "none" else None, mode, w, inputs, name)
-                if engine is None:
-                    built = time.perf_counter()
-                    engine = Engine(replace(job.engine_config(), max_batch_size=largest))
-                    result["startup"][mode] = {
-                        "seconds": time.perf_counter() - built,
-                        "stages": engine.startup_seconds,
-                    }
-                if name == _runs(mode, plan.taus)[0][0]:  # the workload's first run: warm up
-                    _run(engine, replace(job, input=str(inputs[w.name][1]),
-                                         output=job.output + "-warm"), w.batch, None)  # fmt: skip
-                oracle = None
-                if tau is not None:
-                    assert engine.block_size is not None
-                    oracle = AcceptanceOracle(
-                        continuations[w.name], tau, engine.block_size, largest,
-                        engine.vocab_size, engine.device,
-                    )  # fmt: skip
-                stats = _run(engine, job, w.batch, oracle)
-                if mode == "none":
-                    continuations[w.name] = outputs(Path(job.output))
-                run = _figures(stats, result["workloads"][w.name].get("bound"))
-                if tau is not None:
-                    run |= {"oracle": True, "designed_tau": tau}
-                result["workloads"][w.name]["runs"][name] = run
-                _ratios(result["workloads"][w.name])
-                print(f"{w.name} {name}: {_line(run)}", flush=True)
-                progress(result)
-        del engine
-        collect_everything()  # its graphs hold reference cycles: free its KV pools now
+        runs = _Mode(plan, mode, target, draft if mode != "none" else None, inputs, result)
+        runs.run_all(continuations, progress)
+        del runs
+        collect_everything()  # an engine's graphs hold reference cycles: free its KV pools now
         if cuda:
             torch.cuda.empty_cache()
     for w in plan.workloads:
@@ -141,6 +112,77 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
             print(f"{w.name} generate(): {entry['hf_generate']}", flush=True)
             progress(result)
     return result
+
+
+def _write_inputs(plan: JobsPlan, w: Workload) -> tuple[Path, Path]:
+    """The workload's Parquet, and a warm-up's of the same shape on other prompts (a batch of
+    rows, outputs capped at 32 tokens)."""
+    folder, vocab = plan.scratch / "inputs", plan.shape.vocab_size
+    warm = replace(w, rows=min(w.rows, w.batch), max_tokens=_capped(w.max_tokens, 32))
+    return (
+        w.write(folder / f"{w.name}.parquet", vocab, 0),
+        warm.write(folder / f"{w.name}-warm.parquet", vocab, 1),
+    )
+
+
+class _Mode:
+    """One engine (no draft, or the draft at one verify width) running every workload: its
+    no-draft or useless-draft run and its oracle runs, each after a warm-up."""
+
+    def __init__(
+        self,
+        plan: JobsPlan,
+        mode: str,
+        target: Path,
+        draft: Path | None,
+        inputs: dict[str, tuple[Path, Path]],
+        result: dict[str, Any],
+    ) -> None:
+        self.plan, self.mode, self.target, self.draft = plan, mode, target, draft
+        self.inputs, self.result = inputs, result
+        self.largest = max(w.batch for w in plan.workloads)
+        built = time.perf_counter()
+        first = _job(plan, target, draft, mode, plan.workloads[0], inputs, mode)
+        self.engine = Engine(replace(first.engine_config(), max_batch_size=self.largest))
+        result["startup"][mode] = {
+            "seconds": time.perf_counter() - built,
+            "stages": self.engine.startup_seconds,
+        }
+
+    def run_all(
+        self,
+        continuations: dict[str, dict[int, list[int]]],
+        progress: Callable[[dict[str, Any]], None],
+    ) -> None:
+        for w in self.plan.workloads:
+            for i, (name, tau) in enumerate(_runs(self.mode, self.plan.taus)):
+                job = _job(self.plan, self.target, self.draft, self.mode, w, self.inputs, name)
+                if i == 0:
+                    warm = replace(
+                        job, input=str(self.inputs[w.name][1]), output=job.output + "-warm"
+                    )
+                    _run(self.engine, warm, w.batch, None)
+                oracle = None
+                if tau is not None:
+                    oracle = self._oracle(continuations[w.name], tau)
+                stats = _run(self.engine, job, w.batch, oracle)
+                if self.mode == "none":
+                    continuations[w.name] = outputs(Path(job.output))
+                entry = self.result["workloads"][w.name]
+                run = _figures(stats, entry.get("bound"))
+                if tau is not None:
+                    run |= {"oracle": True, "designed_tau": tau}
+                entry["runs"][name] = run
+                _ratios(entry)
+                print(f"{w.name} {name}: {_line(run)}", flush=True)
+                progress(self.result)
+
+    def _oracle(self, continuation: dict[int, list[int]], tau: float) -> AcceptanceOracle:
+        engine = self.engine
+        assert engine.block_size is not None
+        return AcceptanceOracle(
+            continuation, tau, engine.block_size, self.largest, engine.vocab_size, engine.device
+        )
 
 
 def _capped(span: tuple[int, int], most: int) -> tuple[int, int]:

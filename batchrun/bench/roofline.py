@@ -105,5 +105,10 @@ def job_bound(
     moved = steps * weight_bytes(s, element) + kv_read
     compute_s = flops / ceilings.matmul_flops_per_s
     memory_s = moved / ceilings.copy_bytes_per_s
-    return {"compute_seconds": compute_s, "memory_seconds": memory_s,
-            "bound_seconds": max(compute_s, memory_s), "flops": flops, "bytes": moved}  # fmt: skip
+    return {
+        "compute_seconds": compute_s,
+        "memory_seconds": memory_s,
+        "bound_seconds": max(compute_s, memory_s),
+        "flops": flops,
+        "bytes": moved,
+    }

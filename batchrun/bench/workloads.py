@@ -29,9 +29,12 @@ class Workload:
             return (size(r[0]), size(r[1]))
 
         return Workload(
-            self.name, size(self.rows), span(self.prompt_len), span(self.max_tokens),
+            self.name,
+            size(self.rows),
+            span(self.prompt_len),
+            span(self.max_tokens),
             max(1, min(self.batch, size(self.rows))),
-        )  # fmt: skip
+        )
 
     @property
     def ragged(self) -> bool:

@@ -130,8 +130,8 @@ class ModelRunner:
             graphs.capture(sizes, pool, self._capture_scope(name, width))
             self.target_graphs[width] = graphs
         if self.draft is not None and max(widths) > 1:  # at the narrowest drafting width's sizes
-            sizes = graph_sizes(max_batch_size, min(w for w in widths if w > 1),
-                                self.max_batched_tokens)  # fmt: skip
+            narrowest = min(w for w in widths if w > 1)
+            sizes = graph_sizes(max_batch_size, narrowest, self.max_batched_tokens)
             rows, width = max_batch_size * self.width, self.model.shape.hidden_size
             self.ctx_features = torch.zeros(
                 rows, width * len(self.capture_layers), dtype=self.model.lm_head.weight.dtype,
