@@ -23,6 +23,7 @@ STATS_COLUMNS = [
     "spec_accept_hist",
     "error",
 ]
+OPTIONAL_STATS_COLUMNS = ["spec_capped_hist"]  # absent from parts of earlier versions
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,34 @@ def per_position_acceptance(hist: np.ndarray) -> list[float] | None:
     return [float(hist[j:].sum() / rounds) for j in range(1, len(hist))]
 
 
+def conditional_acceptance(hist: np.ndarray, capped: np.ndarray) -> list[float | None]:
+    """Entry j-1: the chance that draft j is accepted once drafts 1 .. j-1 were, over the
+    rounds that verified it (None where none did), under any mix of verify widths. A round
+    committing k tokens accepted drafts 1 .. k-1, and verified draft k unless its width was k
+    (capped: it accepted all it verified)."""
+    out: list[float | None] = []
+    for j in range(1, len(hist)):
+        hits = int(hist[j:].sum())
+        trials = hits + int(hist[j - 1] - capped[j - 1])
+        out.append(hits / trials if trials else None)
+    return out
+
+
+def full_block_tau(conditional: list[float | None]) -> float | None:
+    """Tokens a round verifying the whole block would commit at these chances: the drafter's
+    own tau, whatever widths the job ran. None when draft 1 was never verified; a position
+    never verified ends the estimate there (a lower bound)."""
+    if not conditional or conditional[0] is None:
+        return None
+    tau, run = 1.0, 1.0
+    for p in conditional:
+        if p is None:
+            break
+        run *= p
+        tau += run
+    return tau
+
+
 def versions() -> dict[str, str]:
     import torch
     import transformers
@@ -94,8 +123,8 @@ class StatsAccumulator:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.spec_rounds = 0
-        self.spec_tokens = 0  # sum of completion_tokens - 1 over rows with a histogram
         self.hist: np.ndarray | None = None  # pooled spec_accept_hist
+        self.capped: np.ndarray | None = None  # pooled spec_capped_hist
         self.finish_reasons: Counter[str] = Counter()
 
     def add(self, table: pa.Table) -> None:
@@ -110,13 +139,20 @@ class StatsAccumulator:
             self.finish_reasons[reason] += count
         spec = ok.filter(pc.is_valid(ok.column("spec_accept_hist")))
         if spec.num_rows:
-            self.spec_tokens += _sum(spec.column("completion_tokens")) - spec.num_rows
-            self._add_hist(spec.column("spec_accept_hist"))
+            hist = _pooled(spec.column("spec_accept_hist"))
+            self.hist = hist if self.hist is None else self.hist + hist
+            # Parts written before spec_capped_hist existed: no round counts as capped.
+            capped = np.zeros_like(hist)
+            if "spec_capped_hist" in spec.column_names:
+                capped = _pooled(spec.column("spec_capped_hist"), len(hist))
+            self.capped = capped if self.capped is None else self.capped + capped
 
-    def _add_hist(self, column: pa.ChunkedArray) -> None:
-        flat = pc.list_flatten(column).to_numpy().astype(np.int64)
-        hist = flat.reshape(len(column), -1).sum(axis=0)
-        self.hist = hist if self.hist is None else self.hist + hist
+    @property
+    def spec_tokens(self) -> int:
+        """Tokens the speculation rounds committed."""
+        if self.hist is None:
+            return 0
+        return int((self.hist * np.arange(1, len(self.hist) + 1)).sum())
 
     def to_dict(
         self,
@@ -130,6 +166,9 @@ class StatsAccumulator:
         """stats.json. Throughput counts this run's tokens over this run's generation time."""
         uses_draft = block_size is not None or self.hist is not None
         tau = self.spec_tokens / self.spec_rounds if uses_draft and self.spec_rounds else None
+        conditional = None
+        if self.hist is not None and self.capped is not None:
+            conditional = conditional_acceptance(self.hist, self.capped)
         return {
             "rows": self.rows,
             "ok_rows": self.rows - self.error_rows,
@@ -145,10 +184,13 @@ class StatsAccumulator:
                 else None
             ),
             "spec_rounds": self.spec_rounds,
-            "acceptance_length": tau,
+            "acceptance_length": tau,  # over the rounds that drafted: the policy's yield
             "per_position_acceptance": (
                 per_position_acceptance(self.hist) if self.hist is not None else None
             ),
+            "conditional_acceptance": conditional,
+            "drafter_acceptance_length": full_block_tau(conditional or []),
+            "tokens_per_target_forward": info.get("tokens_per_target_forward"),
             "block_size": block_size if block_size is not None else _hist_len(self.hist),
             "target": info.get("target"),
             "draft": info.get("draft"),
@@ -165,6 +207,13 @@ class StatsAccumulator:
             "finish_reasons": dict(sorted(self.finish_reasons.items())),
             **(extra or {}),
         }
+
+
+def _pooled(column: pa.ChunkedArray, width: int | None = None) -> np.ndarray:
+    """The sum over rows of a column of equal-length int lists (null rows count zero)."""
+    filled = column.fill_null(pa.scalar([0] * (width or 0), column.type)) if width else column
+    flat = pc.list_flatten(filled).to_numpy().astype(np.int64)
+    return flat.reshape(len(column), -1).sum(axis=0)
 
 
 def _sum(column: pa.ChunkedArray) -> int:

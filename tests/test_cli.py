@@ -100,18 +100,28 @@ def test_a_draft_fills_the_speculation_columns(tmp_path: Path, tiny_model: Path)
     write_prompts(tmp_path / "in", PROMPTS[:6])
     job = str(write_job(tmp_path, tiny_model, max_tokens=12))
     assert invoke("run", job, "--output", str(tmp_path / "plain")).exit_code == 0
-    result = invoke("run", job, "--draft", str(draft))
+    result = invoke("run", job, "--draft", str(draft), "--verify-width", "full")
     assert result.exit_code == 0, result.output
     speculative, plain = read_output(tmp_path / "out"), read_output(tmp_path / "plain")
     assert speculative.column("completion").equals(plain.column("completion"))  # greedy: same text
     for row in speculative.to_pylist():
-        hist = row["spec_accept_hist"]
+        hist, capped = row["spec_accept_hist"], row["spec_capped_hist"]
         assert len(hist) == 4 and sum(hist) == row["spec_rounds"]
         assert row["completion_tokens"] == 1 + sum(k * hist[k - 1] for k in range(1, 5))
+        assert capped[:3] == [0, 0, 0] and capped[3] == hist[3]  # full width: only at B
     stats = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert stats["block_size"] == 4 and stats["spec_rounds"] > 0
     assert stats["acceptance_length"] >= 1 and len(stats["per_position_acceptance"]) == 3
+    # At the full block the drafter's estimate is what the rounds committed.
+    assert stats["drafter_acceptance_length"] == pytest.approx(stats["acceptance_length"])
     assert "per-position acceptance" in invoke("stats", str(tmp_path / "out")).output
+    # The adaptive width: plain-decoding steps are not rounds, the drafter's tau is estimated.
+    result = invoke("run", job, "--draft", str(draft), "--output", str(tmp_path / "auto"))
+    assert result.exit_code == 0, result.output
+    auto = json.loads((tmp_path / "auto" / "stats.json").read_text())
+    assert auto["drafter_acceptance_length"] is not None
+    assert auto["tokens_per_target_forward"] >= 1
+    assert read_output(tmp_path / "auto").column("completion").equals(plain.column("completion"))
 
 
 def test_chat_rows_use_the_chat_template(tmp_path: Path, tiny_model: Path) -> None:

@@ -168,13 +168,19 @@ def rounds_of(engine: Engine, row: int) -> list[RefRound]:
 
 
 def check_stats(req: Request, block_size: int, rounds: list[RefRound]) -> None:
-    hist = req.spec_hist
-    assert hist is not None and len(hist) == block_size
-    assert len(req.output_ids) == 1 + sum(k * n for k, n in enumerate(hist, start=1))
-    assert req.spec_rounds == sum(hist) == len(rounds)
-    assert Counter(len(r.committed) for r in rounds) == {
+    """The row's speculation counts: rounds that drafted (a width-1 step is plain decoding),
+    the tokens each committed, and those whose every verified draft was accepted."""
+    hist, capped = req.spec_hist, req.spec_capped
+    assert hist is not None and capped is not None and len(hist) == len(capped) == block_size
+    drafted = [r for r in rounds if r.drafts]
+    plain = sum(len(r.committed) for r in rounds if not r.drafts)
+    assert len(req.output_ids) == 1 + plain + sum(k * n for k, n in enumerate(hist, start=1))
+    assert req.spec_rounds == sum(hist) == len(drafted)
+    assert Counter(len(r.committed) for r in drafted) == {
         k: n for k, n in enumerate(hist, start=1) if n
     }
+    full = Counter(len(r.committed) for r in drafted if len(r.committed) == len(r.drafts) + 1)
+    assert full == {k: n for k, n in enumerate(capped, start=1) if n}
 
 
 def check_against_reference(

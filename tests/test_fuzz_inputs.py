@@ -1,6 +1,8 @@
 """Fuzzed inputs through `batchrun run`: whatever the cells hold, the job ends with exit 0 and
 each input row's output rows (one, or its `n` when that is valid), with `error` set exactly on
-the rows that finished "error".
+the rows that finished "error" and on those with an input cell that is not valid UTF-8 (which
+polars and a fully validating pyarrow still read: such a cell is written with U+FFFD
+replacements, its bytes in `<column>__raw_bytes`).
 
 Each case draws, from its own seed, a prompt column (text, chat or token ids) and every override
 column with a random Arrow type (integers of every width and sign, half to double floats,
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -25,6 +28,12 @@ from click.testing import CliRunner
 from batchrun.cli import cli
 from batchrun.engine.request import MAX_SAMPLES
 from batchrun.io.cells import column_values
+from batchrun.io.output_schema import (
+    REPLACED_NOTE,
+    holds_strings,
+    raw_bytes_name,
+    raw_bytes_type,
+)
 from batchrun.io.overrides import OVERRIDE_COLUMNS
 
 CONTEXT = 32  # the tiny model's context: long prompts and huge max_tokens reach it at once
@@ -243,15 +252,79 @@ def test_fuzzed_inputs_end_with_one_row_each(
 
     parts = sorted((tmp_path / "out").glob("part-*.parquet"))
     order = [("row_index", "ascending"), ("sample_index", "ascending")]
-    out = pa.concat_tables(pq.read_table(p) for p in parts).sort_by(order)
+    for part in parts:  # every reader reads every part: its strings are valid UTF-8
+        pq.read_table(part).validate(full=True)
+        pl.read_parquet(part)
+    out = pa.concat_tables([pq.read_table(p) for p in parts], promote_options="default").sort_by(
+        order
+    )
     cells = column_values(table.column("n")) if "n" in table.column_names else [None] * len(table)
     rows = [row for row, cell in enumerate(cells) for _ in range(output_rows(cell))]
     assert out.column("row_index").to_pylist() == rows
-    errors = out.column("error").is_valid().to_pylist()
-    reasons = out.column("finish_reason").to_pylist()
-    assert errors == [reason == "error" for reason in reasons]
-    for name in ("note", "blob", "tags"):  # pass-through columns come back byte for byte
-        assert out.column(name).equals(table.column(name).take(rows)), name
+    bad = {name: invalid_cells(table.column(name)) for name in table.column_names}
+    errors, reasons = out.column("error").to_pylist(), out.column("finish_reason").to_pylist()
+    for i, (row, error, reason) in enumerate(zip(rows, errors, reasons, strict=True)):
+        replaced = [name for name in table.column_names if bad[name][row]]
+        if not replaced:
+            assert (error is not None) == (reason == "error"), i
+            assert error is None or REPLACED_NOTE not in error, i
+            continue
+        raws = ", ".join(raw_bytes_name(name) for name in replaced)
+        note = f"{REPLACED_NOTE}: {', '.join(replaced)} (original bytes in {raws})"
+        assert error == note if reason != "error" else error.endswith(f"; {note}"), i
+    assert out.column("blob").equals(table.column("blob").take(rows))  # binary: byte for byte
+    strings = [name for name in table.column_names if holds_strings(table.column(name).type)]
+    for name in strings:  # valid cells come back byte for byte, the others replaced
+        original = table.column(name).take(rows)
+        if not any(bad[name]):
+            assert out.column(name).equals(original), name
+            assert raw_bytes_name(name) not in out.column_names, name
+            continue
+        raw = out.column(raw_bytes_name(name)).to_pylist()
+        raw_original = as_bytes(original).to_pylist()
+        assert raw == [
+            v if bad[name][r] else None for v, r in zip(raw_original, rows, strict=True)
+        ], name
+        got = as_bytes(out.column(name)).to_pylist()
+        assert got == [replaced_value(v) for v in raw_original], name
+
+
+def as_bytes(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """The column with bytes in place of its strings (dictionaries decoded)."""
+    return column.cast(raw_bytes_type(column.type))
+
+
+def invalid_cells(column: pa.ChunkedArray) -> list[bool]:
+    """Per cell: whether it holds a string that is not valid UTF-8."""
+    if not holds_strings(column.type):
+        return [False] * len(column)
+    return [holds_invalid(value) for value in as_bytes(column).to_pylist()]
+
+
+def holds_invalid(value: Any) -> bool:
+    if isinstance(value, bytes):
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError:
+            return True
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(holds_invalid(v) for v in value)
+    if isinstance(value, dict):
+        return any(holds_invalid(v) for v in value.values())
+    return False
+
+
+def replaced_value(value: Any) -> Any:
+    """A cell as bytes, as the output holds it: every bytes decoded with U+FFFD replacements,
+    then encoded again."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace").encode()
+    if isinstance(value, list):
+        return [replaced_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: replaced_value(v) for k, v in value.items()}
+    return value
 
 
 def output_rows(n: Any) -> int:

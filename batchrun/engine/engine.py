@@ -240,10 +240,13 @@ class Engine:
         config = self.config
         self.pool = PagePool(self.pool.num_pages, config.page_size, self.pool.prefix_caching)
         self.scheduler = Scheduler(
-            self.pool, config.max_batch_size, config.max_batched_tokens,
-            decode_width=self.block_size or 1, min_width=self.widths[0],
+            self.pool,
+            config.max_batch_size,
+            config.max_batched_tokens,
+            decode_width=self.block_size or 1,
+            min_width=self.widths[0],
             recompute_tail=self._recompute_tail,
-        )  # fmt: skip
+        )
         self.width_policy = (
             WidthPolicy(self.block_size, self.widths)
             if self.block_size and len(self.widths) > 1
@@ -251,6 +254,8 @@ class Engine:
         )
         self.width_steps: Counter[int] = Counter()  # verify width -> steps that decoded at it
         self.step_kinds: Counter[str] = Counter()  # prefill, mixed, decode -> steps
+        self.decode_forwards = 0  # decode/verify rounds of a request, over every step
+        self.decode_tokens = 0  # the tokens those rounds committed
         self._launched: Launched | None = None
         self._last_done: float | None = None  # when the host last read a step's results
         self._last_width = 0  # the width of the step read back before
@@ -271,6 +276,10 @@ class Engine:
             "attention_backend": self._backend_name,
             "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
             "verify_width_steps": dict(sorted(self.width_steps.items())) or None,
+            # What speculation buys: tokens a decoding request commits per target forward.
+            "tokens_per_target_forward": (
+                self.decode_tokens / self.decode_forwards if self.decode_forwards else None
+            ),
             "steps": dict(self.step_kinds),
             "cuda_graphs": bool(self.runner.target_graphs),
             "prefix_cache_hit_rate": self.pool.hit_rate,
@@ -290,6 +299,7 @@ class Engine:
         for req in sample_requests(request):
             if self.block_size and req.spec_hist is None:
                 req.spec_hist = [0] * self.block_size
+                req.spec_capped = [0] * self.block_size
             if req.logprobs is None:
                 req.logprobs = asked_logprobs(self.config.logprobs, self.config.prompt_logprobs)
             self.scheduler.add(req)
@@ -329,11 +339,12 @@ class Engine:
         if self.pinned_width is not None or self.width_policy is None:
             return self.pinned_width or self.widths[-1]
         width = step_width(
-            self.width_policy, running=len(self.scheduler.running),
+            self.width_policy,
+            running=len(self.scheduler.running),
             prefill_pending=self.scheduler.prefill_pending,
             max_batch_size=self.config.max_batch_size,
             max_batched_tokens=self.config.max_batched_tokens,
-        )  # fmt: skip
+        )
         if self.tp is not None:  # chosen from this rank's step times: rank 0's wins
             width = self.tp.first_int(width)
         return width
@@ -452,7 +463,8 @@ class Engine:
             before = len(req.output_ids)
             if it.decoding:
                 req.in_flight -= it.num_new
-                self._commit_round(req, post, accepted[dec - 1], drafts[(dec - 1) * d : dec * d])
+                drafted = drafts[(dec - 1) * d : dec * d]
+                self._commit_round(req, post, accepted[dec - 1], drafted, launched.width)
             elif post:  # the first token, sampled from the prompt's last row
                 self.stopper.commit(req, post)
             if scores is not None:  # the rows of the tokens kept (stop rules cut the rest)
@@ -485,14 +497,21 @@ class Engine:
             bucket = ladder_bucket(len(launched.batch), self.config.max_batch_size)
             policy.record_cost(launched.width, bucket, seconds * 1e3)
 
-    def _commit_round(self, req: Request, post: list[int], acc: int, drafts: list[int]) -> None:
+    def _commit_round(
+        self, req: Request, post: list[int], acc: int, drafts: list[int], width: int
+    ) -> None:
         """Commits post[0 .. acc] (acc accepted drafts plus the target's own next token)."""
         p, anchor = req.num_cached, req.output_ids[-1]
         kept = self.stopper.commit(req, post[: acc + 1])
         req.num_cached = p + acc + 1  # anchor .. d_acc now hold target KV; the bonus is next
-        if req.spec_hist is not None:
-            req.spec_rounds += 1
-            req.spec_hist[kept - 1] += 1
+        self.decode_forwards += 1
+        self.decode_tokens += kept
+        if req.spec_hist is not None and req.spec_capped is not None:
+            if width > 1:  # a speculation round (width 1 is plain decoding: it drafts nothing)
+                req.spec_rounds += 1
+                req.spec_hist[kept - 1] += 1
+                if acc == width - 1 and kept == width:  # every draft it verified was accepted
+                    req.spec_capped[kept - 1] += 1
             if self.round_trace is not None:
                 committed = req.output_ids[len(req.output_ids) - kept :]
                 self.round_trace.append(RoundTrace(req.row_index, p, anchor, drafts, committed))

@@ -92,8 +92,11 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length"
     completion: str | None = None  # decoded text, set when finished
-    spec_rounds: int = 0
+    spec_rounds: int = 0  # speculation rounds: steps that verified drafts (width > 1)
     spec_hist: list[int] | None = None  # entry k-1: rounds that committed k tokens
+    # Entry k-1: rounds of width k that accepted every draft they verified (so draft k was
+    # never verified): with spec_hist, the chance of each draft given the ones before.
+    spec_capped: list[int] | None = None
     # KV bookkeeping (engine-private).
     num_cached: int = 0  # leading tokens whose target KV is committed or being prefilled
     pages: list[int] = field(default_factory=list)

@@ -316,13 +316,14 @@ class _Committer:
     def _count(self, table: pa.Table) -> None:
         id_column = self.opened.id_column
         columns = [ROW_INDEX, SAMPLE_INDEX, "completion_tokens", "spec_rounds", "spec_accept_hist"]
-        columns += ["error", *([id_column] if id_column else [])]
+        columns += ["finish_reason", "error", *([id_column] if id_column else [])]
         for row in table.select(columns).to_pylist():
-            if row["error"] is not None:
+            if row["finish_reason"] == "error":  # (a generated row's error is only a note)
                 if row[SAMPLE_INDEX] == 0:  # once per input row, as a local run logs
                     self.error_log.log(row[ROW_INDEX], row, row["error"])
             elif row["spec_accept_hist"] is not None:
-                self.run_spec_tokens += row["completion_tokens"] - 1
+                hist = row["spec_accept_hist"]
+                self.run_spec_tokens += sum(k * n for k, n in enumerate(hist, start=1))
                 self.run_spec_rounds += row["spec_rounds"]
             self.run_tokens += row["completion_tokens"]  # 0 in error rows
 
