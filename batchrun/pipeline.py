@@ -4,15 +4,18 @@ Memory stays bounded: the input is read batch by batch, at most schedule_window 
 ahead to be admitted in a better order, at most QUEUE_FACTOR * max_batch_size requests wait in
 the engine, and finished rows are written out every rows_per_part rows or part_seconds seconds.
 An input row's output rows (its n samples) are written together, into one part: progress and
-resume count input rows.
+resume count input rows. SIGTERM and SIGINT stop a run cleanly (StopSignals): what is finished is
+committed, and the next run of the same command does the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import signal
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -22,7 +25,7 @@ import pyarrow.parquet as pq
 
 from batchrun.engine.admission_order import windowed
 from batchrun.engine.request import Request
-from batchrun.errors import JobError
+from batchrun.errors import JobError, JobStopped, signal_name
 from batchrun.io.fingerprint import job_fingerprint
 from batchrun.io.output_schema import (
     OutputRow,
@@ -56,6 +59,8 @@ InputRow = tuple[int, pa.RecordBatch, dict[str, Any], Request | str]
 QUEUE_FACTOR = 4  # requests queued in the engine, per unit of max_batch_size
 PREFETCH_ROWS = 512  # input rows read and tokenized ahead of the engine
 MAX_LOGGED_ERRORS = 10
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+TP_STOP_CHECK_STEPS = 8  # tensor-parallel ranks agree on a stop every this many steps
 
 
 class ErrorLog:
@@ -147,12 +152,19 @@ def build_engine(
 
 
 def generate(
-    engine: EngineLike, requests: Iterator[Request], max_queued: int
+    engine: EngineLike,
+    requests: Iterator[Request],
+    max_queued: int,
+    stopping: Callable[[], bool] | None = None,
 ) -> Iterator[list[Request]]:
     """Feed `requests` to the engine, keeping at most max_queued unfinished, and step it until
-    every one has finished; yields each step's finished requests (often none)."""
+    every one has finished; yields each step's finished requests (often none). stopping() is
+    asked before each step: when it says so, generate returns at once, leaving the requests
+    not finished in the engine (and those not yet read in `requests`)."""
     exhausted = False
     while True:
+        if stopping is not None and stopping():
+            return
         while not exhausted and engine.num_unfinished < max_queued:
             request = next(requests, None)
             if request is None:
@@ -164,16 +176,129 @@ def generate(
         yield engine.step()
 
 
+class StopSignals:
+    """SIGTERM and SIGINT while run_job runs. Handlers are set in the main thread only (run_job
+    elsewhere keeps the process's own), not for a signal that is ignored (SIGINT of a job started
+    with `&`), and the ones found are put back after the run.
+
+    Start-up (checks, claim, model loading) holds nothing to commit: a signal raises JobStopped
+    where the main thread is. Once the run loop runs (defer()), the handler only records the
+    signal, and the loop stops before its next step: it admits no more rows, drops the requests
+    in flight (the next run redoes them), commits the rows finished so far, writes stats.json
+    and raises JobStopped, which `batchrun run` prints as one line before it exits
+    EXIT_STOPPED. While the loop waits for input rows (raising()), which holds nothing, a signal
+    raises at once, so a slow read or tokenization never holds the stop up. A second signal ends
+    the process at once (the default action): a part is committed by a rename, so no
+    half-written part is left, its temp file is deleted by the next start, and the next run
+    takes the claim of the dead process over.
+
+    lockstep (tensor-parallel ranks): a signal is only recorded, in start-up too, and the ranks
+    stop together at a step where one of them has one (_Run._stopping). Later signals are ignored:
+    torchrun passes its signal on to ranks that the scheduler may have signalled already, and
+    kills them itself after its shutdown timeout.
+    """
+
+    def __init__(self, lockstep: bool = False) -> None:
+        self.signum: int | None = None
+        self.lockstep = lockstep
+        self._raises = not lockstep
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+        then = signal.SIG_IGN if self.lockstep else signal.SIG_DFL
+        for installed in self._previous:
+            signal.signal(installed, then)
+        if self._raises:
+            raise JobStopped(signum)
+
+    def defer(self) -> None:
+        """From now on a signal is only recorded: the run loop acts on it."""
+        self._raises = False
+
+    @contextlib.contextmanager
+    def raising(self) -> Iterator[None]:
+        """Within: a signal, or one recorded before, raises JobStopped (for waits that hold
+        nothing). Not in lockstep: the ranks stop only where they agree."""
+        if self.lockstep:
+            yield
+            return
+        self._raises = True
+        try:
+            if self.signum is not None:
+                raise JobStopped(self.signum)
+            yield
+        finally:
+            self._raises = False
+
+
+def stop_line(signum: int, committed: int, this_run: int, left: int, overwrite: bool) -> str:
+    """What `batchrun run` prints on stderr when a signal stopped it (rows: input rows of the
+    job, or of its shard). The same command resumes, unless it overwrites."""
+    again = "with --no-overwrite" if overwrite else "again"
+    return (
+        f"batchrun: stopped by {signal_name(signum)}: {committed} rows committed "
+        f"({this_run} in this run), {left} left for the next run; "
+        f"run the same command {again} to resume"
+    )
+
+
+def _committed_rows(opened: OpenedJob) -> int:
+    """The rows of this run's range (its shard's, or every row) in committed parts."""
+    rows = opened.rows
+    return int(opened.out.done_mask(opened.source.total_rows)[rows.start : rows.stop].sum())
+
+
 def run_job(
     job: JobSpec, engine: EngineLike | None = None, tp: TensorParallel | None = None
 ) -> dict[str, Any]:
-    """Run the job (or its shard) to the end; returns its stats.json content.
+    """Run the job (or its shard) to the end; returns its stats.json content. Raises JobStopped
+    when SIGTERM or SIGINT stopped it first (StopSignals), with what it finished committed.
 
     With tp, every rank of the tensor-parallel group runs this in lockstep on the same input:
     rank 0 alone claims, prepares and writes the output; every rank reads which rows are done
     once rank 0 has prepared, and before it commits anything new."""
     clock = RunClock()
-    opened = open_job(job)
+    opened: OpenedJob | None = None
+    with StopSignals(lockstep=tp is not None) as stop:
+        try:
+            opened = open_job(job)
+            return _run_job(job, opened, clock, engine, tp, stop)
+        except JobStopped as exc:
+            if exc.line is not None or tp is not None:
+                raise
+            # Stopped in start-up: nothing was generated; say what earlier runs committed.
+            line = f"batchrun: stopped by {signal_name(exc.signum)} before the job started; "
+            line += "run the same command again to start it"
+            if opened is not None:
+                with contextlib.suppress(Exception):
+                    committed = _committed_rows(opened)
+                    left = len(opened.rows) - committed
+                    line = stop_line(exc.signum, committed, 0, left, job.overwrite)
+            raise JobStopped(exc.signum, line) from None
+
+
+def _run_job(
+    job: JobSpec,
+    opened: OpenedJob,
+    clock: RunClock,
+    engine: EngineLike | None,
+    tp: TensorParallel | None,
+    stop: StopSignals,
+) -> dict[str, Any]:
     leads = tp is None or tp.rank == 0
     found = None
     if engine is None:
@@ -203,9 +328,10 @@ def run_job(
             )
         if tp is not None:
             tp.barrier()  # rank 0 has prepared the output: every rank may read it
-        run = _Run(opened, engine, builder, clock, writes=leads)
+        run = _Run(opened, engine, builder, clock, writes=leads, stop=stop, tp=tp)
         if tp is not None:
             tp.barrier()  # every rank has read the done rows: rank 0 may commit
+        stop.defer()
         return run.execute()
     finally:
         opened.out.release()
@@ -228,20 +354,29 @@ class _Run:
         builder: RequestBuilder,
         clock: RunClock,
         writes: bool = True,
+        stop: StopSignals | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         """writes=False: a tensor-parallel rank other than 0, which runs the engine in step
-        with rank 0 but writes nothing (no parts, stats, progress bar or error log)."""
+        with rank 0 but writes nothing (no parts, stats, progress bar or error log). stop: the
+        signals that stop the run early (None: none do); tp: the group whose ranks must agree
+        on a stop."""
         self.job, self.out, self.engine, self.builder = opened.job, opened.out, engine, builder
         self.writes = writes
+        self.stop = stop if stop is not None else StopSignals()
+        self.tp = tp
+        self.steps = 0
+        self.stopped = False  # by a signal, with rows left
         self.opened = opened
         self.clock = clock
         rows = opened.rows
         self.selection = RowSelection(self.out.done_mask(opened.source.total_rows), rows)
         self.job_rows = len(rows)
-        self.stats = StatsAccumulator()
-        for part in self.out.own_parts():
+        self.stats = StatsAccumulator()  # unsharded: every committed row, other shards' too
+        for part in self.out.stats_parts():
             self.stats.add(pq.read_table(part, columns=STATS_COLUMNS))
         self.done_rows = self.job_rows - self.selection.count()  # committed plus buffered
+        self.committed_before = self.done_rows  # by earlier runs
         # row_index -> its input columns and its samples finished so far
         self.pending: dict[int, tuple[pa.RecordBatch, list[Request]]] = {}
         self.writer = PartWriter(
@@ -268,11 +403,50 @@ class _Run:
         return self._finish()
 
     def _loop(self) -> None:
-        requests = (r for row in self._input_rows() if (r := self._admit(*row)) is not None)
-        for finished in generate(self.engine, requests, QUEUE_FACTOR * self.job.max_batch_size):
-            for request in finished:
-                self._collect(request)
-            self.writer.maybe_commit()
+        rows = self._input_rows()
+        max_queued = QUEUE_FACTOR * self.job.max_batch_size
+        try:
+            requests = self._requests(rows)
+            for finished in generate(self.engine, requests, max_queued, self._stopping):
+                for request in finished:
+                    self._collect(request)
+                self.writer.maybe_commit()
+        except JobStopped:  # a signal while waiting for input rows
+            self.stopped = True
+        finally:
+            close = getattr(rows, "close", None)
+            if close is not None:
+                close()  # the prefetch thread stops at its next row (a daemon: never waited for)
+        if self.stopped:
+            # The requests in flight are dropped, and the rows of which only some samples have
+            # finished (never buffered: a part holds all of a row's output rows or none).
+            abort = getattr(self.engine, "abort_all", None)
+            if abort is not None:
+                abort()
+            self.pending.clear()
+
+    def _requests(self, rows: Iterator[InputRow]) -> Iterator[Request]:
+        """The requests of the input rows, the rows without one buffered as error rows."""
+        while True:
+            with self.stop.raising():  # waiting for the prefetch thread holds nothing
+                row = next(rows, None)
+            if row is None:
+                return
+            request = self._admit(*row)
+            if request is not None:
+                yield request
+
+    def _stopping(self) -> bool:
+        """Whether a signal has come (before a step); with tp, whether one came to any rank,
+        asked every TP_STOP_CHECK_STEPS steps (a collective), so the ranks stop at one step."""
+        if self.tp is None:
+            self.stopped = self.stop.signum is not None
+        else:
+            self.steps += 1
+            if self.steps % TP_STOP_CHECK_STEPS == 0:
+                signalled = int(self.stop.signum is not None)
+                self.stopped = -self.tp.minimum(-signalled) > 0  # the most of the ranks'
+        return self.stopped
 
     def _collect(self, request: Request) -> None:
         """A finished sample; with the row's last one, the row's output rows are buffered."""
@@ -321,8 +495,8 @@ class _Run:
 
     def _count(self, request: Request) -> None:
         self.run_tokens += len(request.output_ids)
-        if request.spec_hist is not None:
-            self.run_spec_tokens += len(request.output_ids) - 1
+        if request.spec_hist is not None:  # the tokens of its speculation rounds
+            self.run_spec_tokens += sum(k * n for k, n in enumerate(request.spec_hist, start=1))
             self.run_spec_rounds += request.spec_rounds
 
     def _buffer(self, inputs: pa.RecordBatch, rows: list[OutputRow]) -> None:
@@ -351,7 +525,12 @@ class _Run:
         )
 
     def _finish(self) -> dict[str, Any]:
+        # The ranks of a group have buffered the same rows: they agree on whether rows are left.
+        stopped = self.stopped and self.done_rows < self.job_rows
+        signum = self.stop.signum or signal.SIGTERM  # a rank stopped by another's signal
         if not self.writes:
+            if stopped:
+                raise JobStopped(signum)  # rank 0 speaks
             return self._stats()
         if self.job_rows == 0 and not self.out.own_parts():
             # A zero-row job (or shard) still leaves a part: readers find the output schema.
@@ -362,6 +541,15 @@ class _Run:
             if self.job.shard is not None:
                 self._write_job_wide_stats()
             self.out.mark_success()  # last: every input row has its output row
+        if stopped:
+            committed = _committed_rows(self.opened)
+            this_run = committed - self.committed_before
+            raise JobStopped(
+                signum,
+                stop_line(
+                    signum, committed, this_run, self.job_rows - committed, self.job.overwrite
+                ),
+            )
         return stats
 
     def _write_job_wide_stats(self) -> None:
@@ -369,11 +557,10 @@ class _Run:
         totals = StatsAccumulator()
         for part in self.out.committed_parts():
             totals.add(pq.read_table(part, columns=STATS_COLUMNS))
-        shards = [Timing.of(self.out.read_json(path)) for path in self.out.shard_stats_paths()]
         stats = totals.to_dict(
             info=self.engine.info(),
             block_size=self.engine.block_size,
-            timing=Timing.longest(shards),  # shards run side by side
+            timing=Timing.longest(self.out.shard_timings()),  # shards run side by side
             run_completion_tokens=totals.completion_tokens,
             extra={"input_rows": self.opened.source.total_rows, "shard": None},
         )

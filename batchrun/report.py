@@ -9,11 +9,13 @@ Throughput comes from the parts' manifests in _progress/: each says when its par
 generating and when the part was written, and the part's tokens are taken as generated evenly
 between its run's previous part (or start) and itself. Tokens count when their row finishes, so
 a job that is one batch shows little until its rows end. A part whose manifest does not say
-(rebuilt after a kill, or older) falls back to its file's mtime.
+(rebuilt after a kill, or older, or one batchrun could not have written) falls back to its
+file's mtime. The page replaces OUT/report.html atomically, and never through a symlink.
 """
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import re
@@ -27,7 +29,7 @@ import numpy as np
 import polars as pl
 
 from batchrun.errors import JobError
-from batchrun.io.parts import PROGRESS_DIR
+from batchrun.io.parts import PROGRESS_DIR, REPORT_FILE, write_text_atomically
 from batchrun.io.progress import STATS_FILE, SUCCESS_FILE
 from batchrun.stats import per_position_acceptance
 from batchrun.summary import CommittedParts, pooled_hist
@@ -91,7 +93,7 @@ def write_report(out_dir: Path, html_path: Path | None = None) -> Path:
     """Write the report (by default OUT/report.html); returns its path."""
     go = _plotly()
     committed = CommittedParts.of(out_dir)
-    rows = committed.scan(COLUMNS).collect()
+    rows = committed.read(COLUMNS)
     ok = rows.filter(pl.col("finish_reason") != "error")
     info = _job_info(out_dir)
     runs = _runs(committed, ok)
@@ -105,9 +107,12 @@ def write_report(out_dir: Path, html_path: Path | None = None) -> Path:
         sections += [("tau", _tau(go, ok)), ("acceptance", _acceptance(go, hist))]
     sections += [("completion-length", _lengths(go, ok)), ("errors", _errors(go, rows))]
     page = _page(out_dir, _header(out_dir, committed, rows, ok, info, runs), sections)
-    path = html_path if html_path is not None else out_dir / "report.html"
+    path = html_path if html_path is not None else out_dir / REPORT_FILE
     try:
-        path.write_text(page)
+        if html_path is None:  # in the output directory: never through a symlink
+            write_text_atomically(path, page)
+        else:  # a file the user named
+            path.write_text(page)
     except OSError as exc:
         raise JobError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from exc
     return path
@@ -143,17 +148,19 @@ def _page(out_dir: Path, header: str, sections: list[tuple[str, Any]]) -> str:
 
 
 def _job_info(out_dir: Path) -> dict[str, Any]:
-    """stats.json, or while shards still run the newest shard's own stats."""
-    candidates = [out_dir / STATS_FILE]
-    candidates += sorted(
-        (out_dir / PROGRESS_DIR).glob("stats-*.json"), key=lambda p: p.stat().st_mtime
-    )[::-1]
-    for path in candidates:
+    """stats.json, or while shards still run the newest shard's own stats (files that do not
+    hold a JSON object are skipped)."""
+    shards = []
+    for path in (out_dir / PROGRESS_DIR).glob("stats-*.json"):
+        with contextlib.suppress(OSError):
+            shards.append((path.stat().st_mtime, path))
+    for path in [out_dir / STATS_FILE, *(path for _, path in sorted(shards, reverse=True))]:
         try:
-            info: dict[str, Any] = json.loads(path.read_text())
+            info = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        return info
+        if isinstance(info, dict):
+            return info
     return {}
 
 

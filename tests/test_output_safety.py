@@ -12,6 +12,7 @@ import dataclasses
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -310,6 +311,26 @@ def test_contenders_for_a_stale_claim_elect_exactly_one(tmp_path: Path) -> None:
         assert not claim_files(out)
 
 
+@pytest.mark.parametrize(
+    "content",  # the file's text, or fields of another host's claim, of the wrong type
+    ["[1, 2]", "null", '"x"', "3", "\ufeff{", {"since": "x"}, {"pid": "7"}, {"rows": [0, True]}],
+)
+def test_a_claim_file_that_is_no_claim_counts_as_unreadable(
+    tmp_path: Path, content: str | dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As one still being written: live while fresh, deleted once past the grace."""
+    out = tmp_path / "out"
+    other = write_claim(out, host="node-b", **(content if isinstance(content, dict) else {}))
+    if isinstance(content, str):
+        other.write_text(content)
+    monkeypatch.setattr(claim, "ATTEMPTS", 1)  # no retries: a fresh conflict is final at once
+    with pytest.raises(JobError, match="a run whose claim is being written"):
+        claim.acquire(out, shard=None)
+    age(other, claim.UNWRITTEN_GRACE_SECONDS + 1)
+    claim.acquire(out, shard=None).release()
+    assert not claim_files(out)
+
+
 def test_which_shards_share_rows() -> None:
     overlap = claim.rows_overlap
     # Different shards conflict iff their row ranges intersect, whatever their N.
@@ -383,6 +404,24 @@ def test_model_files_are_part_of_the_job(tmp_path: Path, make_model: Any) -> Non
     os.utime(model / "model.safetensors")
     refused = invoke("run", str(job))
     assert refused.exit_code == 2 and "(target['model.safetensors'] differs)" in refused.stderr
+
+
+def test_an_output_directory_that_is_also_the_target_is_the_same_job_again(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    model = tmp_path / "model"  # its own copy: the job writes into it
+    shutil.copytree(tiny_model, model)
+    write_prompts(tmp_path / "in", PROMPTS)
+    job = write_job(tmp_path, model, output="model")
+    assert invoke("run", str(job)).exit_code == 0
+    assert invoke("report", str(model)).exit_code == 0  # report.html, beside stats.json
+    parts = snapshot(model)
+    again = invoke("run", str(job))
+    assert again.exit_code == 0, again.output
+    assert snapshot(model) == parts  # every row found done
+    assert_complete(model, len(PROMPTS))
+    refused = invoke("run", str(job), "--temperature", "0.5")  # another job is still told apart
+    assert refused.exit_code == 2 and "(sampling.temperature differs)" in refused.stderr
 
 
 def test_resume_accepts_what_does_not_change_outputs(tmp_path: Path, tiny_model: Path) -> None:

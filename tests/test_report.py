@@ -183,6 +183,72 @@ def test_report_errors_are_one_line(
     )
 
 
+# -- a hostile output directory (more in test_output_dir_hostile.py) -----------------------------
+
+
+def copy_of(out: Path, tmp_path: Path) -> Path:
+    shutil.copytree(out, tmp_path / "out")
+    return tmp_path / "out"
+
+
+@pytest.mark.parametrize("job_record", [True, False], ids=["with-job-json", "without"])
+def test_parts_batchrun_did_not_write_are_left_out_with_a_warning(
+    tmp_path: Path, finished: Path, job_record: bool
+) -> None:
+    out = copy_of(finished, tmp_path)
+    pq.write_table(pa.table({"x": [1, 2]}), out / "part-000098.parquet")  # unrelated columns
+    (out / "part-000099.parquet").write_bytes(b"not a Parquet file")  # damaged: left out too
+    if not job_record:
+        (out / "_progress" / "job.json").unlink()
+    warning = "batchrun: warning: 1 part file(s) not written by batchrun left out: "
+    stats = invoke("stats", str(out))
+    assert stats.exit_code == 0, stats.output
+    assert stats.stderr == warning + "part-000098.parquet\n"
+    lines = stats.stdout.splitlines()
+    assert lines[0].endswith("2 left out, complete)") and lines[1:] == summary_lines(finished)
+    report = invoke("report", str(out))
+    assert report.exit_code == 0 and report.stderr == stats.stderr, report.output
+    assert "13 of 13 (complete)" in (out / "report.html").read_text()
+
+
+def test_parts_that_carry_the_job_key_but_not_its_columns(tmp_path: Path, finished: Path) -> None:
+    """Forged parts: without an int64 row_index one is damaged (left out, as `run` moves it
+    aside); with batchrun's columns of other types, stats and report stop in one line."""
+    out = copy_of(finished, tmp_path)
+    real = pq.read_table(out / "part-000000.parquet")
+    key = real.schema.metadata
+    pq.write_table(pa.table({"x": [1]}).replace_schema_metadata(key), out / "part-000098.parquet")
+    lines = invoke("stats", str(out)).stdout.splitlines()
+    assert lines[0].endswith("1 left out, complete)") and lines[1:] == summary_lines(finished)
+    tokens = real.column("prompt_tokens").cast(pa.string())
+    forged = real.set_column(real.schema.get_field_index("prompt_tokens"), "prompt_tokens", tokens)
+    pq.write_table(forged.replace_schema_metadata(key), out / "part-000099.parquet")
+    for command in ("stats", "report"):
+        result = invoke(command, str(out))
+        assert result.exit_code == 2, result.output
+        assert result.stderr.startswith("batchrun: error: cannot read the parts of")
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("run_started", "x"), ("written", [1]), ("written", 1e300), ("rows", "3"), (None, [1, 2])],
+)
+def test_a_manifest_of_the_wrong_types_counts_as_absent(
+    tmp_path: Path, finished: Path, field: str | None, value: object
+) -> None:
+    """As `stats` does: the part is the truth; its time falls back to the file's mtime."""
+    out = copy_of(finished, tmp_path)
+    for manifest in (out / "_progress").glob("part-*.json"):
+        data = json.loads(manifest.read_text())
+        manifest.write_text(json.dumps({**data, field: value} if field else value))
+    for command in ("stats", "report"):
+        result = invoke(command, str(out))
+        assert result.exit_code == 0 and not result.stderr, result.output
+    assert summary_lines(out) == summary_lines(finished)
+    assert "13 of 13 (complete)" in (out / "report.html").read_text()
+
+
 def _chromium() -> str | None:
     sys.path.insert(0, str(REPO / "bench"))
     try:

@@ -9,6 +9,7 @@ but its own would fail here.
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import stat
@@ -29,6 +30,7 @@ from batchrun.io.reader import InputFile, InputSource
 from batchrun.io.shards import shard_rows
 from batchrun.job import JobSpec
 from batchrun.shard_env import apply_env_shard, shard_from_env
+from batchrun.stats import STATS_COLUMNS, StatsAccumulator, Timing
 
 REPO = Path(__file__).resolve().parent.parent
 COMPARED = ("row_index", "completion", "completion_token_ids", "finish_reason", "number")
@@ -213,6 +215,37 @@ def test_four_shards_give_the_rows_of_one_run_each_reading_only_its_row_groups(
         assert sharded.column(column).equals(whole.column(column)), column
     assert sharded.column("row_index").to_pylist() == sharded.column("number").to_pylist()
     assert len(committed_rows(tmp_path / "out")) == 71  # no duplicates
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [["--shard", "0/2"], ["--shard", "1/2"], []],  # shards, then the whole job unsharded
+        [[], ["--shard", "1/2"]],  # the whole job, then a shard over the finished directory
+        [["--shard", "0/2"], []],  # one shard, then an unsharded run doing the rest
+    ],
+    ids=["shards-then-whole", "whole-then-shard", "shard-then-rest"],
+)
+def test_stats_json_covers_every_committed_row_after_sharded_and_unsharded_runs(
+    tmp_path: Path, tiny_model: Path, runs: list[list[str]]
+) -> None:
+    write_input(tmp_path / "in", [5, 4], row_group_size=2)
+    job, out = write_job(tmp_path, tiny_model), tmp_path / "out"
+    for flags in runs:
+        result = CliRunner().invoke(cli, ["run", str(job), *flags])
+        assert result.exit_code == 0, result.output
+    assert_complete(out, 9)
+    every_row = StatsAccumulator()
+    for part in sorted(out.glob("part-*.parquet")):
+        every_row.add(pq.read_table(part, columns=STATS_COLUMNS))
+    expected = every_row.to_dict(
+        info={}, block_size=None, timing=Timing(1.0, 0.0, 1.0), run_completion_tokens=0
+    )
+    stats = json.loads((out / "stats.json").read_text())
+    for key in ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens"):
+        assert stats[key] == expected[key], key
+    assert stats["finish_reasons"] == expected["finish_reasons"]
+    assert (stats["rows"], stats["input_rows"], stats["shard"]) == (9, 9, None)
 
 
 def _rows_by_shard(out: Path) -> list[list[int]]:

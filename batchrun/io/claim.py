@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from batchrun.errors import JobError
+from batchrun.io.parts import refuse_symlink, remove
 
 CLAIMS_DIR = "_claims"
 CLAIM_SUFFIX = ".claim"
@@ -42,6 +43,7 @@ UNWRITTEN_GRACE_SECONDS = 30.0  # a claim file still empty this long was never f
 # times after a random pause. A claim older than this belongs to a run well under way: no retry.
 FRESH_SECONDS = 3.0
 ATTEMPTS = 8
+MAX_SINCE = 1e11  # seconds since the epoch (year 5138): a later claim time is not a real one
 
 Shard = tuple[int, int] | None
 RowRange = tuple[int, int]  # [start, stop) of row_index
@@ -119,10 +121,20 @@ class ClaimInfo:
 
     @classmethod
     def from_json(cls, text: str) -> ClaimInfo:
-        data: dict[str, Any] = json.loads(text)
-        shard, rows = data.get("shard"), data.get("rows")
-        data["shard"] = (int(shard[0]), int(shard[1])) if shard is not None else None
-        data["rows"] = (int(rows[0]), int(rows[1])) if rows is not None else None
+        """ValueError unless text is a claim as batchrun writes it (a claim file is not trusted:
+        one that is not is unreadable, as one still being written is)."""
+        data: Any = json.loads(text)
+        if not isinstance(data, dict) or set(data) - _FIELD_TYPES.keys():
+            raise ValueError("not a claim")
+        data.setdefault("rows", None)
+        for key, types in _FIELD_TYPES.items():
+            value = data.get(key, _MISSING)
+            if isinstance(value, bool) or not isinstance(value, types):
+                raise ValueError(f"claim field {key!r}: {value!r}")
+        # A pid os.kill takes, a time datetime can show (the message naming a live holder).
+        if not (0 < data["pid"] < 2**31 and 0 <= data["since"] < MAX_SINCE):
+            raise ValueError("claim pid or since out of range")
+        data["shard"], data["rows"] = _pair(data["shard"]), _pair(data["rows"])
         return cls(**data)
 
     def overlaps(self, other: ClaimInfo) -> bool:
@@ -140,6 +152,29 @@ class ClaimInfo:
         if self.host == socket.gethostname() and self.boot_id == _boot_id():
             return not _process_alive(self.pid, self.start_time)
         return time.time() - mtime > STALE_AFTER_SECONDS
+
+
+_MISSING = object()
+# Each field's JSON types (never a boolean); rows may be absent (claims of earlier versions).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "host": (str,),
+    "boot_id": (str,),
+    "pid": (int,),
+    "start_time": (str, type(None)),
+    "since": (int, float),
+    "shard": (list, type(None)),
+    "token": (str,),
+    "rows": (list, type(None)),
+}
+
+
+def _pair(value: list[Any] | None) -> tuple[int, int] | None:
+    """A shard [I, N] or rows [start, stop] as a tuple of two ints; ValueError otherwise."""
+    if value is None:
+        return None
+    if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"not two integers: {value!r}")
+    return value[0], value[1]
 
 
 def _describe(shard: Shard, rows: RowRange | None) -> str:
@@ -185,16 +220,16 @@ def _live_conflicts(directory: Path, own: ClaimInfo) -> list[_Seen]:
             continue  # released or taken over meanwhile
         try:
             info = ClaimInfo.from_json(text)
-        except (ValueError, TypeError, KeyError, IndexError):
+        except ValueError:
             if time.time() - mtime <= UNWRITTEN_GRACE_SECONDS:
                 live.append(_Seen(None, time.time() - mtime))
             else:  # its writer died between creating and writing it
-                path.unlink(missing_ok=True)
+                remove(path)
             continue
         if not info.overlaps(own):
             continue
         if info.is_stale(mtime):
-            path.unlink(missing_ok=True)  # unique name: this deletes that claim and no other
+            remove(path)  # unique name: this deletes that claim and no other
         else:
             live.append(_Seen(info, time.time() - info.since))
     return live
@@ -213,6 +248,7 @@ def acquire(out: Path, shard: Shard, rows: RowRange | None = None) -> Claim:
     """Claim out (or its shard, covering `rows`) for this process; JobError if another live run
     holds overlapping rows."""
     directory = out / CLAIMS_DIR
+    refuse_symlink(directory)  # its claims would be made and deleted elsewhere
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -260,7 +296,7 @@ class Claim:
         """Raise JobError unless this process still holds the claim (called before commits)."""
         try:
             info = ClaimInfo.from_json(self.path.read_text())
-        except FileNotFoundError:
+        except (FileNotFoundError, ValueError):  # gone, or no longer this run's claim
             self._lost()
         if info.token != self.info.token:
             self._lost()

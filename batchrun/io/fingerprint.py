@@ -7,7 +7,9 @@ dtype, the target's and draft's files (names, sizes, mtimes), the sampling defau
 log-probability columns asked for (a job without them has no such key, as before they
 existed). Not covered, as they do not change outputs: the id column, batch sizes, part sizes,
 the shard, the schedule window. The context length comes from the target's config.json (no job
-key sets it), so the model files cover it.
+key sets it), so the model files cover it. A model directory may also be an output directory (of
+this job or another): the files batchrun writes there (stats.json above all) are not model files,
+else a job writing into its own target would be a different job on its next run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchrun.errors import JobError
+from batchrun.io.parts import is_output_file
 from batchrun.io.reader import InputFile, InputSource, parquet_footer
 
 if TYPE_CHECKING:
@@ -81,6 +84,8 @@ def model_files(model_dir: Path) -> dict[str, list[int]]:
     files: dict[str, list[int]] = {}
     for path in sorted(model_dir.iterdir()):
         if path.name.startswith(".") or path.suffix not in MODEL_FILE_SUFFIXES:
+            continue
+        if is_output_file(path.name):  # batchrun's own output, when this is an output directory
             continue
         if path.is_file():
             stat = path.stat()

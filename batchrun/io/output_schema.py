@@ -201,8 +201,8 @@ def finished_row(request: Request) -> OutputRow:
     completion_tokens = len(request.output_ids)
     tau = None
     if request.spec_hist is not None and request.spec_rounds > 0:
-        tokens = sum(k * n for k, n in enumerate(request.spec_hist, start=1))
-        tau = tokens / request.spec_rounds
+        spec_tokens = sum(k * n for k, n in enumerate(request.spec_hist, start=1))
+        tau = spec_tokens / request.spec_rounds
     scored = request.logprobs
     tokens = scored.tokens if scored is not None else None
     return OutputRow(

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pyarrow as pa
 
-from batchrun.io.output_schema import OutputRow, build_table
+from batchrun.io.output_schema import OutputRow, build_table, concat_parts, conform_part
 from batchrun.io.progress import OutputDir
 
 
@@ -49,7 +49,7 @@ class PartWriter:
         """Rows already in the output schema."""
         if not self.buffered:
             self.since = time.monotonic()
-        self.tables.append(table.cast(self.schema))
+        self.tables.append(conform_part(table, self.schema))
         self.table_rows += table.num_rows
 
     def maybe_commit(self) -> None:
@@ -80,7 +80,7 @@ class PartWriter:
         self, inputs: list[pa.RecordBatch], rows: list[OutputRow], tables: list[pa.Table]
     ) -> None:
         built = [build_table(self.schema, inputs, rows)] if rows else []
-        table = pa.concat_tables(built + tables) if tables else built[0]
+        table = concat_parts(built + tables) if tables else built[0]
         self.out.commit(table)
         self.committed(table)
 

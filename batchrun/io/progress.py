@@ -7,13 +7,19 @@ temp file, which the next start deletes. A part whose footer cannot be read (tru
 is moved to _progress/damaged/ by the next start, and its rows are redone.
 
 Every part carries its job's hash (batchrun.io.fingerprint) in its Parquet metadata: a row is done
-when a readable part of this job holds it. Writes happen only under the run's claim
-(batchrun.io.claim), checked before every part commit and before _SUCCESS.
+when a readable part of this job holds it, and a part without that key was not written by batchrun.
+Writes happen only under the run's claim (batchrun.io.claim), checked before every part commit and
+before _SUCCESS.
+
+Nothing in the directory is trusted: a manifest batchrun could not have written (wrong types) is
+treated as absent, and a run refuses a directory where it would write, replace or delete through
+a symlink (_progress, _claims or a file of its own being one; OUT itself may be one).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -26,21 +32,26 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.errors import JobError
-from batchrun.io.claim import Claim, acquire
+from batchrun.io.claim import CLAIMS_DIR, Claim, acquire
 from batchrun.io.fingerprint import first_difference, job_hash
 from batchrun.io.parts import (
     PART_PATTERN,
     PROGRESS_DIR,
+    STATS_FILE,
+    SUCCESS_FILE,
     PartNames,
+    is_output_file,
     is_temp,
+    refuse_symlink,
+    remove,
     write_part,
     write_text_atomically,
 )
+from batchrun.stats import Timing
 
 DAMAGED_DIR = "damaged"  # in _progress/
 JOB_FILE = "job.json"
-SUCCESS_FILE = "_SUCCESS"
-STATS_FILE = "stats.json"
+MAX_TIME = 1e11  # seconds since the epoch (year 5138): later manifest times are not real ones
 JOB_KEY = b"batchrun.job"  # a part's Parquet metadata key holding its job's hash
 
 
@@ -70,7 +81,7 @@ class _Footer:
     """What a part's footer says: its row count and job, or why it cannot be read."""
 
     rows: int
-    job: str | None
+    job: str | None  # None: no batchrun job key, so not a part batchrun wrote
     damage: str | None  # None: readable
     present: bool = True  # False: gone since it was listed (another shard's overwrite)
 
@@ -78,10 +89,54 @@ class _Footer:
 def _read_footer(part: Path) -> _Footer:
     try:
         metadata = pq.read_metadata(part)
+        schema = metadata.schema.to_arrow_schema()
     except (OSError, pa.ArrowException) as exc:
         return _Footer(0, None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    job = (metadata.metadata or {}).get(JOB_KEY)
-    return _Footer(metadata.num_rows, job.decode() if job is not None else None, None)
+    key = (metadata.metadata or {}).get(JOB_KEY)
+    job = key.decode(errors="replace") if key is not None else None
+    # A part with a job key but no row_index to mark its rows done is no part of that job.
+    if job and [field.type for field in schema if field.name == "row_index"] != [pa.int64()]:
+        return _Footer(0, job, "no int64 row_index column")
+    return _Footer(metadata.num_rows, job, None)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_time(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < MAX_TIME
+
+
+def _valid_manifest(data: Any, part: Path) -> dict[str, Any] | None:
+    """The manifest if batchrun could have written it for `part`, else None (as if absent: its
+    rows are read from the part, its times from the file)."""
+    if not isinstance(data, dict) or data.get("part") != part.name:
+        return None
+    rows: Any = data.get("rows")
+    ranges = data.get("row_ranges")
+    if not _is_int(rows) or rows < 0 or not isinstance(ranges, list):
+        return None
+    for pair in ranges:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(map(_is_int, pair))):
+            return None
+        if not 0 <= pair[0] < pair[1]:
+            return None
+    if sum(stop - start for start, stop in ranges) > rows:  # more rows than the part holds
+        return None
+    times = [data.get("run_started"), data.get("written")]
+    if not all(t is None or _is_time(t) for t in times):
+        return None
+    return data
+
+
+def _scan(directory: Path) -> list[os.DirEntry[str]]:
+    """The entries of a directory ([] if it is not one); their types come without a stat."""
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except OSError:
+        return []
 
 
 class OutputDir:
@@ -128,13 +183,14 @@ class OutputDir:
             existing = existing.parent
         if not os.access(existing, os.W_OK | os.X_OK):
             raise JobError(f"output {str(self.path)!r} is not writable")
+        self._check_layout()
         if overwrite or not self.all_parts():
             return
         recorded = self._recorded_fingerprint()
         if recorded is None:
             raise JobError(
-                f"output {str(self.path)!r} holds part files but no {PROGRESS_DIR}/{JOB_FILE}; "
-                "use --overwrite or another --output"
+                f"output {str(self.path)!r} holds part files but no {PROGRESS_DIR}/{JOB_FILE} "
+                "that batchrun can read; use --overwrite or another --output"
             )
         differs = first_difference(recorded, fingerprint)
         if differs == "version":
@@ -142,14 +198,34 @@ class OutputDir:
         elif differs is not None:
             why = f"{differs} differs"
         else:
-            foreign = [p.name for p in self._claimed_parts() if self._is_other_jobs(p)]
+            foreign = [p for p in self._claimed_parts() if self._is_other_jobs(p)]
             if not foreign:
                 return
-            why = f"{foreign[0]} was written by another job"
+            by = "another job" if self._footer(foreign[0]).job else "something other than batchrun"
+            why = f"{foreign[0].name} was written by {by}"
         raise JobError(
             f"output {str(self.path)!r} holds parts of a different job ({why}); "
             "use --overwrite or another --output"
         )
+
+    def _check_layout(self) -> None:
+        """JobError unless a run can work here without following a symlink: its directories
+        are real ones (or absent), and no file it may write, replace or delete is a symlink (nor
+        a directory where it writes a file)."""
+        for directory in (self.progress, self.path / CLAIMS_DIR, self.progress / DAMAGED_DIR):
+            refuse_symlink(directory)
+            if directory.exists() and not directory.is_dir():
+                raise JobError(f"{str(directory)!r} is not a directory; batchrun keeps one there")
+        entries = [e for e in _scan(self.path) if is_output_file(e.name) or is_temp(e.name)]
+        for directory in (self.progress, self.progress / DAMAGED_DIR, self.path / CLAIMS_DIR):
+            entries += _scan(directory)  # everything in them is batchrun's
+        for entry in entries:
+            if entry.is_symlink():
+                refuse_symlink(Path(entry.path))
+            name = entry.name
+            file = name == SUCCESS_FILE or name.endswith((".json", ".claim")) or is_temp(name)
+            if file and entry.is_dir():
+                raise JobError(f"{entry.path!r} is a directory; batchrun writes a file there")
 
     def prepare(self, fingerprint: dict[str, Any], overwrite: bool) -> list[str]:
         """Under the claim: clear (with overwrite) or recover after a kill, and record the job.
@@ -169,7 +245,7 @@ class OutputDir:
             for directory in (self.path, self.progress):
                 for entry in directory.iterdir():
                     if self._is_our_temp(entry.name):
-                        entry.unlink(missing_ok=True)
+                        remove(entry)
             moved = self._move_damaged_aside()
             self._drop_orphan_manifests()
             for part in self.all_parts():
@@ -194,14 +270,14 @@ class OutputDir:
 
     def _clear(self) -> None:
         if self.names.shard is None:
-            (self.progress / JOB_FILE).unlink(missing_ok=True)  # an interrupted clear cannot resume
-            shutil.rmtree(self.progress, ignore_errors=True)
+            remove(self.progress / JOB_FILE)  # an interrupted clear cannot resume
+            shutil.rmtree(self.progress, ignore_errors=True)  # check(): holds no symlink
             doomed = [*self.all_parts(), self.path / STATS_FILE]
         else:
             doomed = self.own_parts()
             doomed += [self._manifest_path(p) for p in doomed] + [self.stats_path]
         for path in [self.path / SUCCESS_FILE, *doomed]:
-            path.unlink(missing_ok=True)
+            remove(path)
 
     def _move_damaged_aside(self) -> list[str]:
         damaged = [part for part in self._claimed_parts() if self.damaged(part)]
@@ -209,10 +285,11 @@ class OutputDir:
             (self.progress / DAMAGED_DIR).mkdir(exist_ok=True)
         for part in damaged:
             target = self.progress / DAMAGED_DIR / part.name
-            if target.exists():
+            if os.path.lexists(target):  # never replace an entry, not even a dangling link
                 target = target.with_name(f"{part.name}.{time.time_ns()}")
+            refuse_symlink(part)
             os.replace(part, target)
-            self._manifest_path(part).unlink(missing_ok=True)
+            remove(self._manifest_path(part))
         return [part.name for part in damaged]
 
     def _drop_orphan_manifests(self) -> None:
@@ -221,7 +298,7 @@ class OutputDir:
         for manifest in self.progress.glob("part-*.json"):
             is_ours = self.names.number(manifest.stem + ".parquet") is not None
             if (is_ours or self.names.shard is None) and manifest.stem not in own:
-                manifest.unlink(missing_ok=True)
+                remove(manifest)
 
     def use_recorded_job(self) -> None:
         """For readers (`batchrun stats`, `report`): take the job of _progress/job.json as this
@@ -231,10 +308,10 @@ class OutputDir:
 
     def _recorded_fingerprint(self) -> dict[str, Any] | None:
         try:
-            recorded: dict[str, Any] = json.loads((self.progress / JOB_FILE).read_text())
+            recorded = json.loads((self.progress / JOB_FILE).read_text())
         except (OSError, ValueError):
             return None
-        return recorded
+        return recorded if isinstance(recorded, dict) else None
 
     # -- committed rows ---------------------------------------------------------------------
 
@@ -274,14 +351,32 @@ class OutputDir:
         return readable and self._job is not None and footer.job != self._job
 
     def committed_parts(self) -> list[Path]:
-        """The readable parts of this job (of every shard): those whose rows are done."""
+        """The readable parts of this job (of every shard): those whose rows are done. Without a
+        recorded job (readers of an old output), every readable part batchrun wrote."""
         return [
             part
             for part in self.all_parts()
             if (footer := self._footer(part)).present
             and footer.damage is None
+            and footer.job
             and (self._job is None or footer.job == self._job)
         ]
+
+    def foreign_parts(self) -> list[Path]:
+        """Readable parts without batchrun's job key: files batchrun did not write."""
+        return [
+            part
+            for part in self.all_parts()
+            if (footer := self._footer(part)).present and footer.damage is None and not footer.job
+        ]
+
+    def stats_parts(self) -> list[Path]:
+        """The parts a run's stats cover: unsharded, every committed part (stats.json is job-wide,
+        other shards' included); a shard, its own."""
+        parts = self.committed_parts()
+        if self.names.shard is None:
+            return parts
+        return [p for p in parts if self.names.number(p.name) is not None]
 
     def done_mask(self, total_rows: int) -> np.ndarray:
         """True for each row_index with a committed output row (by any shard)."""
@@ -292,7 +387,7 @@ class OutputDir:
             except FileNotFoundError:
                 continue  # cleared by another shard's overwrite since it was listed
             for start, stop in ranges:
-                done[start:stop] = True
+                done[max(start, 0) : max(stop, 0)] = True  # a forged part's negative rows: none
         return done
 
     def _row_ranges(self, part: Path) -> list[list[int]]:
@@ -305,6 +400,7 @@ class OutputDir:
     def commit(self, table: pa.Table) -> Path:
         """Write the next part atomically, then its manifest; JobError if that fails."""
         self._verify_claim()
+        refuse_symlink(self.progress)  # check() saw none; nor may one appear since
         if self._next_number is None:
             numbers = [self.names.number(p.name) for p in self.own_parts()]
             self._next_number = max((n for n in numbers if n is not None), default=-1) + 1
@@ -345,10 +441,10 @@ class OutputDir:
 
     def _manifest(self, part: Path) -> dict[str, Any] | None:
         try:
-            manifest: dict[str, Any] = json.loads(self._manifest_path(part).read_text())
+            manifest = json.loads(self._manifest_path(part).read_text())
         except (OSError, ValueError):
             return None
-        return manifest
+        return _valid_manifest(manifest, part)
 
     # -- stats and completion ---------------------------------------------------------------
 
@@ -359,12 +455,18 @@ class OutputDir:
             return self.path / STATS_FILE
         return self.progress / f"stats-{self.names.tag}.json"
 
-    def shard_stats_paths(self) -> list[Path]:
-        return sorted(self.progress.glob("stats-*.json"))
-
-    def read_json(self, path: Path) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(path.read_text())
-        return data
+    def shard_timings(self) -> list[Timing]:
+        """The timing each shard's stats file records (files that do not hold one are skipped)."""
+        timings = []
+        for path in sorted(self.progress.glob("stats-*.json")):
+            try:
+                data = json.loads(path.read_text())
+                values = [data[k] for k in ("wall_seconds", "load_seconds", "generation_seconds")]
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+            if all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+                timings.append(Timing(*values))
+        return timings
 
     def write_json(self, path: Path, data: dict[str, Any]) -> None:
         try:

@@ -8,22 +8,26 @@ process joins its tensor-parallel group and runs the job in lockstep with the gr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from batchrun.errors import JobError
+from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
 from batchrun.job import JobSpec
 from batchrun.models.loader import qwen3_shape, read_config
 from batchrun.parallel.group import TensorParallel, init_from_env
 from batchrun.parallel.sharding import local_shape
-from batchrun.pipeline import open_job, run_job
+from batchrun.pipeline import STOP_SIGNALS, open_job, run_job
 
 TP_DEVICES = ("auto", "cpu", "cuda")
 
@@ -52,7 +56,8 @@ def check(job: JobSpec) -> None:
 
 
 def relaunch(job: JobSpec) -> int:
-    """Run the job as job.tp torchrun processes; their exit status."""
+    """Run the job as job.tp torchrun processes; their exit status (EXIT_STOPPED when a signal
+    stopped them)."""
     check(job)
     open_job(job)  # the input and output checks, said once here rather than by every rank
     command = [
@@ -61,14 +66,53 @@ def relaunch(job: JobSpec) -> int:
     ]  # fmt: skip
     environ = dict(os.environ)
     environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.tp)))
-    return subprocess.call(command, env=environ)
+    # In a session of its own, so that a terminal's Ctrl-C (or a signal to this process group)
+    # reaches torchrun once, from here: torchrun passes it on to the ranks (each in a session
+    # of its own), which stop together and commit (batchrun.pipeline.StopSignals).
+    process = subprocess.Popen(command, env=environ, start_new_session=True)
+    with _forward_stop_signals(process) as forwarded:
+        status = process.wait()
+    return EXIT_STOPPED if forwarded and status != 0 else status
+
+
+@contextlib.contextmanager
+def _forward_stop_signals(process: subprocess.Popen[bytes]) -> Iterator[list[int]]:
+    """While within: the first SIGTERM or SIGINT goes on to `process`, and is listed; a second
+    ends this process at once (the default action; the ranks still stop as the first asked)."""
+    forwarded: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        forwarded.append(signum)
+        for installed in previous:
+            signal.signal(installed, signal.SIG_DFL)
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signum)
+
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for stop in STOP_SIGNALS:
+            if signal.getsignal(stop) is not signal.SIG_IGN:
+                previous[stop] = signal.signal(stop, forward)
+    try:
+        yield forwarded
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def run_rank(job: JobSpec) -> tuple[dict[str, Any], TensorParallel]:
     """This torchrun process's part of the job: its group's, on GPU LOCAL_RANK or the CPU."""
     tp = init_from_env(os.environ, device_type(job), job.tp)
     local_shape(qwen3_shape(read_config(Path(job.target), "target model")), tp)  # one line if not
-    stats = run_job(job, tp=tp)
+    try:
+        stats = run_job(job, tp=tp)
+    except JobStopped:
+        _leave(tp)  # a signal stops the ranks at one step (StopSignals): they leave together
+        raise
+    _leave(tp)
+    return stats, tp
+
+
+def _leave(tp: TensorParallel) -> None:
     tp.barrier()  # no rank tears its connections down while another still uses them (gloo aborts)
     dist.destroy_process_group()  # after a failure, torchrun ends the other ranks instead
-    return stats, tp

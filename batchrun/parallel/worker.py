@@ -1,13 +1,13 @@
 """One process of `batchrun run --tp N` under torchrun: `python -m batchrun.parallel.worker JOB`,
 JOB the resolved job as JSON. Rank 0 prints the summary line; a JobError is one line on stderr
-and exit status 2, as from `batchrun run`."""
+and exit status 2, and a stop by a signal one line and EXIT_STOPPED, as from `batchrun run`."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from batchrun.errors import JobError
+from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
 from batchrun.job import JobSpec
 from batchrun.parallel.launch import run_rank
 from batchrun.pipeline import summary_line
@@ -20,6 +20,10 @@ def main(argv: list[str]) -> int:
     except JobError as exc:
         print(f"batchrun: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except JobStopped as stop:  # by SIGTERM or SIGINT, as `batchrun run` stops
+        if stop.line is not None:  # rank 0's
+            print(stop.line, file=sys.stderr)
+        return EXIT_STOPPED
     if tp.rank == 0:
         print(summary_line(stats, job.output))
     return 0

@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 
 from batchrun.errors import JobError
 from batchrun.io.cells import column_values
-from batchrun.io.output_schema import build_table
+from batchrun.io.output_schema import build_table, concat_parts, conform_part
 from batchrun.io.overrides import output_rows
 from batchrun.io.part_writer import PartWriter
 from batchrun.io.progress import DAMAGED_DIR, PROGRESS_DIR, row_ranges
@@ -286,7 +286,7 @@ class _Committer:
     def _take(self, table: pa.Table) -> None:
         """Buffer the rows of an output batch whose samples have all come, unless this run has
         them already."""
-        table = table.select(self.opened.schema.names)
+        table = conform_part(table, self.opened.schema)
         indices = table.column(ROW_INDEX).to_numpy()
         if len(indices) and (indices.min() < 0 or indices.max() >= self.total):
             raise JobError(f"Ray returned a row_index outside the input's {self.total} rows")
@@ -306,7 +306,7 @@ class _Committer:
                 complete += [held[s] for s in sorted(held)]
         if not complete:
             return
-        rows = pa.concat_tables(complete)
+        rows = concat_parts(complete)
         self._count(rows)
         self.writer.add_table(rows)
         self.writer.maybe_commit()
