@@ -50,8 +50,22 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
         assert all(o == written["none"] for o in written.values()), name
 
 
-def test_the_command_refuses_unknown_workloads() -> None:
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--jobs", "w9"],
+        ["--jobs", "w1", "--tau", "x"],
+        ["--jobs", "w1", "--tau", "0,nan"],
+        ["--jobs", "w1", "--job-scale", "-1"],
+        ["--jobs", "w1", "--target", "."],
+        ["--shape", "qwen3-8b", "--batch-sizes", "1,,-4"],
+        ["--shape", "qwen3-8b", "--contexts", "1e9999"],
+    ],
+)
+def test_bad_bench_arguments_are_one_line(args: list[str]) -> None:
     from batchrun.cli import cli
 
-    result = CliRunner().invoke(cli, ["bench", "--jobs", "w9", "--device", "cpu"])
-    assert result.exit_code == 2 and "unknown workload 'w9'" in result.output
+    result = CliRunner().invoke(cli, ["bench", *args, "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert len(result.output.strip().splitlines()) == 1, result.output

@@ -16,11 +16,26 @@ from batchrun.bench.workloads import WORKLOADS
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
+    """A comma list of positive integers (a bad one is a usage error, in one line)."""
+    values = _numbers(text, int)
+    if any(v <= 0 for v in values):
+        raise click.BadParameter(f"expected positive integers, got {text!r}")
+    return tuple(int(v) for v in values)
 
 
 def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x)
+    """A comma list of positive finite numbers."""
+    values = _numbers(text, float)
+    if any(not (0 < v < float("inf")) for v in values):
+        raise click.BadParameter(f"expected positive numbers, got {text!r}")
+    return tuple(float(v) for v in values)
+
+
+def _numbers(text: str, kind: type) -> list[float]:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected a comma list of numbers, got {text!r}") from None
 
 
 def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
@@ -121,7 +136,7 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
 )
 @click.option(
     "--job-scale",
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
     default=1.0,
     show_default=True,
     help="--jobs: scale every workload's rows and lengths (a small model's test).",
