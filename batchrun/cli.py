@@ -4,8 +4,10 @@ directory."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +15,7 @@ import click
 
 import batchrun
 from batchrun.bench.command import bench
-from batchrun.errors import JobError
+from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
 from batchrun.io.prompts import DEFAULT_PROMPT_COLUMNS, OVERRIDE_COLUMNS, PromptKind
 from batchrun.job import JobSpec, load_job
 from batchrun.pipeline import OpenedJob, open_job, run_job, summary_line
@@ -71,7 +73,11 @@ _RUN_OPTIONS = [
     click.option("--temperature", type=float, help="Sampling temperature; 0 is greedy."),
     click.option("--top-p", type=float, help="Nucleus sampling mass; 1 keeps every token."),
     click.option("--top-k", type=int, help="Top-k cutoff; 0 = off."),
-    click.option("--seed", type=int, help="Job seed; each row gets its own from it."),
+    click.option(
+        "--seed",
+        type=int,
+        help="Job seed, any integer in [-2^63, 2^64), used modulo 2^64; each row gets its own.",
+    ),
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
     click.option("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
     click.option("--n", type=int, help="Samples per row (n output rows, sample_index 0 .. n-1)."),
@@ -186,6 +192,23 @@ def _help_states_job_defaults(command: click.Command) -> click.Command:
     return command
 
 
+def _stops_cleanly(command: Callable[..., None]) -> Callable[..., None]:
+    """SIGTERM or SIGINT stops `run` cleanly (batchrun.pipeline.StopSignals): what it finished
+    is committed, one line on stderr counts the rows, and it exits EXIT_STOPPED; running the
+    same command again resumes."""
+
+    @functools.wraps(command)
+    def stopping(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except JobStopped as stop:
+            if stop.line is not None:  # None: a tensor-parallel rank whose rank 0 speaks
+                click.echo(stop.line, err=True)
+            click.get_current_context().exit(EXIT_STOPPED)
+
+    return stopping
+
+
 def _job(job_file: Path | None, flags: dict[str, Any]) -> JobSpec:
     # An unrepeated multi-value flag arrives as () and means "not set".
     overrides = {
@@ -213,6 +236,7 @@ def _job(job_file: Path | None, flags: dict[str, Any]) -> JobSpec:
     type=int,
     help="With --ray: engine actors [default: one per GPU of the cluster, 1 without GPUs].",
 )
+@_stops_cleanly
 def run(job_file: Path | None, ray_address: str | None, replicas: int | None, **flags: Any) -> None:
     """Run a job: JOB_FILE (TOML), overridden by flags. Prints a summary line when done."""
     job = _job(job_file, flags)

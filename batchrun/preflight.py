@@ -3,29 +3,41 @@
 `run` calls `preflight` before it loads any weights and `validate` calls it instead of loading
 them, so a job `validate` accepts cannot be refused at start-up by `run`. Each check is the
 function the engine itself calls while it loads (device, attention backend, target config,
-dtype, draft fit, batch budget, tokenizer), so the two cannot drift apart either.
+dtype, draft fit, batch budget, verify width, tokenizer, end-of-sequence ids, and the weights'
+names and shapes, which load_weights checks here against tensors of the checkpoints' headers on
+the meta device), so the two cannot drift apart either; and the batch limits are held to what
+the device's memory could run at all (engine/memory.py, check_batch_memory).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchrun.engine.config import check_batch_budget
+from batchrun.engine.config import EngineConfig, check_batch_budget, verify_widths
 from batchrun.engine.loading import (
     auto_candidates,
     backend_name,
     check_backend_dtype,
+    eos_token_ids,
     load_tokenizer,
     resolve_device,
 )
+from batchrun.engine.memory import BatchFootprint, check_batch_memory, kv_pages
+from batchrun.engine.model_runner import IN_FLIGHT_STEPS
 from batchrun.errors import JobError
 from batchrun.io.prompts import PromptColumn, PromptKind
-from batchrun.models.dflash_loader import DraftSpec, check_draft
-from batchrun.models.loader import qwen3_shape, read_config, resolve_dtype
-from batchrun.models.qwen3 import Qwen3Shape
+from batchrun.models.dflash import DFlashDraft
+from batchrun.models.dflash_loader import DraftSpec, _draft_to_target, check_draft
+from batchrun.models.loader import load_weights, qwen3_shape, read_config, resolve_dtype
+from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.models.safetensors_reader import read_header
+from batchrun.speculative.sliding_window import ring_pages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -63,11 +75,150 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     if config.attention_backend == "auto" and len(candidates) > 1:
         backend = f"{' or '.join(candidates)}, the faster measured at start-up"
     draft = check_draft(config.draft, target) if config.draft is not None else None
-    check_batch_budget(config.max_batched_tokens, draft.block_size if draft is not None else 1)
+    block_size = draft.block_size if draft is not None else None
+    check_batch_budget(config.max_batched_tokens, block_size or 1)
+    widths = verify_widths(config.verify_width, block_size)
     tokenizer = load_tokenizer(config.target)
     if prompt is not None and prompt.kind is PromptKind.MESSAGES and not tokenizer.chat_template:
         raise JobError(
             f"prompt column {prompt.name!r} holds chat messages, "
             "but the target's tokenizer has no chat template"
         )
+    _check_eos(config.target, target_config, tokenizer)
+    weights = check_checkpoints(config.target, target, config.draft, draft, dtype)
+    footprint = batch_footprint(
+        target, draft, dtype, weights, min(widths), job.tp, config.page_size
+    )
+    check_batch_memory(footprint, config.max_batch_size, config.max_batched_tokens, device)
+    _check_kv_pool(config, target, draft, dtype, device, widths)
     return Preflight(device, dtype, backend, target, tokenizer, draft)
+
+
+def _check_kv_pool(
+    config: EngineConfig,
+    target: Qwen3Shape,
+    draft: DraftSpec | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    widths: tuple[int, ...],
+) -> None:
+    """The engine's refusal of a KV pool too small for a context of 2 tokens, from the pool
+    kv_pages sizes before any weights load. On a GPU, with less of its memory in use than
+    once the weights are loaded: a pool this finds too small, the engine's is too."""
+    width = draft.block_size if draft is not None else 1
+    window = draft.attention.window if draft is not None else None
+    rings = ring_pages(window, width, config.page_size) if window else 0
+    num_pages = config.num_pages or kv_pages(
+        config, target, draft.shape if draft is not None else None,
+        len(draft.target_layer_ids) if draft is not None else 0, dtype.itemsize, width, device,
+        draft_paged_layers=draft.attention.num_full if draft is not None else 0,
+        ring_pages=rings * (config.max_batch_size + 1), widths=widths,
+    )  # fmt: skip
+    context = target.max_position_embeddings
+    limit = min(config.max_model_len or context, context)
+    if min(limit, num_pages * config.page_size - IN_FLIGHT_STEPS * width) < 2:
+        raise JobError(
+            f"the KV pool ({num_pages} pages of {config.page_size}) is too small: what "
+            f"max_batch_size {config.max_batch_size} and max_batched_tokens "
+            f"{config.max_batched_tokens} need leaves no room for it"
+            + (
+                f" in gpu_memory_fraction {config.gpu_memory_fraction}"
+                if device.type == "cuda"
+                else ""
+            )
+        )
+
+
+def _check_eos(
+    target_dir: Path, config: dict[str, Any], tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """The end-of-sequence ids the engine reads: generation_config.json, else config.json."""
+    try:
+        eos_token_ids(target_dir, config, tokenizer)
+    except (OSError, ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        raise JobError(
+            f"cannot read the target's eos_token_id (generation_config.json or config.json in "
+            f"{target_dir}): {exc}".splitlines()[0]
+        ) from None
+
+
+def check_checkpoints(
+    target_dir: Path,
+    target: Qwen3Shape,
+    draft_dir: Path | None,
+    draft: DraftSpec | None,
+    dtype: torch.dtype,
+) -> int:
+    """The loaders' own checks of the weights' names and shapes (load_weights), run on models
+    built on the meta device against the tensors the safetensors headers describe, so no weight
+    is read (but a draft's small vocabulary map, as the loader checks it). Returns the bytes the
+    weights take in `dtype`. Raises JobError."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(target).to(dtype)
+    if target.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    skip = {"lm_head.weight"} if target.tie_word_embeddings else set()
+    load_weights(model, header_tensors(target_dir), "target", skip)
+    numel = sum(p.numel() for p in model.parameters())
+    if draft_dir is not None and draft is not None:
+        with torch.device("meta"):
+            module = DFlashDraft(
+                draft.shape, list(draft.target_layer_ids), draft.block_size,
+                draft.mask_token_id, 1, draft.attention, draft.head_rows,
+            ).to(dtype)  # fmt: skip
+        load_weights(module, header_tensors(draft_dir), "draft", skip=set(draft.not_loaded))
+        if draft.vocab_map and draft.head_rows is not None:
+            _draft_to_target(draft_dir, draft.head_rows, target.vocab_size)
+        numel += sum(p.numel() for p in module.parameters())
+    return numel * dtype.itemsize
+
+
+def header_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """iter_safetensors's (name, tensor) pairs, in its order, as meta tensors from the headers
+    alone; the same JobError where it would raise one on a header."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise JobError(f"no .safetensors files in {model_dir}")
+    for file in files:
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except OSError as e:
+            raise JobError(f"cannot read {file}: {e.strerror}") from None
+        try:
+            header = read_header(fd, file)
+        except OSError as e:
+            raise JobError(f"cannot read {file}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+        for entry in header.entries:
+            yield entry.name, torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+
+
+def batch_footprint(
+    target: Qwen3Shape,
+    draft: DraftSpec | None,
+    dtype: torch.dtype,
+    weight_bytes: int,
+    min_width: int,
+    tp: int,
+    page_size: int,
+) -> BatchFootprint:
+    """What a batch of this job needs at least, per engine (tensor-parallel rank): the target's
+    weights split tp ways, the draft's whole."""
+    element = dtype.itemsize
+    rings = 0
+    if draft is not None and draft.attention.window is not None:
+        per_layer = ring_pages(draft.attention.window, draft.block_size, page_size)
+        rings = per_layer * draft.attention.num_sliding
+    return BatchFootprint(
+        target=target,
+        draft=draft.shape if draft is not None else None,
+        weight_bytes=weight_bytes // tp,  # less than this rank's share: a lower bound still
+        element=element,
+        width=draft.block_size if draft is not None else 1,
+        min_width=min_width,
+        page_size=page_size,
+        draft_paged_layers=draft.attention.num_full if draft is not None else 0,
+        ring_pages=rings,
+        tp=tp,
+    )

@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchrun.engine.request import MAX_SAMPLES
+from batchrun.engine.request import MAX_SAMPLES, SEED_END, SEED_MIN
 from batchrun.io.output_schema import (
     COMPLETION_LOGPROB_FIELDS,
     PROMPT_LOGPROBS_FIELD,
@@ -22,6 +22,16 @@ from batchrun.io.output_schema import (
 )
 
 _PATH_NOTE = "Relative paths in a job file resolve against the job file's directory."
+
+# Sanity maxima of the batch limits, so that an absurd number is refused before any model file
+# is read; what a device can really hold is checked at start-up, from the model's shapes
+# (engine/memory.py, check_batch_memory). 65,536 requests in flight: each holds at least a page
+# of K/V and samples a row of float32 logits, which at Qwen3's vocabulary of 151,936 are 40 GB
+# for 65,536 rows alone, and vLLM's default is 256 (its largest CUDA graph 512). 2^24 tokens per
+# forward: 400 full 40,960-token contexts; at Qwen3-8B's hidden size (4,096, bfloat16) the
+# residual stream of such a forward alone is 128 GiB.
+MAX_BATCH_SIZE = 1 << 16
+MAX_BATCHED_TOKENS = 1 << 24
 
 
 def _string(description: str) -> dict[str, Any]:
@@ -80,11 +90,13 @@ def job_schema() -> dict[str, Any]:
         },
         "top_k": _integer("Default top-k cutoff; 0 turns it off.", 0, 0),
         "seed": _integer(
-            "Job seed; a row without a `seed` cell gets a distinct seed derived from it "
-            "and its row_index (and each of its n samples one of its own).",
+            "Job seed, any integer in [-2^63, 2^64), used modulo 2^64 (so -1 and 2^64-1 sample "
+            "alike); a row without a `seed` cell gets a distinct seed derived from it and its "
+            "row_index (and each of its n samples one of its own).",
             0,
-            0,
-        ),
+            SEED_MIN,
+        )
+        | {"maximum": SEED_END - 1},
         "stop": {
             "type": "array",
             "items": {"type": "string", "minLength": 1},
@@ -144,10 +156,20 @@ def job_schema() -> dict[str, Any]:
             "step from measured step costs and acceptance), full (the draft's block size) or "
             "1 up to the block size.",
         },
-        "max_batch_size": _integer("Requests in flight in the engine at once.", 64, 1),
+        "max_batch_size": _integer(
+            f"Requests in flight in the engine at once (at most {MAX_BATCH_SIZE}, and what the "
+            "device's memory holds).",
+            64,
+            1,
+        )
+        | {"maximum": MAX_BATCH_SIZE},
         "max_batched_tokens": _integer(
-            "Tokens per forward pass (prefill chunks + decode).", 2048, 1
-        ),
+            f"Tokens per forward pass (prefill chunks + decode; at most {MAX_BATCHED_TOKENS}, "
+            "and what the device's memory holds).",
+            2048,
+            1,
+        )
+        | {"maximum": MAX_BATCHED_TOKENS},
         "schedule_window": _integer(
             "Input rows read ahead and admitted sorted: rows sharing a prompt prefix side by "
             "side, the longest first; 0 admits rows in input order. Outputs do not change.",

@@ -90,8 +90,14 @@ def test_job_level_top_k_beyond_the_vocabulary_is_off(tokenizer: PreTrainedToken
 def test_job_level_seed_outside_the_contract_range_is_refused(
     tokenizer: PreTrainedTokenizerBase,
 ) -> None:
-    with pytest.raises(JobError, match=r"seed must be an integer in \[-2\^63, 2\^64\)"):
+    with pytest.raises(
+        JobError, match="job key 'seed': .* greater than the maximum of 18446744073709551615"
+    ):
         builder_for(tokenizer, {"prompt": pa.string()}, seed=2**64)
+    with pytest.raises(
+        JobError, match="job key 'seed': .* less than the minimum of -9223372036854775808"
+    ):
+        builder_for(tokenizer, {"prompt": pa.string()}, seed=-(2**63) - 1)
 
 
 # -- float32: top_p and temperature --------------------------------------------------------------
@@ -332,13 +338,17 @@ def test_invalid_utf8_fails_only_its_row_and_passes_through(
     result = run_job(tmp_path, tiny_model, table, 'id_column = "note"\n')
     assert result.exit_code == 0, result.output
     out = read_output(tmp_path / "out")
+    replaced = "invalid UTF-8 replaced with U+FFFD in the output"
     assert out.column("error").to_pylist() == [
         None,
-        "prompt is not valid UTF-8",
-        None,
-        "stop is not valid UTF-8",
+        f"prompt is not valid UTF-8; {replaced}: prompt (original bytes in prompt__raw_bytes)",
+        f"{replaced}: note (original bytes in note__raw_bytes)",
+        f"stop is not valid UTF-8; {replaced}: stop, note "
+        "(original bytes in stop__raw_bytes, note__raw_bytes)",
     ]
-    assert out.column("note").cast(pa.binary()).to_pylist() == note  # copied, never decoded
+    # The output is valid UTF-8; the original bytes of the replaced cells are kept beside it.
+    assert out.column("note").to_pylist() == [b.decode("utf-8", "replace") for b in note]
+    assert out.column("note__raw_bytes").to_pylist() == [None, None, *note[2:]]
     assert "row 3 (note=<is not valid UTF-8>): stop is not valid UTF-8" in result.stderr
 
 

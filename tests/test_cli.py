@@ -356,7 +356,7 @@ def test_run_help_states_every_default(tmp_path: Path) -> None:
     ("flags", "message"),
     [
         (["--max-tokens", "many"], "'many' is not a valid integer"),
-        (["--seed", "-1"], "job key 'seed'"),
+        (["--seed", str(2**64)], "job key 'seed'"),
         (["--stpo", "x"], "No such option '--stpo'"),
     ],
 )

@@ -150,3 +150,59 @@ def test_sampling_defaults_the_engine_refuses_are_refused_at_load(
     assert "\n" not in str(info.value)
     with pytest.raises(JobError, match=message):
         JobSpec(input="a", output="b", target="c", **tomllib.loads(extra))
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**63, 2**64 - 1])
+def test_every_seed_in_the_contract_range_is_a_job_seed(tmp_path: Path, seed: int) -> None:
+    assert load_job(write_job(tmp_path, f"{BASE}seed = {seed}\n")).seed == seed
+    assert load_job(None, {"input": "x", "output": "o", "target": "m", "seed": seed}).seed == seed
+
+
+@pytest.mark.parametrize(
+    ("seed", "message"),
+    [
+        (-(2**63) - 1, "less than the minimum of -9223372036854775808"),
+        (2**64, "greater than the maximum of 18446744073709551615"),
+    ],
+)
+def test_a_seed_past_the_range_is_refused(tmp_path: Path, seed: int, message: str) -> None:
+    with pytest.raises(JobError, match=f"job key 'seed': {seed} is {message}"):
+        load_job(write_job(tmp_path, f"{BASE}seed = {seed}\n"))
+
+
+def test_minus_one_and_2_64_minus_1_seed_rows_alike() -> None:
+    keys = {"input": "x", "output": "o", "target": "m"}
+    low, high = JobSpec(**keys, seed=-1), JobSpec(**keys, seed=2**64 - 1)
+    assert [low.default_params(i).seed for i in range(5)] == [
+        high.default_params(i).seed for i in range(5)
+    ]
+
+
+NAME = "n" * 300  # longer than the 255 bytes every common filesystem allows a name
+
+
+@pytest.mark.parametrize(
+    ("key", "path", "message"),
+    [
+        ("output", NAME, "File name too long"),
+        ("output", f"new/{NAME}/out", "a name of 300 bytes is longer than the 255"),
+        ("input", f"{NAME}/*.parquet", "File name too long"),
+        ("target", "x/" * 3000, "File name too long"),
+    ],
+)
+def test_a_path_the_filesystem_cannot_name_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str, path: str, message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    flags = {"input": "in", "output": "out", "target": "model", key: path}
+    with pytest.raises(
+        JobError, match=f"^{key} path '.*' \\({len(path)} characters\\): .*{message}"
+    ):
+        load_job(None, flags)
+
+
+def test_paths_that_can_exist_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    long_glob = "*" * 300 + ".parquet"  # a pattern, not a name: it may match short names
+    flags = {"input": f"data/{long_glob}", "output": "a/b/c", "target": "n" * 255}
+    assert load_job(None, flags).output == "a/b/c"

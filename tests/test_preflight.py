@@ -17,6 +17,7 @@ from click.testing import CliRunner, Result
 from safetensors.torch import load_file
 
 import batchrun.engine.engine
+import batchrun.models.safetensors_reader
 from batchrun.cli import cli
 from batchrun.errors import JobError
 from batchrun.job import JobSpec
@@ -45,9 +46,22 @@ def write_input(directory: Path, column: str = "prompt") -> None:
     pq.write_table(pa.table({column: values}), directory / "in.parquet")
 
 
-def test_preflight_finds_what_run_uses_without_weights(tmp_path: Path, tiny_model: Path) -> None:
+def no_weight_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading any tensor data (not a header) of a checkpoint fails the test."""
+
+    def read(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("preflight read weights")
+
+    monkeypatch.setattr(batchrun.models.safetensors_reader, "_pread_into", read)
+    monkeypatch.setattr(batchrun.models.safetensors_reader, "_read_chunked", read)
+
+
+def test_preflight_finds_what_run_uses_without_weights(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     draft = make_tiny_draft(tmp_path / "draft", tiny_model, block_size=4, target_layer_ids=[0, 1])
-    target = config_only_copy(tiny_model, tmp_path / "target")
+    target = tiny_model
+    no_weight_reads(monkeypatch)
     job = JobSpec(input="in", output="out", target=str(target), draft=str(draft))
     found = preflight(job)
     config = json.loads((tiny_model / "config.json").read_text())

@@ -8,10 +8,20 @@ from pathlib import Path
 
 import jsonschema
 import pyarrow as pa
+import pytest
 
+from batchrun.engine.request import SEED_END, SEED_MIN, SamplingParams
+from batchrun.errors import JobError
 from batchrun.io.output_schema import OUTPUT_FIELDS, OutputRow, output_fields, output_schema
-from batchrun.job import JobSpec
-from batchrun.schemas import default_schema_dir, job_schema, schema_files, write_schema_files
+from batchrun.job import JobSpec, validate_job_dict
+from batchrun.schemas import (
+    MAX_BATCH_SIZE,
+    MAX_BATCHED_TOKENS,
+    default_schema_dir,
+    job_schema,
+    schema_files,
+    write_schema_files,
+)
 
 
 def test_committed_schema_files_are_up_to_date() -> None:
@@ -58,6 +68,7 @@ def test_output_schema_file_lists_the_output_columns_in_order() -> None:
         "completion_tokens",
         "spec_rounds",
         "spec_accept_hist",
+        "spec_capped_hist",
         "acceptance_length",
         "completion_logprobs",
         "completion_logprob_sum",
@@ -85,3 +96,28 @@ def test_output_schema_keeps_input_columns_first() -> None:
     assert schema.field("error").metadata == {
         b"description": OUTPUT_FIELDS[-1].metadata[b"description"]
     }
+
+
+def test_the_schema_s_seeds_are_the_engine_s() -> None:
+    """A seed is any integer in [-2^63, 2^64): the schema, the flag, the job key and a row's
+    cell (SamplingParams.problem) agree at both ends."""
+    seed = job_schema()["properties"]["seed"]
+    assert (seed["minimum"], seed["maximum"]) == (SEED_MIN, SEED_END - 1)
+    job = {"input": "i", "output": "o", "target": "t"}
+    for value in (SEED_MIN, -1, 0, SEED_END - 1):
+        validate_job_dict({**job, "seed": value})
+        assert SamplingParams(seed=value).problem() is None
+    for value in (SEED_MIN - 1, SEED_END):
+        with pytest.raises(JobError, match="job key 'seed'"):
+            validate_job_dict({**job, "seed": value})
+        assert (SamplingParams(seed=value).problem() or "").startswith("seed must be")
+
+
+def test_batch_limits_have_sane_maxima() -> None:
+    properties = job_schema()["properties"]
+    assert properties["max_batch_size"]["maximum"] == MAX_BATCH_SIZE == 65536
+    assert properties["max_batched_tokens"]["maximum"] == MAX_BATCHED_TOKENS == 1 << 24
+    job = {"input": "i", "output": "o", "target": "t"}
+    validate_job_dict({**job, "max_batch_size": MAX_BATCH_SIZE})
+    with pytest.raises(JobError, match="job key 'max_batched_tokens': 1000000000 is greater"):
+        validate_job_dict({**job, "max_batched_tokens": 10**9})

@@ -2,14 +2,25 @@
 weights (already loaded), the CUDA graphs' pool, the activations of the largest forward and a
 draft's sliding-window rings (a fixed size); on a CPU, a fixed budget less the rings. A request
 can never need more pages than a full context, so no more are made than every request of a
-full batch could use."""
+full batch could use.
+
+Before any of that, `check_batch_memory` refuses batch limits that no device memory could run:
+a lower bound of what a full step needs, from the models' shapes alone (preflight)."""
 
 from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.cuda_graphs import graph_sizes
+from batchrun.engine.model_runner import IN_FLIGHT_STEPS, step_in_size
+from batchrun.engine.page_pool import pages_for
+from batchrun.errors import JobError
 from batchrun.models.qwen3 import Qwen3Shape
 
 CPU_KV_BUDGET_BYTES = 2 << 30
@@ -95,3 +106,124 @@ def graph_outputs_bytes(
     largest = max(max(s) * w for w, s in sizes.items())
     rows = sum(sum(s) * w for w, s in sizes.items())
     return largest * target.vocab_size * 4 + rows * feature_layers * target.hidden_size * element
+
+
+# -- batch limits against the device's memory, before any weights load -------------------------
+
+# A DeviceState slot: its page-table row (int32 per page), seven int64 fields (seq_len, out_len,
+# last_token, ctx_rows, ctx_row0, top_k, seed) and two float32 ones (temperature, top_p).
+_STATE_SLOT_BYTES = 7 * 8 + 2 * 4
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """All the memory of the device: a GPU's total (not what is free now), else the host's RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class BatchFootprint:
+    """A lower bound of the memory one engine (one tensor-parallel rank's) needs to run the steps
+    its batch limits allow, from shapes alone: its weights, the buffers it allocates per request
+    slot and per batched token (DeviceState, the packed step inputs, drafts, a sliding draft's
+    rings), and what a full step holds: a full batch of max_batch_size requests, each with at
+    least one page of K/V and its rows of float32 logits (at the narrowest verify width), and a
+    forward of max_batched_tokens rows, which holds at least the residual stream and the
+    widest projection's output of every row. Each term is the least the engine could get by
+    with (a context of 2 tokens, one page per request), so a job it refuses cannot run."""
+
+    target: Qwen3Shape
+    draft: Qwen3Shape | None
+    weight_bytes: int  # this rank's weights (the target's share, the whole draft)
+    element: int  # bytes per weight and activation element
+    width: int = 1  # the draft's block size, else 1
+    min_width: int = 1  # the narrowest verify width: rows of logits per decoding request
+    page_size: int = 16
+    draft_paged_layers: int = 0  # draft layers whose K/V lives in the target's pages
+    ring_pages: int = 0  # pages of every sliding draft layer's ring, per slot
+    tp: int = 1
+
+    def bytes(self, max_batch_size: int, max_batched_tokens: int) -> int:
+        s, tp, el = self.target, self.tp, self.element
+        slots, tokens = max_batch_size, max_batched_tokens
+        # The engine refuses a context below 2 tokens: every page table holds this many pages.
+        max_pages = pages_for(2 + IN_FLIGHT_STEPS * self.width, self.page_size)
+        buffers = (slots + 1) * (4 * max_pages + _STATE_SLOT_BYTES)
+        buffers += 8 * step_in_size(slots, tokens, max_pages)
+        buffers += 8 * slots * max(self.width - 1, 1)  # the drafted tokens
+        if self.draft is not None and self.ring_pages:
+            ring = self.ring_pages * layer_page_bytes(self.draft, self.page_size, el)
+            buffers += (slots + 1) * (ring + 4 * max_pages)  # and the ring's page table
+        local = dataclasses.replace(s, num_kv_heads=max(s.num_kv_heads // tp, 1))
+        kv = slots * page_bytes(local, self.draft, self.page_size, el, self.draft_paged_layers)
+        logits = min(slots * self.min_width, tokens) * -(-s.vocab_size // tp) * 4
+        q, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        widest = max(q + 2 * kv_dim, 2 * s.intermediate_size) // tp
+        forward = tokens * (s.hidden_size + widest) * el
+        return self.weight_bytes + buffers + kv + logits + forward
+
+
+def check_batch_memory(
+    footprint: BatchFootprint,
+    max_batch_size: int,
+    max_batched_tokens: int,
+    device: torch.device,
+    available: int | None = None,
+) -> None:
+    """Refuses batch limits whose footprint (a lower bound) exceeds the device's memory
+    (`available`, default all of it), naming the flag and the largest value of it that fits.
+    The token budget is at least the draft's block size (check_batch_budget)."""
+    available = device_memory_bytes(device) if available is None else available
+    need = footprint.bytes(max_batch_size, max_batched_tokens)
+    if need <= available:
+        return
+    where = f"the memory of {device} ({_size(available)})"
+    least = footprint.width
+    smallest = footprint.bytes(1, least)
+    if smallest > available:
+        raise JobError(
+            f"the models do not fit in {where}: their weights and a batch of one request need "
+            f"at least {_size(smallest)}"
+        )
+    batch_part = footprint.bytes(max_batch_size, least) - smallest
+    token_part = footprint.bytes(1, max_batched_tokens) - smallest
+    if token_part > batch_part:
+        key, value, other, other_value, other_least = (
+            "max_batched_tokens", max_batched_tokens, "max_batch_size", max_batch_size, 1
+        )  # fmt: skip
+
+        def fits(n: int, o: int) -> bool:
+            return footprint.bytes(o, n) <= available
+    else:
+        key, value, other, other_value, other_least = (
+            "max_batch_size", max_batch_size, "max_batched_tokens", max_batched_tokens, least
+        )  # fmt: skip
+
+        def fits(n: int, o: int) -> bool:
+            return footprint.bytes(n, o) <= available
+
+    low = 1 if key == "max_batch_size" else least
+    if not fits(low, other_value):
+        other_value = other_least  # the other flag leaves no room: with its least
+    largest = _largest(lambda n: fits(n, other_value), low, value)
+    raise JobError(
+        f"{key} {value} does not fit in {where}: the batch needs at least {_size(need)} "
+        f"(weights, per-request buffers, K/V and logits of a full batch, activations of a full "
+        f"forward); {key} {largest} fits at most, with {other} {other_value}"
+    )
+
+
+def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """The largest n in [low, high) with fits(n), given fits(low) and fits monotone."""
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"

@@ -8,6 +8,7 @@ the vocabulary off, a temperature below GREEDY_BELOW greedy.
 from __future__ import annotations
 
 import dataclasses
+from decimal import Decimal
 from typing import Any
 
 from batchrun.engine.request import SamplingParams
@@ -80,11 +81,15 @@ def _show(value: Any, limit: int = 100) -> str:
 
 
 def _as_int(value: Any) -> int | None:
-    # Integral floats are accepted: pandas stores an int column with nulls as float64.
+    # Integral floats are accepted: pandas stores an int column with nulls as float64. So are
+    # integral decimals: a decimal128(20, 0) column is how SQL exports hold every seed in
+    # [-2^63, 2^64), which no Arrow integer type does.
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
         return value
     if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, Decimal) and value.is_finite() and value == value.to_integral_value():
         return int(value)
     return None
