@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
 
 class _Group(click.Group):
-    """Reports a JobError or a bad flag as one line on stderr and exit code 2, without a
-    traceback or a usage block."""
+    """Reports a JobError, a bad flag or a path the filesystem refuses as one line on stderr and
+    exit code 2, without a traceback or a usage block."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -38,6 +38,9 @@ class _Group(click.Group):
         except click.UsageError as exc:
             command = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
             _fail(ctx, f"{exc.format_message()} (see '{command} --help')")
+        except OSError as exc:  # a path the filesystem refuses (too long, a loop, no access)
+            where = f": {str(exc.filename)[:200]!r}" if exc.filename is not None else ""
+            _fail(ctx, f"{exc.strerror or type(exc).__name__}{where}")
 
 
 def _verify_width(value: str | None) -> int | str | None:
