@@ -11,7 +11,6 @@ the device's memory could run at all (engine/memory.py, check_batch_memory).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import DraftSpec, _draft_to_target, check_draft
 from batchrun.models.loader import load_weights, qwen3_shape, read_config, resolve_dtype
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
-from batchrun.models.safetensors_reader import read_header
+from batchrun.models.safetensors_reader import file_header
 from batchrun.speculative.sliding_window import ring_pages
 
 if TYPE_CHECKING:
@@ -180,17 +179,7 @@ def header_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if not files:
         raise JobError(f"no .safetensors files in {model_dir}")
     for file in files:
-        try:
-            fd = os.open(file, os.O_RDONLY)
-        except OSError as e:
-            raise JobError(f"cannot read {file}: {e.strerror}") from None
-        try:
-            header = read_header(fd, file)
-        except OSError as e:
-            raise JobError(f"cannot read {file}: {e.strerror}") from None
-        finally:
-            os.close(fd)
-        for entry in header.entries:
+        for entry in file_header(file).entries:
             yield entry.name, torch.empty(entry.shape, dtype=entry.dtype, device="meta")
 
 

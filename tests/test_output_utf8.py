@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
+from test_fuzz_inputs import holds_invalid
 
 from batchrun.cli import cli
 from batchrun.errors import JobError
@@ -50,18 +51,7 @@ def replaced(value: Any) -> Any:
     return value
 
 
-def is_bad(value: Any) -> bool:
-    if isinstance(value, bytes):
-        try:
-            value.decode("utf-8")
-        except UnicodeDecodeError:
-            return True
-        return False
-    if isinstance(value, (list, tuple)):
-        return any(is_bad(v) for v in value)
-    if isinstance(value, dict):
-        return any(is_bad(v) for v in value.values())
-    return False
+is_bad = holds_invalid  # a value (bytes, or bytes nested in lists and dicts) not valid UTF-8
 
 
 def unchecked(values: list[Any], raw_type: pa.DataType, arrow_type: pa.DataType) -> pa.Array:

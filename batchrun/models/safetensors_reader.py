@@ -57,6 +57,20 @@ class Header:
     entries: list[Entry]  # in file (offset) order
 
 
+def file_header(file: Path) -> Header:
+    """The header of one file, read alone (no tensor data): what `validate` checks."""
+    try:
+        fd = os.open(file, os.O_RDONLY)
+    except OSError as e:
+        raise JobError(f"cannot read {file}: {e.strerror}") from None
+    try:
+        return read_header(fd, file)
+    except OSError as e:
+        raise JobError(f"cannot read {file}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
 def read_header(fd: int, file: Path) -> Header:
     size = os.fstat(fd).st_size
     if size < 8:
