@@ -1,7 +1,7 @@
 """The small element-wise ops of a Qwen3 layer, as one swappable set.
 
 `TorchOps` is the reference (plain torch, any device). A model runner on a GPU swaps in the fused
-Triton set (batchrun.kernels.fused_ops) with `use_ops`; both compute the same functions: RMSNorm
+Triton set (batchrun.layers.triton_ops) with `use_ops`; both compute the same functions: RMSNorm
 in float32, cast to the input dtype, then scaled by the weight in that dtype (as Qwen3 does).
 """
 

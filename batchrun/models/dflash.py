@@ -1,4 +1,4 @@
-"""The DFlash drafter (dflash.md section 3): a few Qwen3-shaped layers whose block queries see
+"""The DFlash drafter (docs/dflash.md section 3): a few Qwen3-shaped layers whose block queries see
 the context K/V computed from target features plus the block's own K/V: without a mask in the
 z-lab drafts; sliding-window layers see only the positions in their window, and a layer may be
 causal inside the block (speculative/sliding_window.py, BlockAttention).

@@ -1,6 +1,6 @@
 """The two formats of a DFlash draft's config.json, read into one description.
 
-z-lab (dflash.md section 1): a Qwen3 config with `block_size` and `dflash_config`
+z-lab (docs/dflash.md section 1): a Qwen3 config with `block_size` and `dflash_config`
 (`target_layer_ids`, the 0-based target layers whose output is a feature, and `mask_token_id`).
 
 speculators (vllm-project/speculators, `speculators_model_type: "dflash"`): the draft's Qwen3

@@ -1,4 +1,4 @@
-"""How many drafted tokens a verify round accepts (dflash.md sections 4 and 5).
+"""How many drafted tokens a verify round accepts (docs/dflash.md sections 4 and 5).
 
 `post` holds the target's token at every verify row, sampled by the engine's sampler (argmax when
 greedy). Draft j is accepted while it equals the target's token at row j-1; the first mismatch

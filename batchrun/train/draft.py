@@ -1,4 +1,4 @@
-"""Train a DFlash drafter on its target's own completions (dflash.md and the DFlash paper).
+"""Train a DFlash drafter on its target's own completions (docs/dflash.md and the DFlash paper).
 
     python -m batchrun.train.draft --target DIR --data PARQUET_OR_DIR [...] --out DIR
                                    [--block-size 16] [--layers 2] [--steps N] [--batch-size N]
@@ -131,7 +131,7 @@ def train_draft(setup: Setup, rows: list[TokenRow], run: DraftRun) -> tuple[Loss
 
 @torch.no_grad()
 def estimate_tau(setup: Setup, rows: list[TokenRow], block_size: int) -> dict[str, Any]:
-    """Greedy DFlash rounds replayed against the target's own tokens (dflash.md section 4).
+    """Greedy DFlash rounds replayed against the target's own tokens (docs/dflash.md section 4).
 
     The first completion token comes from the prefill; each round anchors at the newest
     committed token, drafts B-1 tokens, accepts the leading ones that equal the target's and
@@ -182,7 +182,7 @@ def save_draft(
     layer_ids: list[int],
     mask_id: int,
 ) -> int:
-    """config.json and model.safetensors in the z-lab format (dflash.md section 1), bfloat16;
+    """config.json and model.safetensors in the z-lab format (docs/dflash.md section 1), bfloat16;
     returns the weights' bytes."""
     out.mkdir(parents=True, exist_ok=True)
     target_config = json.loads((target_dir / "config.json").read_text())

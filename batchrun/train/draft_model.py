@@ -1,5 +1,5 @@
 """The drafter as it is trained: the frozen target's features, and a forward that drafts many
-blocks per sequence at once (dflash.md section 3, with a mask per block)."""
+blocks per sequence at once (docs/dflash.md section 3, with a mask per block)."""
 
 from __future__ import annotations
 
@@ -121,8 +121,9 @@ class TrainableDraft(nn.Module):
         ctx_rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """dflash.md section 3: context rows only feed this layer's k/v (norm then RoPE), with no
-        layernorm, residual or MLP of their own; block rows are a normal pre-norm layer."""
+        """docs/dflash.md section 3: context rows only feed this layer's k/v (norm then RoPE),
+        with no layernorm, residual or MLP of their own; block rows are a normal pre-norm
+        layer."""
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         q = _heads(attn.q_norm(_split(attn.q_proj(h), attn.head_dim)), blk_rope)

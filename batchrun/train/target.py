@@ -5,7 +5,7 @@
 
 The defaults fit a few minutes on one H200. The embedding has a few rows beyond the tokenizer's
 length, as real Qwen3 checkpoints do, so the drafter's mask token can be a real row that no text
-maps to (dflash.md section 7). Weights are saved in bfloat16; batchrun upcasts them on CPU.
+maps to (docs/dflash.md section 7). Weights are saved in bfloat16; batchrun upcasts them on CPU.
 """
 
 from __future__ import annotations
