@@ -63,11 +63,12 @@ def run_job(
     while scheduler.num_unfinished:
         width = block if full else 1
         if policy is not None:
+            running = len(scheduler.running)
             width = step_width(
                 policy,
-                running=len(scheduler.running),
+                bucket=ladder_bucket(running, batch),
+                running=running,
                 prefill_pending=scheduler.prefill_pending,
-                max_batch_size=batch,
                 max_batched_tokens=budget,
             )
         items = scheduler.schedule(width)

@@ -338,11 +338,12 @@ class Engine:
         """The next step's verify width: pinned, the policy's choice, or the only one."""
         if self.pinned_width is not None or self.width_policy is None:
             return self.pinned_width or self.widths[-1]
+        running = len(self.scheduler.running)
         width = step_width(
             self.width_policy,
-            running=len(self.scheduler.running),
+            bucket=ladder_bucket(running, self.config.max_batch_size),
+            running=running,
             prefill_pending=self.scheduler.prefill_pending,
-            max_batch_size=self.config.max_batch_size,
             max_batched_tokens=self.config.max_batched_tokens,
         )
         if self.tp is not None:  # chosen from this rank's step times: rank 0's wins

@@ -5,11 +5,12 @@ nothing in `batchrun run` sets one."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from batchrun.engine.request import Request
+if TYPE_CHECKING:  # speculative/ does not import the engine
+    from batchrun.engine.request import Request
 
 
 class DraftOracle(Protocol):

@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from batchrun.engine.cuda_graphs import ladder_bucket
-
 PRIOR_ACCEPT = 0.5  # a position's acceptance before any round has verified it
 PRIOR_WEIGHT = 1.0  # rounds that prior is worth
 MIN_SAMPLES = 3  # step times a width needs in a bucket before it is compared
@@ -68,16 +66,17 @@ def best_width(
 def step_width(
     policy: WidthPolicy,
     *,
+    bucket: int,
     running: int,
     prefill_pending: bool,
-    max_batch_size: int,
     max_batched_tokens: int,
 ) -> int:
-    """The policy's width for the engine's next step, over `running` requests: measured only
-    in a step of decode rows alone, and no wider than the token budget holds."""
+    """The policy's width for the engine's next step, over `running` requests (whose batch-size
+    bucket is `bucket`): measured only in a step of decode rows alone, and no wider than the
+    token budget holds."""
     running = max(running, 1)
     return policy.choose(
-        ladder_bucket(running, max_batch_size),
+        bucket,
         measure=not prefill_pending,
         max_width=max_batched_tokens // running,
         requests=running,
