@@ -34,6 +34,7 @@ from batchrun.io.prompts import PromptColumn, PromptKind
 from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import DraftSpec, _draft_to_target, check_draft
 from batchrun.models.loader import load_weights, qwen3_shape, read_config, resolve_dtype
+from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.models.safetensors_reader import file_header
 from batchrun.speculative.sliding_window import ring_pages
@@ -152,7 +153,7 @@ def check_checkpoints(
     built on the meta device against the tensors the safetensors headers describe, so no weight
     is read (but a draft's small vocabulary map, as the loader checks it). Returns the bytes the
     weights take in `dtype`. Raises JobError."""
-    with torch.device("meta"):
+    with shapes_only():
         model = Qwen3ForCausalLM(target).to(dtype)
     if target.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -160,7 +161,7 @@ def check_checkpoints(
     load_weights(model, header_tensors(target_dir), "target", skip)
     numel = sum(p.numel() for p in model.parameters())
     if draft_dir is not None and draft is not None:
-        with torch.device("meta"):
+        with shapes_only():
             module = DFlashDraft(
                 draft.shape, list(draft.target_layer_ids), draft.block_size,
                 draft.mask_token_id, 1, draft.attention, draft.head_rows,

@@ -25,6 +25,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config
 from batchrun.bench.shapes import DRAFT_BLOCK, DRAFT_LAYERS, _randomize
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.loader import checkpoint_tensors, qwen3_shape
+from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.tools.tiny_draft import draft_config
 
@@ -62,7 +63,7 @@ def write_target(
     out.mkdir(parents=True, exist_ok=True)
     # Allocated uninitialised on the device in dtype (no float32 copy, no default init):
     # _randomize writes every parameter.
-    with torch.device("meta"):
+    with shapes_only():
         model = Qwen3ForCausalLM(shape).to(dtype)
     model.to_empty(device=device)
     if shape.tie_word_embeddings:  # to_empty unties them; tied, lm_head is not in a checkpoint
@@ -145,7 +146,7 @@ def write_draft(
     dflash = {"mask_token_id": mask_id(target["vocab_size"]), "target_layer_ids": layer_ids}
     config = draft_config(target, num_layers, block_size, dflash) | {"dtype": _dtype_name(dtype)}
     # batchrun's draft module, built from that very config, carries z-lab's tensor names.
-    with torch.device("meta"):
+    with shapes_only():
         draft = DFlashDraft(qwen3_shape(config, "draft"), layer_ids, block_size, 0, block_size)
     draft = draft.to(dtype).to_empty(device=device)
     _randomize(draft, seed)

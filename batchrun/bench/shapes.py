@@ -10,6 +10,7 @@ import torch
 
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.loader import checkpoint_tensors, load_weights
+from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.parallel.group import TensorParallel
 from batchrun.parallel.sharding import TensorParallelQwen3
@@ -94,7 +95,7 @@ def hf_twin(model: Qwen3ForCausalLM) -> torch.nn.Module:
         tie_word_embeddings=s.tie_word_embeddings,
     )  # fmt: skip
     dtype = model.lm_head.weight.dtype
-    with torch.device("meta"):
+    with shapes_only():
         hf = HFQwen3(config)
     hf = hf.to_empty(device=model.lm_head.weight.device)
     hf = hf.to(dtype)  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from batchrun.models.loader import (
     read_config,
     release_staging,
 )
+from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.speculative.sliding_window import BlockAttention
 
@@ -169,7 +170,7 @@ def load_dflash(
     spec = check_draft(draft_dir, target.shape)
     shape = spec.shape
     dtype = target.lm_head.weight.dtype
-    with torch.device("meta"):
+    with shapes_only():
         draft = DFlashDraft(
             shape, list(spec.target_layer_ids), spec.block_size, spec.mask_token_id,
             max_positions, spec.attention, spec.head_rows,

@@ -12,6 +12,7 @@ from torch import nn
 
 from batchrun.errors import JobError
 from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.models.safetensors_reader import read_safetensors
 from batchrun.parallel.group import TensorParallel
@@ -182,7 +183,7 @@ def load_qwen3(
     config = read_config(model_dir, "target model")
     shape = qwen3_shape(config)
     torch_dtype = resolve_dtype(dtype, config, device)
-    with torch.device("meta"):
+    with shapes_only():
         model = Qwen3ForCausalLM(shape) if tp is None else TensorParallelQwen3(shape, tp)
         model = model.to(torch_dtype)
     model.to_empty(device=device)  # no random init: every parameter is loaded below
