@@ -27,13 +27,23 @@ from batchrun.engine.loading import (
     load_tokenizer,
     resolve_device,
 )
-from batchrun.engine.memory import BatchFootprint, check_batch_memory, kv_pages
-from batchrun.engine.model_runner import IN_FLIGHT_STEPS
+from batchrun.engine.memory import (
+    BatchFootprint,
+    check_batch_memory,
+    job_kv_pages,
+    usable_context,
+)
 from batchrun.errors import JobError
 from batchrun.io.prompts import PromptColumn, PromptKind
 from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import DraftSpec, _draft_to_target, check_draft
-from batchrun.models.loader import load_weights, qwen3_shape, read_config, resolve_dtype
+from batchrun.models.loader import (
+    load_weights,
+    qwen3_shape,
+    read_config,
+    resolve_dtype,
+    safetensors_files,
+)
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.models.safetensors_reader import file_header
@@ -90,7 +100,7 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
         target, draft, dtype, weights, min(widths), job.tp, config.page_size
     )
     check_batch_memory(footprint, config.max_batch_size, config.max_batched_tokens, device)
-    _check_kv_pool(config, target, draft, dtype, device, widths)
+    _check_kv_pool(config, target, draft, dtype, device)
     return Preflight(device, dtype, backend, target, tokenizer, draft)
 
 
@@ -100,33 +110,12 @@ def _check_kv_pool(
     draft: DraftSpec | None,
     dtype: torch.dtype,
     device: torch.device,
-    widths: tuple[int, ...],
 ) -> None:
     """The engine's refusal of a KV pool too small for a context of 2 tokens, from the pool
     kv_pages sizes before any weights load. On a GPU, with less of its memory in use than
     once the weights are loaded: a pool this finds too small, the engine's is too."""
-    width = draft.block_size if draft is not None else 1
-    window = draft.attention.window if draft is not None else None
-    rings = ring_pages(window, width, config.page_size) if window else 0
-    num_pages = config.num_pages or kv_pages(
-        config, target, draft.shape if draft is not None else None,
-        len(draft.target_layer_ids) if draft is not None else 0, dtype.itemsize, width, device,
-        draft_paged_layers=draft.attention.num_full if draft is not None else 0,
-        ring_pages=rings * (config.max_batch_size + 1), widths=widths,
-    )  # fmt: skip
-    context = target.max_position_embeddings
-    limit = min(config.max_model_len or context, context)
-    if min(limit, num_pages * config.page_size - IN_FLIGHT_STEPS * width) < 2:
-        raise JobError(
-            f"the KV pool ({num_pages} pages of {config.page_size}) is too small: what "
-            f"max_batch_size {config.max_batch_size} and max_batched_tokens "
-            f"{config.max_batched_tokens} need leaves no room for it"
-            + (
-                f" in gpu_memory_fraction {config.gpu_memory_fraction}"
-                if device.type == "cuda"
-                else ""
-            )
-        )
+    num_pages = config.num_pages or job_kv_pages(config, target, draft, dtype.itemsize, device)
+    usable_context(config, target, num_pages, draft.block_size if draft else 1, device)
 
 
 def _check_eos(
@@ -176,10 +165,7 @@ def check_checkpoints(
 def header_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """iter_safetensors's (name, tensor) pairs, in its order, as meta tensors from the headers
     alone; the same JobError where it would raise one on a header."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise JobError(f"no .safetensors files in {model_dir}")
-    for file in files:
+    for file in safetensors_files(model_dir):
         for entry in file_header(file).entries:
             yield entry.name, torch.empty(entry.shape, dtype=entry.dtype, device="meta")
 

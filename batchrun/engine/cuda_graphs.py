@@ -35,6 +35,11 @@ def graph_sizes(max_batch_size: int, width: int, max_batched_tokens: int) -> lis
     return [s for s in ladder if s < most] + [s for s in ladder if s >= most][:1]
 
 
+def graph_rows(max_batch_size: int, widths: tuple[int, ...], max_batched_tokens: int) -> int:
+    """The rows of the largest target graph over these verify widths (its logits' rows)."""
+    return max(max(graph_sizes(max_batch_size, w, max_batched_tokens)) * w for w in widths)
+
+
 def ladder_bucket(num_requests: int, max_batch_size: int) -> int:
     """The ladder size a batch of num_requests runs at (its graph size, where graphs exist)."""
     return min(s for s in batch_ladder(max_batch_size) if s >= min(num_requests, max_batch_size))

@@ -42,8 +42,8 @@ from batchrun.engine.logprobs import (
     prompt_rows,
     score_step,
 )
-from batchrun.engine.memory import kv_pages
-from batchrun.engine.model_runner import IN_FLIGHT_STEPS, ModelRunner, TargetOutput
+from batchrun.engine.memory import job_kv_pages, usable_context
+from batchrun.engine.model_runner import ModelRunner, TargetOutput
 from batchrun.engine.page_pool import PagePool
 from batchrun.engine.request import Request, sample_requests
 from batchrun.engine.sampler import sample
@@ -61,7 +61,6 @@ from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.parallel.group import TensorParallel
 from batchrun.speculative.acceptance import RoundTrace, accepted_lengths
 from batchrun.speculative.draft_oracle import DraftOracle
-from batchrun.speculative.sliding_window import ring_pages
 from batchrun.speculative.verify_width import WidthPolicy, step_width
 
 ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their tokens are cut
@@ -150,30 +149,15 @@ class Engine:
         self.block_size = draft.block_size if draft else None
         width = self.block_size or 1
         check_batch_budget(config.max_batched_tokens, width)  # before the KV pools are allocated
-        # A draft's sliding-window layers: their window W, and their rings (one per slot).
         window = draft.attention.window if draft else None
-        rings = ring_pages(window, width, config.page_size) if window else 0
-        rings *= config.max_batch_size + 1
-
-        num_pages = num_pages or kv_pages(
-            config, shape, draft.shape if draft else None,
-            len(draft.target_layer_ids) if draft else 0,
-            model.lm_head.weight.element_size(), width, self.device,
-            draft_paged_layers=draft.attention.num_full if draft else 0, ring_pages=rings,
-            widths=verify_widths(config.verify_width, self.block_size),
-        )  # fmt: skip
+        element = model.lm_head.weight.element_size()
+        num_pages = num_pages or job_kv_pages(config, shape, draft, element, self.device)
         if tp is not None:
             num_pages = tp.minimum(num_pages)
-        capacity = num_pages * config.page_size
-        limit = min(
-            config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings
-        )
-        self.max_model_len = min(limit, capacity - IN_FLIGHT_STEPS * width)
-        if self.max_model_len < 2:
-            raise JobError(f"the KV pool ({num_pages} pages of {config.page_size}) is too small")
+        self.max_model_len = usable_context(config, shape, num_pages, width, self.device)
+        self.num_pages = num_pages  # each job's page pool (_start_job) holds them
         # A cached prefix has no logits: prompt log-probabilities need every prompt computed.
-        caching = config.prefix_caching and not config.prompt_logprobs
-        self.pool = PagePool(num_pages, config.page_size, caching)
+        self.prefix_caching = config.prefix_caching and not config.prompt_logprobs
         workload = Workload(
             num_heads=max(shape.num_heads, draft.shape.num_heads if draft else 0),
             num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
@@ -238,7 +222,7 @@ class Engine:
 
     def _start_job(self) -> None:
         config = self.config
-        self.pool = PagePool(self.pool.num_pages, config.page_size, self.pool.prefix_caching)
+        self.pool = PagePool(self.num_pages, config.page_size, self.prefix_caching)
         self.scheduler = Scheduler(
             self.pool,
             config.max_batch_size,

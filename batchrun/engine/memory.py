@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from batchrun.engine.config import EngineConfig
-from batchrun.engine.cuda_graphs import graph_sizes
+from batchrun.engine.config import EngineConfig, verify_widths
+from batchrun.engine.cuda_graphs import graph_rows, graph_sizes
 from batchrun.engine.model_runner import IN_FLIGHT_STEPS, step_in_size
 from batchrun.engine.page_pool import pages_for
 from batchrun.errors import JobError
 from batchrun.models.qwen3 import Qwen3Shape
+from batchrun.speculative.sliding_window import BlockAttention, ring_pages
 
 CPU_KV_BUDGET_BYTES = 2 << 30
 
@@ -93,6 +95,64 @@ def kv_pages(
     return max(1, min(want, budget // bytes_per_page))
 
 
+class DraftLayout(Protocol):
+    """What the KV sizing needs of a draft: the loaded model's, or its checked spec's."""
+
+    @property
+    def shape(self) -> Qwen3Shape: ...
+    @property
+    def target_layer_ids(self) -> Sequence[int]: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def attention(self) -> BlockAttention: ...
+
+
+def job_kv_pages(
+    config: EngineConfig,
+    target: Qwen3Shape,
+    draft: DraftLayout | None,
+    element: int,
+    device: torch.device,
+) -> int:
+    """kv_pages for a job's engine: with a draft, its paged layers, its sliding layers' rings
+    (one per slot and the scratch slot), its block and the verify widths graphs are made for."""
+    width = draft.block_size if draft is not None else 1
+    window = draft.attention.window if draft is not None else None
+    rings = ring_pages(window, width, config.page_size) if window else 0
+    return kv_pages(
+        config,
+        target,
+        draft.shape if draft is not None else None,
+        len(draft.target_layer_ids) if draft is not None else 0,
+        element,
+        width,
+        device,
+        draft_paged_layers=draft.attention.num_full if draft is not None else 0,
+        ring_pages=rings * (config.max_batch_size + 1),
+        widths=verify_widths(config.verify_width, draft.block_size if draft is not None else None),
+    )
+
+
+def usable_context(
+    config: EngineConfig, target: Qwen3Shape, num_pages: int, width: int, device: torch.device
+) -> int:
+    """The longest context a request may reach: the model's (or max_model_len) within what the
+    pool holds beside the rows in flight. JobError when that is under 2 tokens."""
+    model_len = target.max_position_embeddings
+    limit = min(config.max_model_len or model_len, model_len)
+    context = min(limit, num_pages * config.page_size - IN_FLIGHT_STEPS * width)
+    if context < 2:
+        fraction = f" in gpu_memory_fraction {config.gpu_memory_fraction}"
+        raise JobError(
+            f"the KV pool ({num_pages} pages of {config.page_size}) is too small: what "
+            f"max_batch_size {config.max_batch_size} and max_batched_tokens "
+            f"{config.max_batched_tokens} need leaves no room for it"
+            + (fraction if device.type == "cuda" else "")
+        )
+    return context
+
+
 def graph_outputs_bytes(
     config: EngineConfig,
     target: Qwen3Shape,
@@ -102,9 +162,9 @@ def graph_outputs_bytes(
 ) -> int:
     """What stays allocated for the graphs' replays: the logits buffer they share (float32, the
     largest graph's rows) and each graph's own captured features."""
-    sizes = {w: graph_sizes(config.max_batch_size, w, config.max_batched_tokens) for w in widths}
-    largest = max(max(s) * w for w, s in sizes.items())
-    rows = sum(sum(s) * w for w, s in sizes.items())
+    batch, tokens = config.max_batch_size, config.max_batched_tokens
+    largest = graph_rows(batch, widths, tokens)
+    rows = sum(sum(graph_sizes(batch, w, tokens)) * w for w in widths)
     return largest * target.vocab_size * 4 + rows * feature_layers * target.hidden_size * element
 
 

@@ -22,7 +22,7 @@ import torch
 
 from batchrun.attention.base import AttentionBackend, GraphShape, HostPlanned
 from batchrun.attention.meta import AttentionMeta, allocate_kv
-from batchrun.engine.cuda_graphs import GraphSet, graph_sizes
+from batchrun.engine.cuda_graphs import GraphSet, graph_rows, graph_sizes
 from batchrun.engine.device_state import DeviceState, staged
 from batchrun.engine.page_pool import pages_for
 from batchrun.engine.step_inputs import (
@@ -117,7 +117,7 @@ class ModelRunner:
         """Capture the steady-state step at each verify width for every ladder size up to
         max_batch_size (off a GPU: emulate them, for tests)."""
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        rows = max(max(graph_sizes(max_batch_size, w, self.max_batched_tokens)) * w for w in widths)
+        rows = graph_rows(max_batch_size, widths, self.max_batched_tokens)
         vocab = self.model.lm_head.weight.shape[0]  # a tensor-parallel rank's: its slice
         self.graph_logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
         sizes: list[int] = []

@@ -84,11 +84,16 @@ def iter_safetensors(
     """Every tensor of the checkpoint, file by file, each file's in file order. On a CUDA
     device they are read straight onto it (one file's data at a time), else onto the CPU.
     Call release_staging after loading from a CUDA device."""
+    for file in safetensors_files(model_dir):
+        yield from read_safetensors(file, device)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files, in load order; JobError when there are none."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise JobError(f"no .safetensors files in {model_dir}")
-    for file in files:
-        yield from read_safetensors(file, device)
+    return files
 
 
 def release_staging(device: torch.device) -> None:
