@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.engine.admission_order import windowed
-from batchrun.engine.request import Request
+from batchrun.engine.request import Request, round_tokens
 from batchrun.errors import JobError, JobStopped, signal_name
 from batchrun.io.fingerprint import job_fingerprint
 from batchrun.io.output_schema import (
@@ -496,7 +496,7 @@ class _Run:
     def _count(self, request: Request) -> None:
         self.run_tokens += len(request.output_ids)
         if request.spec_hist is not None:  # the tokens of its speculation rounds
-            self.run_spec_tokens += sum(k * n for k, n in enumerate(request.spec_hist, start=1))
+            self.run_spec_tokens += round_tokens(request.spec_hist)
             self.run_spec_rounds += request.spec_rounds
 
     def _buffer(self, inputs: pa.RecordBatch, rows: list[OutputRow]) -> None:

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import batchrun
+from batchrun.engine.request import round_tokens
 
 # The output columns statistics are computed from.
 STATS_COLUMNS = [
@@ -143,8 +144,8 @@ class StatsAccumulator:
             self.hist = hist if self.hist is None else self.hist + hist
             # Parts written before spec_capped_hist existed: no round counts as capped.
             capped = np.zeros_like(hist)
-            if "spec_capped_hist" in spec.column_names:
-                capped = _pooled(spec.column("spec_capped_hist"), len(hist))
+            if "spec_capped_hist" in spec.column_names:  # null exactly where the histogram is
+                capped = _pooled(spec.column("spec_capped_hist"))
             self.capped = capped if self.capped is None else self.capped + capped
 
     @property
@@ -152,7 +153,7 @@ class StatsAccumulator:
         """Tokens the speculation rounds committed."""
         if self.hist is None:
             return 0
-        return int((self.hist * np.arange(1, len(self.hist) + 1)).sum())
+        return round_tokens(self.hist)
 
     def to_dict(
         self,
@@ -209,10 +210,9 @@ class StatsAccumulator:
         }
 
 
-def _pooled(column: pa.ChunkedArray, width: int | None = None) -> np.ndarray:
-    """The sum over rows of a column of equal-length int lists (null rows count zero)."""
-    filled = column.fill_null(pa.scalar([0] * (width or 0), column.type)) if width else column
-    flat = pc.list_flatten(filled).to_numpy().astype(np.int64)
+def _pooled(column: pa.ChunkedArray) -> np.ndarray:
+    """The sum over rows of a column of equal-length int lists, none null."""
+    flat = pc.list_flatten(column).to_numpy().astype(np.int64)
     return flat.reshape(len(column), -1).sum(axis=0)
 
 

@@ -20,6 +20,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrun.engine.request import round_tokens
 from batchrun.errors import JobError
 from batchrun.io.output_schema import output_fields
 from batchrun.io.progress import SUCCESS_FILE, OutputDir
@@ -151,7 +152,7 @@ def _speculation_lines(ok: pl.DataFrame) -> list[str]:
     if hist is None:
         return ["speculation: none (no draft)"]
     rounds = int(hist.sum())
-    tau = float((hist * np.arange(1, len(hist) + 1)).sum() / rounds) if rounds else None
+    tau = round_tokens(hist) / rounds if rounds else None
     capped = pooled_hist(ok, "spec_capped_hist")
     conditional = conditional_acceptance(hist, capped if capped is not None else 0 * hist)
     drafter = full_block_tau(conditional)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,6 +120,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+
+def round_tokens(hist: Iterable[int]) -> int:
+    """The tokens speculation rounds committed, from their histogram (entry k-1: rounds that
+    committed k tokens; a list, or a pooled numpy array)."""
+    return sum(k * int(n) for k, n in enumerate(hist, start=1))
 
 
 def sample_requests(request: Request) -> list[Request]:

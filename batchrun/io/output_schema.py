@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from batchrun.engine.request import Request
+from batchrun.engine.request import Request, round_tokens
 from batchrun.errors import JobError
 
 # Parquet names a list's item "element"; using it here keeps parts equal to this schema on read.
@@ -201,8 +201,7 @@ def finished_row(request: Request) -> OutputRow:
     completion_tokens = len(request.output_ids)
     tau = None
     if request.spec_hist is not None and request.spec_rounds > 0:
-        spec_tokens = sum(k * n for k, n in enumerate(request.spec_hist, start=1))
-        tau = spec_tokens / request.spec_rounds
+        tau = round_tokens(request.spec_hist) / request.spec_rounds
     scored = request.logprobs
     tokens = scored.tokens if scored is not None else None
     return OutputRow(

@@ -42,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrun.engine.request import round_tokens
 from batchrun.errors import JobError
 from batchrun.io.cells import column_values
 from batchrun.io.output_schema import build_table, concat_parts, conform_part
@@ -323,7 +324,7 @@ class _Committer:
                     self.error_log.log(row[ROW_INDEX], row, row["error"])
             elif row["spec_accept_hist"] is not None:
                 hist = row["spec_accept_hist"]
-                self.run_spec_tokens += sum(k * n for k, n in enumerate(hist, start=1))
+                self.run_spec_tokens += round_tokens(hist)
                 self.run_spec_rounds += row["spec_rounds"]
             self.run_tokens += row["completion_tokens"]  # 0 in error rows
 
