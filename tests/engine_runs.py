@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
 
@@ -23,3 +27,19 @@ def run_to_end(engine: Engine, requests: list[Request]) -> list[Request]:
     while engine.num_unfinished:
         finished += engine.step()
     return sorted(finished, key=lambda r: (r.row_index, r.sample_index))
+
+
+def cpu_engine(target: Path, draft: Path | None, **settings: Any) -> Engine:
+    """An engine on the CPU in float32 with the torch attention backend (pages of 4 tokens
+    unless settings say otherwise)."""
+    config = {"page_size": 4, **settings}
+    return Engine(
+        EngineConfig(
+            target=target,
+            draft=draft,
+            device="cpu",
+            dtype="float32",
+            attention_backend="torch",
+            **config,
+        )
+    )

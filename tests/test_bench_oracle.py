@@ -9,38 +9,25 @@ import random
 from pathlib import Path
 
 import pytest
-from engine_runs import run_to_end
+from engine_runs import cpu_engine, run_to_end
 
 from batchrun.bench.oracle import AcceptanceOracle
-from batchrun.engine.config import EngineConfig
-from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.tools.tiny_draft import make_tiny_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 BLOCK = 8
+SETTINGS = {
+    "max_batch_size": 8,
+    "max_batched_tokens": 128,
+    "num_pages": 256,
+    "verify_width": "full",
+}
 
 
 @pytest.fixture(scope="module")
 def draft(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_draft(tmp_path_factory.mktemp("draft"), target, block_size=BLOCK)
-
-
-def engine_of(target: Path, draft: Path | None) -> Engine:
-    return Engine(
-        EngineConfig(
-            target=target,
-            draft=draft,
-            device="cpu",
-            dtype="float32",
-            attention_backend="torch",
-            max_batch_size=8,
-            max_batched_tokens=128,
-            num_pages=256,
-            page_size=4,
-            verify_width="full",
-        )  # fmt: skip
-    )
 
 
 def requests(vocab: int) -> list[Request]:
@@ -53,9 +40,9 @@ def requests(vocab: int) -> list[Request]:
 def test_the_oracle_gives_its_acceptance_and_the_target_output(
     target: Path, draft: Path, tau: float
 ) -> None:
-    plain = run_to_end(engine_of(target, None), requests(1000))
+    plain = run_to_end(cpu_engine(target, None, **SETTINGS), requests(1000))
     continuation = {r.row_index: r.output_ids for r in plain}
-    engine = engine_of(target, draft)
+    engine = cpu_engine(target, draft, **SETTINGS)
     engine.draft_oracle = AcceptanceOracle(
         continuation, tau, BLOCK, engine.config.max_batch_size, engine.vocab_size, engine.device
     )

@@ -24,11 +24,10 @@ from dflash_reference import (
     reference_generate,
 )
 from dflash_train import CONTINUATION, trained_draft_beside, training_prompts
-from engine_runs import requests_of, run_to_end
+from engine_runs import cpu_engine, requests_of, run_to_end
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.errors import JobError
@@ -131,18 +130,7 @@ def run(
         "max_batch_size": 8, "max_batched_tokens": 64, "num_pages": 64, "verify_width": "full",
     }  # fmt: skip
     settings |= config
-    engine = Engine(
-        EngineConfig(
-            target=target,
-            draft=draft,
-            device="cpu",
-            dtype="float32",
-            attention_backend="torch",
-            cuda_graphs=False,
-            page_size=4,
-            **settings,
-        )
-    )
+    engine = cpu_engine(target, draft, cuda_graphs=False, **settings)
     engine.round_trace = []
     finished = run_to_end(engine, requests_of(jobs))
     assert len(finished) == len(jobs)

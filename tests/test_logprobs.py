@@ -23,7 +23,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from dflash_train import TARGET_SHAPE, trained_draft_beside, training_prompts
-from engine_runs import requests_of, run_to_end
+from engine_runs import cpu_engine, requests_of, run_to_end
 from transformers import (
     AutoTokenizer,
     Qwen3ForCausalLM,
@@ -34,7 +34,6 @@ from transformers import (
 
 from batchrun.cli import cli
 from batchrun.engine import logprobs as logprobs_module
-from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.logprobs import token_logprobs
 from batchrun.engine.request import Request, SamplingParams
@@ -85,17 +84,7 @@ def run(
         "max_batch_size": 8, "max_batched_tokens": 64, "num_pages": 96, "page_size": 4,
         "verify_width": "full", "logprobs": K,
     }  # fmt: skip
-    engine = Engine(
-        EngineConfig(
-            target=target,
-            draft=draft,
-            device="cpu",
-            dtype="float32",
-            attention_backend="torch",
-            cuda_graphs=False,
-            **(settings | config),
-        )
-    )
+    engine = cpu_engine(target, draft, cuda_graphs=False, **(settings | config))
     if emulate_graphs:
         engine.runner.capture_graphs(engine.config.max_batch_size, engine.widths)
     finished = run_to_end(engine, requests_of(jobs))

@@ -217,15 +217,23 @@ def test_validate_and_run_refuse_alike_before_loading_weights(
     write_input(tmp_path / "in")
     base = ["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")]
     bad = [*base, "--target", str(tiny_model), *breaker(tmp_path, tiny_model, monkeypatch)]
+    assert_refused_alike(bad, message, tmp_path / "out", monkeypatch)
+
+
+def assert_refused_alike(
+    flags: list[str], message: str, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """validate refuses the flags in one line holding `message`; run refuses them in the same
+    line, before loading any weights and writing anything to `out`."""
 
     def no_engine(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("run loaded weights for a job validate refuses")
 
     monkeypatch.setattr(batchrun.engine.engine, "Engine", no_engine)
-    refused = one_line_error(CliRunner().invoke(cli, ["validate", *bad]))
+    refused = one_line_error(CliRunner().invoke(cli, ["validate", *flags]))
     assert message in refused
-    assert one_line_error(CliRunner().invoke(cli, ["run", *bad])) == refused
-    assert not (tmp_path / "out").exists()
+    assert one_line_error(CliRunner().invoke(cli, ["run", *flags])) == refused
+    assert not out.exists()
 
 
 def test_check_batch_budget() -> None:

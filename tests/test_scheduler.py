@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from engine_runs import cpu_engine
 
 from batchrun.cli import cli
 from batchrun.engine.config import EngineConfig, check_batch_budget
@@ -176,20 +177,6 @@ def test_a_cached_prompt_leaves_its_tail_to_recompute(tail: int, reused: int) ->
     assert pool.hit_tokens == reused
 
 
-def engine(target: Path, draft: Path | None, **settings: Any) -> Engine:
-    return Engine(
-        EngineConfig(
-            target=target,
-            draft=draft,
-            device="cpu",
-            dtype="float32",
-            attention_backend="torch",
-            page_size=4,
-            **settings,
-        )
-    )
-
-
 def run_to_end(e: Engine, prompts: list[list[int]], max_tokens: list[int]) -> list[Request]:
     requests = [
         Request(i, p, SamplingParams(max_tokens=m))
@@ -214,13 +201,13 @@ def test_the_engine_runs_with_a_budget_of_one_verify_block(
     draft = make_tiny_draft(tmp_path / "draft", tiny_model, block_size=block)
     prompts = [[5 + i, 9, 11 + i] for i in range(4)]
     max_tokens = [9, 4, 12, 7]
-    plain = run_to_end(engine(tiny_model, None, num_pages=64), prompts, max_tokens)
+    plain = run_to_end(cpu_engine(tiny_model, None, num_pages=64), prompts, max_tokens)
     narrow = run_to_end(
-        engine(tiny_model, draft, num_pages=64, max_batched_tokens=block), prompts, max_tokens
+        cpu_engine(tiny_model, draft, num_pages=64, max_batched_tokens=block), prompts, max_tokens
     )
     assert [r.output_ids for r in narrow] == [r.output_ids for r in plain]
     with pytest.raises(JobError, match=f"max_batched_tokens {block - 1}"):
-        engine(tiny_model, draft, max_batched_tokens=block - 1)
+        cpu_engine(tiny_model, draft, max_batched_tokens=block - 1)
 
     (tmp_path / "in").mkdir()
     pq.write_table(pa.table({"prompt": ["def f(x):"]}), tmp_path / "in" / "0.parquet")
@@ -240,9 +227,9 @@ def test_fewer_preemptions_and_the_same_outputs_in_the_engine(make_model: Any) -
     forward): outputs equal those of a pool large enough to preempt nothing."""
     model = make_model(num_kv_heads=4, tie_word_embeddings=False, num_shards=2)
     prompts = [[(7 * i + j) % 900 + 3 for j in range(n)] for i, n in enumerate(PROMPTS)]
-    roomy = run_to_end(engine(model, None, num_pages=256), prompts, MAX_TOKENS)
+    roomy = run_to_end(cpu_engine(model, None, num_pages=256), prompts, MAX_TOKENS)
     for chunk, most in ((64, 3), (7, 9)):
-        tight = engine(model, None, num_pages=20, max_batched_tokens=chunk)
+        tight = cpu_engine(model, None, num_pages=20, max_batched_tokens=chunk)
         requests = run_to_end(tight, prompts, MAX_TOKENS)
         assert [r.output_ids for r in requests] == [r.output_ids for r in roomy]
         assert 0 < tight.num_preemptions <= most, chunk
@@ -250,7 +237,6 @@ def test_fewer_preemptions_and_the_same_outputs_in_the_engine(make_model: Any) -
 
 def test_abort_all_frees_every_page(tiny_model: Path) -> None:
     """`batchrun bench` drops its requests between points: running and waiting alike."""
-    from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import Engine
     from batchrun.engine.request import Request, SamplingParams
 

@@ -10,8 +10,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +19,8 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 import pytest
-from test_cli import ONE_THREAD_ENV, REPO, invoke, write_job, write_prompts
+from test_cli import invoke, write_job, write_prompts
+from test_output_safety import start
 from test_pipeline import FakeEngine, make_job, write_input
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -71,14 +70,7 @@ def run_until_committed(
 ) -> tuple[int, str, set[int]]:
     """Start `batchrun run job flags`, send `signals` (one after another) once a part is
     committed; returns its exit status, its stderr and the rows committed before the first."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "batchrun.cli", "run", str(job), *flags],
-        cwd=REPO,
-        env=ONE_THREAD_ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = start(job, *flags)
     seen: set[int] | None = None
     try:
         while process.poll() is None:

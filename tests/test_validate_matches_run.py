@@ -18,10 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from click.testing import CliRunner, Result
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from test_preflight import assert_refused_alike, one_line_error
 
-import batchrun.engine.engine
 import batchrun.engine.memory
 from batchrun.cli import cli
 from batchrun.engine.memory import BatchFootprint, check_batch_memory
@@ -172,13 +172,6 @@ BAD_JOBS: dict[str, tuple[Breaker, str]] = {
 }
 
 
-def one_line_error(result: Result) -> str:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("batchrun: error: "), result.stderr
-    return lines[0]
-
-
 def base_flags(tmp_path: Path, model: Path) -> list[str]:
     write_input(tmp_path / "in")
     return ["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--quiet",
@@ -191,15 +184,7 @@ def test_validate_and_run_refuse_alike_before_loading_weights(
 ) -> None:
     breaker, message = BAD_JOBS[case]
     bad = [*base_flags(tmp_path, tiny_model), *breaker(tmp_path, tiny_model, monkeypatch)]
-
-    def no_engine(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("run loaded weights for a job validate refuses")
-
-    monkeypatch.setattr(batchrun.engine.engine, "Engine", no_engine)
-    refused = one_line_error(CliRunner().invoke(cli, ["validate", *bad]))
-    assert message in refused
-    assert one_line_error(CliRunner().invoke(cli, ["run", *bad])) == refused
-    assert not (tmp_path / "out").exists()
+    assert_refused_alike(bad, message, tmp_path / "out", monkeypatch)
 
 
 def test_the_memory_refusal_names_the_largest_value_that_fits(
