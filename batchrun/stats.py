@@ -144,8 +144,8 @@ class StatsAccumulator:
             self.hist = hist if self.hist is None else self.hist + hist
             # Parts written before spec_capped_hist existed: no round counts as capped.
             capped = np.zeros_like(hist)
-            if "spec_capped_hist" in spec.column_names:  # null exactly where the histogram is
-                capped = _pooled(spec.column("spec_capped_hist"))
+            if "spec_capped_hist" in spec.column_names:  # null rows: none capped
+                capped = _pooled(spec.column("spec_capped_hist"), len(hist))
             self.capped = capped if self.capped is None else self.capped + capped
 
     @property
@@ -210,9 +210,11 @@ class StatsAccumulator:
         }
 
 
-def _pooled(column: pa.ChunkedArray) -> np.ndarray:
-    """The sum over rows of a column of equal-length int lists, none null."""
-    flat = pc.list_flatten(column).to_numpy().astype(np.int64)
+def _pooled(column: pa.ChunkedArray, width: int | None = None) -> np.ndarray:
+    """The sum over rows of a column of equal-length int lists; with `width`, a null row counts
+    as `width` zeros (a row whose histogram exists may lack spec_capped_hist)."""
+    filled = column.fill_null(pa.scalar([0] * width, column.type)) if width else column
+    flat = pc.list_flatten(filled).to_numpy().astype(np.int64)
     return flat.reshape(len(column), -1).sum(axis=0)
 
 
