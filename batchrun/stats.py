@@ -202,6 +202,7 @@ class StatsAccumulator:
             "attention_backend_ms": info.get("attention_backend_ms"),
             "verify_width_steps": info.get("verify_width_steps"),
             "steps": info.get("steps"),  # this run's steps by kind: prefill, mixed, decode
+            "step_seconds": info.get("step_seconds"),  # and the seconds they took
             "startup_seconds": info.get("startup_seconds"),  # the engine's, by stage
             "prefix_cache_hit_rate": info.get("prefix_cache_hit_rate"),
             "versions": versions(),

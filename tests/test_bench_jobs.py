@@ -25,6 +25,7 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
         shape_name="tiny", shape=TINY,
         workloads=(WORKLOADS["w2"].scaled(0.1), WORKLOADS["w3"].scaled(0.02)),
         taus=(6.5,), widths=("auto", "full"), scratch=tmp_path, dtype="float32", device="cpu",
+        profiled=("w2",),
     )  # fmt: skip
     seen: list[dict] = []
     result = run_jobs(plan, seen.append)
@@ -32,6 +33,9 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
     assert "oracle" in result["oracle"]
     for mode in ("none", "auto", "full"):
         assert result["startup"][mode]["stages"]["load_target"] >= 0
+    profile = result["workloads"]["w2"]["profile"]  # the no-draft run's kernels
+    assert profile["kernel_seconds"] > 0 and "aten::" in profile["table"]
+    assert "profile" not in result["workloads"]["w3"]
     for name, entry in result["workloads"].items():
         runs = entry["runs"]
         assert set(runs) == {"none", "useless auto", "oracle tau 6.5 auto", "useless full",
@@ -40,6 +44,8 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
         for run in runs.values():
             assert run["error_rows"] == 0 and run["completion_tokens"] > rows
             assert sum(run["steps"].values()) > 0
+            assert set(run["step_seconds"]) == set(run["steps"])  # where the time went
+            assert 0 < sum(run["step_seconds"].values()) <= run["generation_seconds"]
         oracle = runs["oracle tau 6.5 full"]
         assert oracle["oracle"] and oracle["designed_tau"] == 6.5
         assert oracle["acceptance_length"] > 3, name  # the oracle reached the verify

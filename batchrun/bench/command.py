@@ -149,6 +149,11 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
 )
 @click.option("--hf-jobs", default="", help="--jobs: also run generate() on these workloads.")
 @click.option(
+    "--profile-jobs",
+    default="",
+    help="--jobs: profile the no-draft run of these workloads (a kernel table of the whole job).",
+)
+@click.option(
     "--scratch",
     type=click.Path(path_type=Path),
     help="--jobs: where the checkpoints and inputs go (kept and reused).",
@@ -236,6 +241,7 @@ def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> d
         device=device,
         hf_workloads=tuple(w for w in opts["hf_jobs"].split(",") if w),
         max_batched_tokens=opts["max_batched_tokens_jobs"],
+        profiled=tuple(w for w in opts["profile_jobs"].split(",") if w),
     )
     return run_jobs(plan, progress)
 

@@ -54,6 +54,7 @@ class JobsPlan:
     device: str = "cuda"
     hf_workloads: tuple[str, ...] = ()  # also run generate() on these
     max_batched_tokens: int | None = None  # None: the job default
+    profiled: tuple[str, ...] = ()  # profile the no-draft run of these
 
 
 def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -165,10 +166,15 @@ class _Mode:
                 oracle = None
                 if tau is not None:
                     oracle = self._oracle(continuations[w.name], tau)
-                stats = _run(self.engine, job, w.batch, oracle)
+                entry = self.result["workloads"][w.name]
+                if self.mode == "none" and w.name in self.plan.profiled:
+                    stats, entry["profile"] = _profiled(
+                        lambda: _run(self.engine, job, w.batch, None), self.engine.device
+                    )
+                else:
+                    stats = _run(self.engine, job, w.batch, oracle)
                 if self.mode == "none":
                     continuations[w.name] = outputs(Path(job.output))
-                entry = self.result["workloads"][w.name]
                 run = _figures(stats, entry.get("bound"))
                 if tau is not None:
                     run |= {"oracle": True, "designed_tau": tau}
@@ -235,6 +241,30 @@ def _run(
         engine.draft_oracle = None
 
 
+def _profiled(
+    run: Callable[[], dict[str, Any]], device: torch.device
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A whole job under the profiler: its kernels by total time (graph replays included), and
+    how much of the job the device was busy (the rest is the host or the pipeline's gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        stats = run()
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in events) / 1e6
+    table = events.table(
+        sort_by=key.replace("device", "cuda"), row_limit=25, max_name_column_width=70
+    )
+    return stats, {
+        "kernel_seconds": busy,
+        "busy_fraction": busy / stats["generation_seconds"],
+        "table": table,
+    }
+
+
 def outputs(output: Path) -> dict[int, list[int]]:
     """row_index -> completion token ids of a job's output directory."""
     parts = sorted(output.glob("part-*.parquet"))
@@ -255,6 +285,7 @@ def _figures(stats: dict[str, Any], bound: dict[str, float] | None) -> dict[str,
         "prompt_tokens_per_second": stats["prompt_tokens"] / seconds,
         "acceptance_length": stats["acceptance_length"],
         "steps": stats["steps"],
+        "step_seconds": stats["step_seconds"],
         "verify_width_steps": stats["verify_width_steps"],
         "error_rows": stats["error_rows"],
     }

@@ -76,6 +76,7 @@ class Launched:
     host: torch.Tensor  # sampled tokens, accepted counts (and drafts when traced), on their way
     ready: torch.cuda.Event | None
     num_drafts: int  # drafts per decoding request copied back (0: not traced)
+    kind: str  # prefill, mixed or decode
     width: int  # the step's verify width
     rows: int  # the rows its target forward computed
     uniform: bool  # every request decoded
@@ -238,6 +239,7 @@ class Engine:
         )
         self.width_steps: Counter[int] = Counter()  # verify width -> steps that decoded at it
         self.step_kinds: Counter[str] = Counter()  # prefill, mixed, decode -> steps
+        self.step_seconds: Counter[str] = Counter()  # the same kinds -> their pipeline periods
         self.decode_forwards = 0  # decode/verify rounds of a request, over every step
         self.decode_tokens = 0  # the tokens those rounds committed
         self._launched: Launched | None = None
@@ -265,6 +267,9 @@ class Engine:
                 self.decode_tokens / self.decode_forwards if self.decode_forwards else None
             ),
             "steps": dict(self.step_kinds),
+            # Where the job's time went: each step's period (the time between its results and
+            # the previous step's), summed by kind.
+            "step_seconds": {k: round(v, 4) for k, v in self.step_seconds.items()},
             "cuda_graphs": bool(self.runner.target_graphs),
             "prefix_cache_hit_rate": self.pool.hit_rate,
             "startup_seconds": self.startup_seconds,
@@ -308,12 +313,12 @@ class Engine:
         width = self._width()
         batch = self.scheduler.schedule(width)
         decoding = sum(it.decoding for it in batch)
+        kind = "decode" if decoding == len(batch) else "mixed" if decoding else "prefill"
         if batch:
-            kind = "decode" if decoding == len(batch) else "mixed" if decoding else "prefill"
             self.step_kinds[kind] += 1
         if self.block_size and decoding:
             self.width_steps[width] += 1
-        launched = self._launch(batch, width) if batch else None
+        launched = self._launch(batch, width, kind) if batch else None
         finished = self._read_back(self._launched) if self._launched is not None else []
         self._launched = launched
         return finished
@@ -335,7 +340,7 @@ class Engine:
         return width
 
     @torch.inference_mode()
-    def _launch(self, batch: list[Scheduled], width: int) -> Launched:
+    def _launch(self, batch: list[Scheduled], width: int, kind: str) -> Launched:
         runner = self.runner
         started = time.perf_counter()
         samples = [rows_sampled(it) for it in batch]
@@ -389,7 +394,7 @@ class Engine:
         host, ready = _to_host(torch.cat(parts))
         return Launched(
             batch, samples, [it.req.epoch for it in batch], host, ready,
-            num_drafts=width - 1 if traced else 0, width=width, rows=plan.num_rows,
+            num_drafts=width - 1 if traced else 0, kind=kind, width=width, rows=plan.num_rows,
             uniform=plan.uniform,
             seconds=None if ready is not None else time.perf_counter() - started, logprobs=scores,
         )  # fmt: skip
@@ -470,12 +475,13 @@ class Engine:
         done, last = time.perf_counter(), self._last_done
         self._last_done = done
         switched, self._last_width = launched.width != self._last_width, launched.width
+        seconds = launched.seconds if launched.seconds is not None else done - (last or done)
+        self.step_seconds[launched.kind] += seconds
         policy = self.width_policy
         if policy is None:
             return
         for a in accepted if launched.width > 1 else ():
             policy.record_round(launched.width, a)
-        seconds = launched.seconds if launched.seconds is not None else done - (last or done)
         if seconds > 0 and not switched:
             policy.record_rows(launched.rows, seconds * 1e3)
         if launched.uniform and seconds > 0 and not switched:
