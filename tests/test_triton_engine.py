@@ -107,10 +107,12 @@ def run(
     return engine, run_to_end(engine, requests_of(work))
 
 
-def assert_same(a: list[Request], b: list[Request]) -> None:
+def assert_same(a: list[Request], b: list[Request], rounds: bool = True) -> None:
+    """The same outputs and, with `rounds`, the same speculation rounds."""
     assert [r.output_ids for r in a] == [r.output_ids for r in b]
     assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
-    assert [r.spec_hist for r in a] == [r.spec_hist for r in b]
+    if rounds:
+        assert [r.spec_hist for r in a] == [r.spec_hist for r in b]
 
 
 @pytest.mark.parametrize("kind", [None, "zlab"], ids=["target-only", "dflash"])
@@ -123,6 +125,7 @@ def test_triton_matches_torch_with_preemption(
     ref_engine, ref = run(target, draft, work, attention_backend="torch", **small_pool)
     engine, got = run(target, draft, work, attention_backend="triton", **small_pool)
     assert engine.info()["attention_backend"] == "triton"
+    assert engine.info()["steps"]["mixed"] > 0  # decode rows and chunks: two launches
     assert ref_engine.num_preemptions > 0 and engine.num_preemptions > 0
     assert_same(ref, got)
     if draft is not None:  # the trained draft accepts runs of many lengths
@@ -228,8 +231,9 @@ def test_graphs_replay_like_eager_at_every_ladder_size(
     engine, graphed = run(target, draft, work, attention_backend="triton", **config)
     sizes = {size for (_, size) in engine.runner.replays}
     assert len(sizes) >= 5, sizes  # replays at many ladder sizes, most of them padded
-    assert_same(ref, eager)
-    assert_same(ref, graphed)
+    # `auto` picks widths from each run's own step times, so its rounds may differ; its outputs not.
+    assert_same(ref, eager, rounds=width != "auto")
+    assert_same(ref, graphed, rounds=width != "auto")
 
 
 def demo_work() -> list[tuple[list[int], SamplingParams]]:

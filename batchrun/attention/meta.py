@@ -26,6 +26,10 @@ class AttentionMeta:
     causal: bool = True  # False: every row sees all kv_lens[r] cached positions (DFlash draft)
     # A sliding window: a row at position q sees only positions > q - window (None: all).
     window: int | None = None
+    # A mixed step: requests [0, decoding) decode, at most decode_q rows each, and prefill
+    # chunks follow. A backend may attend the two parts with tiles of their own (0: one part).
+    decoding: int = 0
+    decode_q: int = 0
 
     @property
     def num_requests(self) -> int:

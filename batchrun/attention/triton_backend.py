@@ -38,17 +38,19 @@ class TritonAttention:
 
     def plan(self, meta: AttentionMeta) -> None:
         self.meta = meta
-        rows = meta.positions.shape[0]
         self.num_splits = 1
-        # Decode and small verify/draft batches: split when the requests alone leave SMs idle,
-        # up to what the longest context (or a sliding window) can fill.
-        if rows <= self.max_decode_rows and meta.num_requests > 0:
-            seen = meta.max_kv
-            if meta.window is not None:
-                seen = min(seen, meta.window + meta.max_q)
-            self.num_splits = default_num_splits(
-                meta.num_requests, self.num_kv_heads, seen, max_splits=MAX_SPLITS
-            )
+        if meta.decoding:  # a mixed step: its decode rows split as a decode step's would
+            self.num_splits = self._splits(meta.decoding, meta)
+        elif meta.positions.shape[0] <= self.max_decode_rows and meta.num_requests > 0:
+            self.num_splits = self._splits(meta.num_requests, meta)
+
+    def _splits(self, num_requests: int, meta: AttentionMeta) -> int:
+        """Decode and small verify/draft batches split each request's K/V range when the
+        requests alone leave SMs idle, up to what the longest context (or a window) fills."""
+        seen = meta.max_kv
+        if meta.window is not None:
+            seen = min(seen, meta.window + meta.max_q)
+        return default_num_splits(num_requests, self.num_kv_heads, seen, max_splits=MAX_SPLITS)
 
     def write_kv(
         self,
@@ -68,13 +70,41 @@ class TritonAttention:
     ) -> torch.Tensor:
         meta = self.meta
         assert meta is not None, "plan() first"
-        splits = self.num_splits
+        d = meta.decoding
+        if not d:
+            return self._attend(q, k_cache, v_cache, scale, slice(None), meta.max_q, None)
+        # A mixed step in two launches: the decode rows with a decode step's small tiles (and
+        # splits), then the chunks with prefill tiles. In one launch every decode row took a
+        # chunk's tile of BLOCK_Q tokens and the grid a block per max_q / BLOCK_Q for every
+        # request. Both write their own rows of one output.
+        rows = d * meta.decode_q  # each decoding request has decode_q rows
+        out = torch.empty_like(q)
+        self._attend(q[:rows], k_cache, v_cache, scale, slice(0, d), meta.decode_q, out[:rows])
+        return self._attend(q, k_cache, v_cache, scale, slice(d, None), meta.max_q, out, 1)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        requests: slice,
+        max_q: int,
+        out: torch.Tensor | None,
+        splits: int | None = None,
+    ) -> torch.Tensor:
+        """The rows of a range of requests (cu_q keeps their rows' offsets into q)."""
+        meta = self.meta
+        assert meta is not None
+        splits = splits or self.num_splits
         if splits > 1 and self.workspace is None:
             self.workspace = attention_workspace(
                 MAX_SPLITS, self.max_decode_rows, self.num_heads, self.head_dim, q.device
             )
+        first, end = requests.start or 0, requests.stop
+        cu_q = meta.cu_q[first : end + 1 if end is not None else None]
         return paged_attention(
-            q, k_cache, v_cache, meta.cu_q, meta.kv_lens, meta.page_table,
-            scale=scale, causal=meta.causal, max_q=meta.max_q, window=meta.window,
+            q, k_cache, v_cache, cu_q, meta.kv_lens[first:end], meta.page_table[first:end],
+            scale=scale, causal=meta.causal, max_q=max_q, window=meta.window, out=out,
             num_splits=splits, workspace=self.workspace if splits > 1 else None,
         )  # fmt: skip

@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +170,7 @@ class _Mode:
                 entry = self.result["workloads"][w.name]
                 if self.mode == "none" and w.name in self.plan.profiled:
                     stats, entry["profile"] = _profiled(
-                        lambda: _run(self.engine, job, w.batch, None), self.engine.device
+                        partial(_run, self.engine, job, w.batch, None), self.engine.device
                     )
                 else:
                     stats = _run(self.engine, job, w.batch, oracle)

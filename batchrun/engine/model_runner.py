@@ -305,11 +305,11 @@ class ModelRunner:
             self.replays[graphs.name, size] += 1
             self.features = features[0] if features else None
             return TargetOutput(logits, row_slot, row_step)
+        chunks = plan.num_rows > plan.num_decoding * width
         inputs = target_inputs(
             args, self.state, drafts, plan.num_rows, width, self.page_size, plan.max_q,
-            plan.max_kv,
+            plan.max_kv, mixed_decoding=plan.num_decoding if chunks else 0,
         )  # fmt: skip
-        chunks = plan.num_rows > plan.num_decoding * width
         hidden, self.features = self._forward(inputs, chunks or width == 1)
         row_slot, row_step, sampled = inputs.row_slot, inputs.row_step, hidden
         if args.logit_rows is not None:

@@ -172,9 +172,11 @@ def target_inputs(
     page_size: int,
     max_q: int,
     max_kv: int,
+    mixed_decoding: int = 0,
 ) -> TargetInputs:
     """Built on the device from the step's args and the slots' state, with no host sync:
-    captured inside the CUDA graphs of decode/verify steps."""
+    captured inside the CUDA graphs of decode/verify steps. mixed_decoding: the decoding
+    requests of a step that also has prefill chunks (0 otherwise)."""
     device = args.slot.device
     num_req = args.slot.shape[0]
     cu_q = torch.zeros(num_req + 1, dtype=torch.int64, device=device)
@@ -208,6 +210,8 @@ def target_inputs(
         page_size=page_size,
         max_q=max_q,
         max_kv=max_kv,
+        decoding=mixed_decoding,
+        decode_q=width if mixed_decoding else 0,
     )
     committed = live if width == 1 else chunk_rows
     return TargetInputs(ids, meta, row_slot, row_step, req, torch.where(committed, slots, -1))

@@ -115,7 +115,9 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     req = pid // q_blocks
-    q_lo = (pid % q_blocks) * BLOCK_Q
+    # A request's last query blocks first: causal ones see the most K/V, and started first they
+    # leave no long program at the tail of the launch.
+    q_lo = (q_blocks - 1 - pid % q_blocks) * BLOCK_Q
     row_begin = tl.load(cu_q_ptr + req)
     q_len = tl.load(cu_q_ptr + req + 1) - row_begin
     if q_lo >= q_len:
