@@ -239,7 +239,7 @@ class Engine:
         )
         self.width_steps: Counter[int] = Counter()  # verify width -> steps that decoded at it
         self.step_kinds: Counter[str] = Counter()  # prefill, mixed, decode -> steps
-        self.step_seconds: Counter[str] = Counter()  # the same kinds -> their pipeline periods
+        self.step_seconds: dict[str, float] = {}  # the same kinds -> their pipeline periods
         self.decode_forwards = 0  # decode/verify rounds of a request, over every step
         self.decode_tokens = 0  # the tokens those rounds committed
         self._launched: Launched | None = None
@@ -476,7 +476,8 @@ class Engine:
         self._last_done = done
         switched, self._last_width = launched.width != self._last_width, launched.width
         seconds = launched.seconds if launched.seconds is not None else done - (last or done)
-        self.step_seconds[launched.kind] += seconds
+        kind = launched.kind
+        self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
         policy = self.width_policy
         if policy is None:
             return
