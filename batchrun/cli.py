@@ -252,11 +252,11 @@ def run(job_file: Path | None, ray_address: str | None, replicas: int | None, **
     elif replicas is not None:
         raise click.UsageError("--replicas needs --ray")
     elif job.tp > 1:
-        from batchrun.parallel import launch  # torch.distributed, for tensor parallelism only
+        from batchrun.launch import torchrun  # torch.distributed, for tensor parallelism only
 
         if "RANK" not in os.environ:
-            sys.exit(launch.relaunch(job))
-        stats, tp = launch.run_rank(job)
+            sys.exit(torchrun.relaunch(job))
+        stats, tp = torchrun.run_rank(job)
         if tp.rank != 0:
             return  # the group's rank 0 speaks for it
     else:
@@ -277,7 +277,7 @@ def validate(job_file: Path | None, **flags: Any) -> None:
     opened = open_job(job)
     found = preflight(job, opened.prompt)
     if job.tp > 1:
-        from batchrun.parallel.launch import check
+        from batchrun.launch.torchrun import check
 
         check(job)
     lines = [f"job file: {job_file}"] if job_file is not None else []

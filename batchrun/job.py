@@ -49,7 +49,7 @@ class JobSpec:
     verify_width: int | str = "auto"
     prefix_caching: bool = True
     max_batch_size: int = 64
-    max_batched_tokens: int = 2048
+    max_batched_tokens: int = 4096
     schedule_window: int = 4096
     gpu_memory_fraction: float = 0.9
     tp: int = 1  # tensor-parallel processes

@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.engine.admission_order import windowed
+from batchrun.admission_order import windowed
 from batchrun.engine.request import Request, round_tokens
 from batchrun.errors import JobError, JobStopped, signal_name
 from batchrun.io.fingerprint import job_fingerprint
+from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR, STATS_FILE, OutputDir
 from batchrun.io.output_schema import (
     OutputRow,
     build_table,
@@ -36,7 +37,6 @@ from batchrun.io.output_schema import (
 )
 from batchrun.io.part_writer import PartWriter
 from batchrun.io.prefetch import prefetch
-from batchrun.io.progress import DAMAGED_DIR, PROGRESS_DIR, STATS_FILE, OutputDir
 from batchrun.io.progress_bar import ProgressBar
 from batchrun.io.prompts import (
     PromptColumn,
@@ -92,7 +92,9 @@ class EngineLike(Protocol):
 
     max_model_len: int  # prompt + output tokens must fit
     vocab_size: int  # valid token ids: 0 <= id < vocab_size
-    block_size: int | None  # DFlash block size; None without a draft
+
+    @property
+    def block_size(self) -> int | None: ...  # DFlash block size; None without a draft
 
     def info(self) -> dict[str, Any]: ...
 
@@ -472,9 +474,12 @@ class _Run:
                     yield row_indices[i], batch.batch.slice(i, 1), values, request
 
         ordered = windowed(
-            rows(), self.job.schedule_window, self.engine.max_model_len,
-            lambda row: row[3] if isinstance(row[3], Request) else None,
-        )  # fmt: skip
+            rows(),
+            window=self.job.schedule_window,
+            max_len=self.engine.max_model_len,
+            page_size=self.job.engine_config().page_size,
+            request=lambda row: row[3] if isinstance(row[3], Request) else None,
+        )
         return prefetch(ordered, depth=PREFETCH_ROWS)
 
     def _admit(

@@ -18,15 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from batchrun.attention.backends import auto_candidates, backend_name, check_backend_dtype
+from batchrun.device import resolve_device
 from batchrun.engine.config import EngineConfig, check_batch_budget, verify_widths
-from batchrun.engine.loading import (
-    auto_candidates,
-    backend_name,
-    check_backend_dtype,
-    eos_token_ids,
-    load_tokenizer,
-    resolve_device,
-)
 from batchrun.engine.memory import (
     BatchFootprint,
     check_batch_memory,
@@ -47,6 +41,7 @@ from batchrun.models.loader import (
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.models.safetensors_reader import file_header
+from batchrun.models.tokenizer import eos_token_ids, load_tokenizer
 from batchrun.speculative.sliding_window import ring_pages
 
 if TYPE_CHECKING:

@@ -29,8 +29,8 @@ import numpy as np
 import polars as pl
 
 from batchrun.errors import JobError
+from batchrun.io.output_dir import STATS_FILE, SUCCESS_FILE
 from batchrun.io.parts import PROGRESS_DIR, REPORT_FILE, write_text_atomically
-from batchrun.io.progress import STATS_FILE, SUCCESS_FILE
 from batchrun.stats import per_position_acceptance
 from batchrun.summary import CommittedParts, pooled_hist
 

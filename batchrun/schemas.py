@@ -166,7 +166,7 @@ def job_schema() -> dict[str, Any]:
         "max_batched_tokens": _integer(
             f"Tokens per forward pass (prefill chunks + decode; at most {MAX_BATCHED_TOKENS}, "
             "and what the device's memory holds).",
-            2048,
+            4096,
             1,
         )
         | {"maximum": MAX_BATCHED_TOKENS},

@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 
 from batchrun.engine.request import round_tokens
 from batchrun.errors import JobError
+from batchrun.io.output_dir import SUCCESS_FILE, OutputDir
 from batchrun.io.output_schema import output_fields
-from batchrun.io.progress import SUCCESS_FILE, OutputDir
 from batchrun.stats import (
     OPTIONAL_STATS_COLUMNS,
     STATS_COLUMNS,

@@ -43,7 +43,7 @@ def test_the_oracle_gives_its_acceptance_and_the_target_output(
     plain = run_to_end(cpu_engine(target, None, **SETTINGS), requests(1000))
     continuation = {r.row_index: r.output_ids for r in plain}
     engine = cpu_engine(target, draft, **SETTINGS)
-    engine.draft_oracle = AcceptanceOracle(
+    engine.speculator.oracle = AcceptanceOracle(
         continuation, tau, BLOCK, engine.config.max_batch_size, engine.vocab_size, engine.device
     )
     spec = run_to_end(engine, requests(1000))

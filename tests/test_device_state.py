@@ -13,7 +13,14 @@ from batchrun.engine.device_state import DeviceState
 from batchrun.engine.page_pool import PagePool
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.engine.scheduler import Scheduled
-from batchrun.engine.step_inputs import plan_step, rows_sampled, step_args, target_inputs
+from batchrun.engine.step_inputs import (
+    StepPlan,
+    plan_step,
+    rows_sampled,
+    step_args,
+    target_inputs,
+)
+from batchrun.speculative.drafter import DraftContext
 
 PAGE, WIDTH, SLOTS = 4, 3, 6
 CPU = torch.device("cpu")
@@ -32,15 +39,21 @@ def test_page_entries_go_to_the_device_once() -> None:
     pool = PagePool(64, PAGE)
     req = make_request(2, prompt=30, outputs=0, num_cached=0, pool=pool)
     pool.grow(req.pages, 9)
-    first = plan_step([Scheduled(req, 9, decoding=False)], [0], WIDTH, PAGE, SLOTS)
+
+    def planned(num_new: int) -> StepPlan:  # as the engine does: then the pages are sent
+        plan = plan_step([Scheduled(req, num_new, decoding=False)], [0], WIDTH, PAGE, SLOTS)
+        req.pages_on_device = len(req.pages)
+        return plan
+
+    first = planned(9)
     assert first.num_updates == 3
     req.num_cached = 9
     pool.grow(req.pages, 12)  # within the pages it has: nothing new to send
-    again = plan_step([Scheduled(req, 3, decoding=False)], [0], WIDTH, PAGE, SLOTS)
+    again = planned(3)
     assert again.num_updates == 0
     req.num_cached = 12
     pool.grow(req.pages, 16)
-    grown = plan_step([Scheduled(req, 4, decoding=False)], [0], WIDTH, PAGE, SLOTS)
+    grown = planned(4)
     assert grown.num_updates == 1
     args = step_args(torch.from_numpy(grown.packed), grown)
     assert args.updates[:, 0].tolist() == [2, 3, req.pages[3]]
@@ -122,26 +135,33 @@ def test_commit_moves_the_state_like_the_host() -> None:
     assert state.seq_len[slots].tolist() == [23, 10, 8]
     assert state.out_len[slots].tolist() == [10, 4, 1]
     assert state.last_token[slots].tolist() == [33, 41, 51]
-    assert state.ctx_rows[slots].tolist() == [3, 1, 0]
-    assert state.ctx_row0[slots[:2]].tolist() == [0, WIDTH]
+
+
+def test_a_verify_leaves_its_kept_rows_for_the_draft_context() -> None:
+    context = DraftContext.zeros(SLOTS + 1, CPU)
+    slots = torch.tensor([5, 2])  # two verifying requests: 2 drafts accepted, then none
+    context.commit(slots, torch.tensor([2, 0]), WIDTH)
+    assert context.rows[slots].tolist() == [3, 1] and context.rows[0].item() == 0
+    assert context.row0[slots].tolist() == [0, WIDTH]
     # A later step that leaves slot 5 out: its context rows are no longer pending.
-    state.commit(slots[1:2], q_lens[1:2], sampled[1:2], tokens[:3], accepted[1:], 1, WIDTH)
-    assert state.ctx_rows[5].item() == 0
+    context.commit(slots[1:2], torch.tensor([0]), WIDTH)
+    assert context.rows[5].item() == 0
+    context.admit(torch.tensor([2]))  # a slot taken afresh: nothing of it waits
+    assert context.rows[2].item() == 0
 
 
 def test_a_new_slot_starts_from_the_request() -> None:
     state = DeviceState(SLOTS, 8, 1000, CPU)
-    state.seq_len[3], state.ctx_rows[3] = 50, 2
+    state.seq_len[3] = 50
     req = Request(
         row_index=0, prompt_ids=[1, 2], params=SamplingParams(temperature=0.5, top_k=5000, seed=-1)
     )
-    req.output_ids, req.slot, req.pages_on_device = [7, 8], 3, 4
+    req.output_ids, req.slot = [7, 8], 3
     state.admit([req])
-    assert (state.seq_len[3].item(), state.ctx_rows[3].item()) == (0, 0)
+    assert state.seq_len[3].item() == 0
     assert (state.out_len[3].item(), state.last_token[3].item()) == (2, 8)
     assert state.top_k[3].item() == 0  # at least the vocabulary: off
     assert state.seed[3].item() == -1 and np.isclose(state.temperature[3].item(), 0.5)
-    assert req.pages_on_device == 0
 
 
 def test_the_next_step_is_launched_before_this_one_is_read(tiny_model: Path) -> None:

@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
+from batchrun.engine.speculator import DFlashSpeculator
 from batchrun.errors import JobError
 from batchrun.tools.tiny_draft import make_tiny_draft
 
@@ -572,10 +573,11 @@ def test_every_verify_width_is_lossless(
     if kind in TRAINED and width != "auto":  # the trained draft fills a round of any width
         assert max(len(t.committed) for t in engine.round_trace or []) == widest
     if width == "auto":  # width 1 and a drafting width were measured; the policy saw acceptance
-        assert engine.width_policy is not None
-        measured = {w for w, _ in engine.width_policy.samples}
-        assert measured <= set(engine.widths) and 1 in measured and len(measured) > 1
-        assert sum(engine.width_policy.trials) > 0
+        policy = engine.speculator.policy
+        assert isinstance(engine.speculator, DFlashSpeculator) and policy is not None
+        measured = {w for w, _ in policy.samples}
+        assert measured <= set(engine.speculator.widths) and 1 in measured and len(measured) > 1
+        assert sum(policy.trials) > 0
 
 
 def test_a_verify_width_beyond_the_block_is_refused(

@@ -20,9 +20,11 @@ from dflash_reference import load_target, reference_drafts
 from dflash_train import TARGET_SHAPE
 
 from batchrun.engine.config import EngineConfig
-from batchrun.engine.engine import ROPE_HEADROOM, Engine
+from batchrun.engine.engine import Engine
 from batchrun.engine.memory import CPU_KV_BUDGET_BYTES, kv_pages, layer_page_bytes
 from batchrun.engine.request import Request, SamplingParams
+from batchrun.engine.speculator import DFlashSpeculator
+from batchrun.engine.startup import ROPE_HEADROOM, Models
 from batchrun.models.dflash_loader import check_draft, load_dflash
 from batchrun.models.loader import load_qwen3, qwen3_shape, read_config
 from batchrun.models.qwen3 import Qwen3Shape
@@ -44,7 +46,7 @@ def engine(target: Path, draft: Path | None, **config: Any) -> Engine:
     model, _ = load_qwen3(target, "float32", CPU, ROPE_HEADROOM)
     positions = model.shape.max_position_embeddings + ROPE_HEADROOM
     loaded = load_dflash(draft, model, CPU, positions) if draft is not None else None
-    built = Engine.from_models(cfg, model, loaded, num_pages=cfg.num_pages)
+    built = Engine(cfg, models=Models(model, loaded))
     built.round_trace = []
     return built
 
@@ -198,11 +200,12 @@ def test_a_long_generation_keeps_the_draft_cache_bounded(
     assert all(len(r.output_ids) == 2000 for r in spec)
     check_greedy(target, spec)
 
-    runner = built.runner
-    assert runner.ring is not None
-    assert runner.ring.capacity == 12 and runner.ring.num_pages == 3 * 3  # 2 slots + scratch
-    assert all(k.shape[0] == v.shape[0] == 9 for k, v in runner.draft_kv)
-    assert 2000 / runner.ring.capacity > 160
+    speculator = built.speculator
+    assert isinstance(speculator, DFlashSpeculator) and speculator.ring is not None
+    ring = speculator.ring
+    assert ring.capacity == 12 and ring.num_pages == 3 * 3  # 2 slots + scratch
+    assert all(k.shape[0] == v.shape[0] == 9 for k, v in speculator.kv_caches)
+    assert 2000 / ring.capacity > 160
     assert check_drafts(built, target, draft, spec, every=10) >= 300
 
 

@@ -22,6 +22,7 @@ from test_triton_engine import DEMO, demo_work, identical_demo_rows, run
 from test_triton_kernels import ATTN_TOL, DEVICE, Batch, _gen, _randn, make_batch
 from test_triton_kernels import reference_attention as torch_reference
 
+from batchrun.attention.backends import FLASHINFER_NEEDS, attention_backend, backend_name
 from batchrun.attention.base import GraphShape
 from batchrun.attention.choice import Workload
 from batchrun.attention.flashinfer_backend import (
@@ -32,7 +33,6 @@ from batchrun.attention.flashinfer_backend import (
 )
 from batchrun.attention.meta import AttentionMeta
 from batchrun.attention.torch_backend import TorchAttention
-from batchrun.engine.loading import FLASHINFER_NEEDS, attention_backend, backend_name
 from batchrun.errors import JobError
 from batchrun.kernels.triton_attention import write_kv
 

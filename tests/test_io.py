@@ -16,8 +16,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from batchrun.engine.request import Request, SamplingParams, row_seed
 from batchrun.errors import JobError
+from batchrun.io.output_dir import OutputDir, row_ranges
 from batchrun.io.output_schema import build_table, error_row, finished_row, output_schema
-from batchrun.io.progress import OutputDir, row_ranges
 from batchrun.io.progress_bar import ProgressBar
 from batchrun.io.prompts import PromptKind, RequestBuilder, find_id_column, find_prompt_column
 from batchrun.io.reader import RowSelection, iter_batches, open_input, resolve_input_paths

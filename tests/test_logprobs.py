@@ -37,12 +37,12 @@ from batchrun.engine import logprobs as logprobs_module
 from batchrun.engine.engine import Engine
 from batchrun.engine.logprobs import token_logprobs
 from batchrun.engine.request import Request, SamplingParams
-from batchrun.engine.sampler import SamplingBatch, sample
 from batchrun.errors import JobError
 from batchrun.io.output_schema import OUTPUT_FIELDS, output_schema
 from batchrun.job import JobSpec
 from batchrun.pipeline import run_job
 from batchrun.ray import BatchrunProcessor
+from batchrun.sampling.sampler import SamplingBatch, sample
 
 MakeModel = Callable[..., Path]
 Job = tuple[list[int], SamplingParams]
@@ -86,7 +86,7 @@ def run(
     }  # fmt: skip
     engine = cpu_engine(target, draft, cuda_graphs=False, **(settings | config))
     if emulate_graphs:
-        engine.runner.capture_graphs(engine.config.max_batch_size, engine.widths)
+        engine.capture_graphs()
     finished = run_to_end(engine, requests_of(jobs))
     assert len(finished) == sum(params.n for _, params in jobs)
     return engine, finished

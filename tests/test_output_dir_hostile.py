@@ -27,8 +27,8 @@ from test_output_safety import PROMPTS, invoke, write_job, write_prompts
 
 from batchrun.errors import JobError
 from batchrun.io import claim
+from batchrun.io.output_dir import OutputDir
 from batchrun.io.parts import remove, write_text_atomically
-from batchrun.io.progress import OutputDir
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread is fastest
 

@@ -33,8 +33,8 @@ from click.testing import CliRunner, Result
 from batchrun.cli import cli
 from batchrun.errors import JobError
 from batchrun.io import claim
+from batchrun.io.output_dir import OutputDir
 from batchrun.io.output_schema import build_table, error_row, output_schema
-from batchrun.io.progress import OutputDir
 from batchrun.io.reader import resolve_input_paths
 from batchrun.tools.tiny_draft import make_tiny_draft
 
@@ -528,11 +528,11 @@ def test_input_resolution_skips_the_output_and_batchrun_outputs(tmp_path: Path) 
 def test_a_failed_part_write_stops_in_one_line_and_loses_nothing(
     tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, code: int
 ) -> None:
-    from batchrun.io import progress
+    from batchrun.io import output_dir
 
     write_prompts(tmp_path / "in", PROMPTS)
     job, out = write_job(tmp_path, tiny_model), tmp_path / "out"
-    real_write = progress.write_part
+    real_write = output_dir.write_part
     calls: list[Path] = []
 
     def write_part(path: Path, table: pa.Table) -> None:
@@ -541,7 +541,7 @@ def test_a_failed_part_write_stops_in_one_line_and_loses_nothing(
             raise OSError(code, os.strerror(code), str(path))
         real_write(path, table)
 
-    monkeypatch.setattr(progress, "write_part", write_part)
+    monkeypatch.setattr(output_dir, "write_part", write_part)
     failed = invoke("run", str(job))
     assert failed.exit_code == 2, failed.output
     lines = failed.stderr.splitlines()

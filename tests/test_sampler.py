@@ -23,12 +23,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from batchrun.engine import sampler
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.philox import MASK32, philox4x32_10, philox_uniform
 from batchrun.engine.request import Request, SamplingParams
-from batchrun.engine.sampler import SamplingBatch, sample
+from batchrun.sampling import sampler
+from batchrun.sampling.philox import MASK32, philox4x32_10, philox_uniform
+from batchrun.sampling.sampler import SamplingBatch, sample
 
 N = 40_000
 REJECT_P = 1e-6  # a correct sampler fails one check in a million seeds

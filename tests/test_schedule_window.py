@@ -13,13 +13,15 @@ import pytest
 from test_pipeline import BAD_ROWS, FakeEngine, write_input
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from batchrun.engine.admission_order import PAGE_TOKENS, admission_order, windowed
+from batchrun.admission_order import admission_order, windowed
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.job import JobSpec
 from batchrun.pipeline import run_job
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+PAGE_SIZE = EngineConfig.page_size  # a job's KV page
 
 
 def request(row: int, prompt: list[int], max_tokens: int = 8) -> Request:
@@ -27,7 +29,7 @@ def request(row: int, prompt: list[int], max_tokens: int = 8) -> Request:
 
 
 def page(token: int) -> list[int]:
-    return [token] * PAGE_TOKENS
+    return [token] * PAGE_SIZE
 
 
 def test_rows_sharing_pages_come_together_and_the_longest_branch_first() -> None:
@@ -42,11 +44,12 @@ def test_rows_sharing_pages_come_together_and_the_longest_branch_first() -> None
         request(6, a + [4]),  # the same prompt as row 3: kept in input order
         request(7, [1, 1, 1]),  # less than a page: shares nothing with page(1) prompts
     ]
-    order = [r.row_index for r in admission_order(rows, max_len=1000)]
+    order = [r.row_index for r in admission_order(rows, max_len=1000, page_size=PAGE_SIZE)]
     assert order == [2, 5, 3, 6, 0, 4, 1, 7]
     # The context caps a request's length: capped at 30, all but rows 1 and 7 tie, and ties
     # keep token order.
-    assert [r.row_index for r in admission_order(rows, max_len=30)] == [3, 6, 0, 5, 2, 4, 1, 7]
+    capped = admission_order(rows, max_len=30, page_size=PAGE_SIZE)
+    assert [r.row_index for r in capped] == [3, 6, 0, 5, 2, 4, 1, 7]
 
 
 def test_windows_reorder_only_within_themselves() -> None:
@@ -55,16 +58,27 @@ def test_windows_reorder_only_within_themselves() -> None:
     def same(r: Request) -> Request:
         return r
 
-    assert list(windowed(iter(rows), 0, 1000, same)) == rows  # 0: input order
-    assert admission_order([], 1000) == []
-    ordered = [r.row_index for r in windowed(iter(rows), 3, 1000, same)]
+    assert list(windowed(iter(rows), 0, 1000, PAGE_SIZE, same)) == rows  # 0: input order
+    assert admission_order([], 1000, PAGE_SIZE) == []
+    ordered = [r.row_index for r in windowed(iter(rows), 3, 1000, PAGE_SIZE, same)]
     assert ordered == [2, 1, 0, 5, 4, 3, 6]  # within each window of 3, the longest first
     # Rows without a request (error rows) come first in their window, as they come.
     items = [(r, r if r.row_index % 3 else None) for r in rows]
-    order = [r.row_index for r, _ in windowed(iter(items), 4, 1000, lambda item: item[1])]
+    with_errors = windowed(iter(items), 4, 1000, PAGE_SIZE, lambda item: item[1])
+    order = [r.row_index for r, _ in with_errors]
     assert order == [0, 3, 2, 1, 6, 5, 4]
     long_prompts = [request(i, page(1) * 400 + [i % 2]) for i in range(4)]  # 400 shared pages
-    assert [r.row_index for r in admission_order(long_prompts, 10**6)] == [0, 2, 1, 3]
+    assert [r.row_index for r in admission_order(long_prompts, 10**6, PAGE_SIZE)] == [0, 2, 1, 3]
+
+
+def test_pages_are_the_page_size_given() -> None:
+    """Prompts that share half a page of 16 tokens share a whole page of 8."""
+    half = [1] * 8
+    rows = [request(0, half + [2] * 8), request(1, [3] * 16, 20), request(2, half + [4] * 8, 40)]
+    # Pages of 16: nothing shared, so longest first.
+    assert [r.row_index for r in admission_order(rows, 1000, page_size=16)] == [2, 1, 0]
+    # Pages of 8: rows 0 and 2 share their first page, so row 0 follows row 2.
+    assert [r.row_index for r in admission_order(rows, 1000, page_size=8)] == [2, 0, 1]
 
 
 # -- jobs -----------------------------------------------------------------------------------
@@ -76,7 +90,7 @@ PREFIXES = 3
 def write_token_rows(directory: Path, rows: int) -> None:
     """Rows of token ids whose prompts start with one of three shared prefixes, in turn (so
     that input order never puts two of a prefix side by side); every third row sampled."""
-    prefixes = [[100 + 7 * p + i % 5 for i in range(2 * PAGE_TOKENS + 5)] for p in range(PREFIXES)]
+    prefixes = [[100 + 7 * p + i % 5 for i in range(2 * PAGE_SIZE + 5)] for p in range(PREFIXES)]
     prompts = [prefixes[i % PREFIXES] + [300 + i, 400 + i % 7] for i in range(rows)]
     table = pa.table(
         {

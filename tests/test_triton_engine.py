@@ -24,6 +24,7 @@ from batchrun.attention.torch_backend import TorchAttention
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request, SamplingParams
+from batchrun.engine.speculator import DFlashSpeculator
 from batchrun.tools.tiny_draft import make_tiny_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,10 +101,13 @@ def run(
     engine = Engine(EngineConfig(target=target, draft=draft, **(settings | config)))
     if backend is not None:
         engine.runner.backend = backend
-        if engine.runner.window_backend is not None:  # a sliding draft's: one more of the kind
-            engine.runner.window_backend = type(backend)()
+        spec = engine.speculator
+        if isinstance(spec, DFlashSpeculator):
+            spec.backend = backend
+            if spec.window_backend is not None:  # a sliding draft's: one more of the kind
+                spec.window_backend = type(backend)()
     if emulate_graphs:
-        engine.runner.capture_graphs(engine.config.max_batch_size, engine.widths)
+        engine.capture_graphs()
     return engine, run_to_end(engine, requests_of(work))
 
 
@@ -194,12 +198,13 @@ def test_graph_buffers_and_padding_replay_like_eager(
     sizes = {size for (_, size) in engine.runner.replays}
     assert len(sizes) >= 3, sizes
     assert_same(eager, emulated)
-    if host_planned is not None:  # every replay was planned from its eager metas
+    spec = engine.speculator
+    if host_planned is not None and isinstance(spec, DFlashSpeculator):  # planned from eager metas
         replays = engine.runner.replays
         for key, n in replays.items():
-            if key[0] != "draft" or engine.draft.attention.num_full:
+            if key[0] != "draft" or spec.draft.attention.num_full:
                 assert host_planned.replayed[key] == n, key
-        window = engine.runner.window_backend
+        window = spec.window_backend
         if window is not None:  # a sliding draft's layers: their own backend and metas
             assert isinstance(window, HostPlannedTorch)
             assert window.replayed == Counter({k: n for k, n in replays.items() if k[0] == "draft"})

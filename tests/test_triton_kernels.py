@@ -56,7 +56,7 @@ from batchrun.kernels.triton_attention import (  # noqa: E402
     paged_attention,
     write_kv,
 )
-from batchrun.kernels.triton_ops import (  # noqa: E402
+from batchrun.kernels.triton_fused import (  # noqa: E402
     fused_add_rms_norm_,
     qk_rms_norm_rope_,
     rms_norm,

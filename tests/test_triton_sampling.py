@@ -18,10 +18,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from batchrun.engine import sampler  # noqa: E402
-from batchrun.engine.philox import philox4x32_10, split64  # noqa: E402
-from batchrun.engine.sampler import SamplingBatch, gumbel_noise  # noqa: E402
-from batchrun.kernels.triton_sampling import philox_debug, sample_plain  # noqa: E402
+from batchrun.sampling import sampler  # noqa: E402
+from batchrun.sampling.philox import philox4x32_10, split64  # noqa: E402
+from batchrun.sampling.sampler import SamplingBatch, gumbel_noise  # noqa: E402
+from batchrun.sampling.triton_sampling import philox_debug, sample_plain  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gpu = pytest.mark.gpu

@@ -196,7 +196,7 @@ def test_the_memory_refusal_names_the_largest_value_that_fits(
         CliRunner().invoke(cli, ["validate", *args, "--max-batch-size", "60000"])
     )
     largest = refused.split("; max_batch_size ")[1].split(" fits at most")[0]
-    assert refused.endswith("fits at most, with max_batched_tokens 2048")
+    assert refused.endswith("fits at most, with max_batched_tokens 4096")
     ok = CliRunner().invoke(cli, ["validate", *args, "--max-batch-size", largest])
     assert ok.exit_code == 0, ok.output
     over = CliRunner().invoke(cli, ["validate", *args, "--max-batch-size", str(int(largest) + 1)])

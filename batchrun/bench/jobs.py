@@ -235,11 +235,11 @@ def _run(
     engine: Engine, job: JobSpec, batch: int, oracle: AcceptanceOracle | None
 ) -> dict[str, Any]:
     engine.new_job(max_batch_size=batch)
-    engine.draft_oracle = oracle
+    engine.speculator.oracle = oracle
     try:
         return run_job(job, engine=engine)
     finally:
-        engine.draft_oracle = None
+        engine.speculator.oracle = None
 
 
 def _profiled(

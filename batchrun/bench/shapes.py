@@ -12,8 +12,8 @@ from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.loader import checkpoint_tensors, load_weights
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.models.qwen3_sharding import TensorParallelQwen3
 from batchrun.parallel.group import TensorParallel
-from batchrun.parallel.sharding import TensorParallelQwen3
 
 _QWEN3 = dict(
     vocab_size=151936, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0,

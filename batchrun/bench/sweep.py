@@ -28,6 +28,7 @@ from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.heap import collect_everything
 from batchrun.engine.request import Request
+from batchrun.engine.startup import Models
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.parallel.group import TensorParallel
 from batchrun.speculative.verify_width import best_width, expected_tokens
@@ -62,13 +63,14 @@ def measure_point(engine: Engine, batch: int, context: int, steps: int) -> list[
     each of the engine's verify widths, each from a fresh prefill: every width (and the
     target-only engine) is timed at the same context, which grows as steps commit."""
     points = []
-    for width in sorted(engine.widths, reverse=True):
-        engine.pinned_width = width
+    speculator = engine.speculator
+    for width in sorted(speculator.widths, reverse=True):
+        speculator.pinned_width = width
         reqs = start_decoding(engine, batch, context)
         point = {"batch": batch, "context": context, "width": width}
         points.append(point | _time_steps(engine, reqs, steps))
         engine.abort_all()
-    engine.pinned_width = None
+    speculator.pinned_width = None
     return points
 
 
@@ -125,10 +127,9 @@ def run_sweep(
             max_model_len=max_len, verify_width="auto",
         )  # fmt: skip
         for with_draft in [False, True] if draft is not None else [False]:
-            engine = Engine.from_models(
-                config, model, draft if with_draft else None,
-                num_pages=_pages(config, max_len, width), tp=plan.tp,
-            )  # fmt: skip
+            models = Models(model, draft if with_draft else None)
+            pages = _pages(config, max_len, width)
+            engine = Engine(config, tp=plan.tp, models=models, num_pages=pages)
             mode = "dflash" if with_draft else "target_only"
             used = engine.info()["attention_backend"]  # what `auto` resolved to
             for batch in plan.batch_sizes:

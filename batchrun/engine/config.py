@@ -18,7 +18,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
     cuda_graphs: bool = True
     max_batch_size: int = 64  # requests in flight
-    max_batched_tokens: int = 2048  # tokens per forward (prefill chunks + decode/verify rows)
+    max_batched_tokens: int = 4096  # tokens per forward (prefill chunks + decode/verify rows)
     gpu_memory_fraction: float = 0.9  # of the GPU's memory: weights, graphs, activations, KV
     page_size: int = 16
     num_pages: int | None = None  # None: sized from free memory (GPU) or a fixed budget (CPU)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from batchrun.engine.request import Request
-from batchrun.engine.sampler import SamplingBatch
+from batchrun.sampling.sampler import SamplingBatch
 
 
 def as_int64(value: int) -> int:
@@ -40,10 +40,6 @@ class DeviceState:
         self.seq_len = zeros(n)  # leading tokens whose target KV is written
         self.out_len = zeros(n)  # output tokens committed: the next one's sampling counter
         self.last_token = zeros(n)  # the newest token: the next decode/verify step's anchor
-        # The last verify's committed rows, still to enter the draft's context: how many, and
-        # where they start in that step's feature rows.
-        self.ctx_rows = zeros(n)
-        self.ctx_row0 = zeros(n)
         self.temperature = zeros(n, dtype=torch.float32)
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.top_k = zeros(n)
@@ -59,7 +55,6 @@ class DeviceState:
         slots = _put([r.slot for r in reqs], torch.int64, self.device)
         p = [r.params for r in reqs]
         self.seq_len[slots] = _put([r.num_cached for r in reqs], torch.int64, self.device)
-        self.ctx_rows[slots] = 0
         self.out_len[slots] = _put([len(r.output_ids) for r in reqs], torch.int64, self.device)
         last = [r.output_ids[-1] if r.output_ids else 0 for r in reqs]
         self.last_token[slots] = _put(last, torch.int64, self.device)
@@ -69,8 +64,6 @@ class DeviceState:
         top_k = [x.top_k if x.top_k < self.vocab_size else 0 for x in p]
         self.top_k[slots] = _put(top_k, torch.int64, self.device)
         self.seed[slots] = _put([as_int64(x.seed) for x in p], torch.int64, self.device)
-        for req in reqs:
-            req.pages_on_device = 0
 
     def add_pages(self, updates: torch.Tensor) -> None:
         """updates [3, U] on the device: slot, column, page of each new page-table entry."""
@@ -102,9 +95,7 @@ class DeviceState:
         width: int,
     ) -> None:
         """A decoding request commits its anchor and accepted drafts (KV) and the tokens
-        after them; a prefill chunk commits its rows, and a completing one its first token.
-        A verify's committed rows wait for the next draft forward to enter its context (at
-        width 1 the step stored them already)."""
+        after them; a prefill chunk commits its rows, and a completing one its first token."""
         d = num_decoding
         keep = accepted + 1
         kv_rows = q_lens.clone()
@@ -124,11 +115,6 @@ class DeviceState:
         self.seq_len.index_add_(0, slots, kv_rows)
         self.out_len.index_add_(0, slots, new_tokens)
         self.last_token.index_copy_(0, slots, last)
-        self.ctx_rows.zero_()  # only this step's verify rows wait for the draft's context
-        if d and width > 1:
-            self.ctx_rows.index_copy_(0, slots[:d], keep)
-            rows0 = torch.arange(d, device=slots.device) * width
-            self.ctx_row0.index_copy_(0, slots[:d], rows0)
 
 
 def _put(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -26,8 +26,8 @@ import torch
 
 from batchrun.engine.device_state import to_device, to_host
 from batchrun.engine.request import Logprobs, Request
-from batchrun.engine.sampler import SamplingBatch, filter_candidates, rows_per_chunk
 from batchrun.engine.scheduler import Scheduled
+from batchrun.sampling.sampler import SamplingBatch, filter_candidates, rows_per_chunk
 
 PROMPT_CHUNK_BYTES = 64 << 20
 # A prompt row's logits in the model's dtype (up to 2 bytes), in float32 and log-softmaxed.

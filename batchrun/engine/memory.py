@@ -170,8 +170,9 @@ def graph_outputs_bytes(
 
 # -- batch limits against the device's memory, before any weights load -------------------------
 
-# A DeviceState slot: its page-table row (int32 per page), seven int64 fields (seq_len, out_len,
-# last_token, ctx_rows, ctx_row0, top_k, seed) and two float32 ones (temperature, top_p).
+# A DeviceState slot: its page-table row (int32 per page), five int64 fields (seq_len, out_len,
+# last_token, top_k, seed) and two float32 ones (temperature, top_p); a draft's context two more
+# int64 (speculative/drafter.py's DraftContext), counted for every job.
 _STATE_SLOT_BYTES = 7 * 8 + 2 * 4
 
 

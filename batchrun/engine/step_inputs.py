@@ -65,8 +65,8 @@ def plan_step(
     scratch_slot: int,
     pad_to: int | None = None,
 ) -> StepPlan:
-    """Packs the step; the page-table entries each request gained since its last step are
-    marked sent. pad_to: the graph size to pad a uniform step to."""
+    """Packs the step, with the page-table entries each request gained since its last step
+    (the caller marks them sent). pad_to: the graph size to pad a uniform step to."""
     live = len(batch)
     num_req = pad_to if pad_to is not None else live
     head = np.zeros((4, num_req), dtype=np.int64)
@@ -113,9 +113,8 @@ def plan_step(
 
 
 def _new_pages(req: Request) -> np.ndarray:
-    """(slot, column, page) of the pages the device's table lacks; marks them sent."""
+    """(slot, column, page) of the pages the device's table lacks."""
     first, end = req.pages_on_device, len(req.pages)
-    req.pages_on_device = end
     out = np.empty((3, end - first), dtype=np.int64)
     out[0], out[1], out[2] = req.slot, np.arange(first, end), req.pages[first:]
     return out

@@ -97,7 +97,7 @@ def resolved_dtype(job: JobSpec) -> str:
     """The dtype the engine will use, known from config.json and the device; else "auto"."""
     if job.dtype != "auto":
         return job.dtype
-    from batchrun.engine.loading import resolve_device
+    from batchrun.device import resolve_device
     from batchrun.models.loader import read_config, resolve_dtype
 
     try:

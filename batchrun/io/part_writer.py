@@ -12,8 +12,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pyarrow as pa
 
+from batchrun.io.output_dir import OutputDir
 from batchrun.io.output_schema import OutputRow, build_table, concat_parts, conform_part
-from batchrun.io.progress import OutputDir
 
 
 class PartWriter:

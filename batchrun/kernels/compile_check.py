@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from batchrun.kernels import triton_attention as ta
-from batchrun.kernels import triton_ops as ops
+from batchrun.kernels import triton_fused as fused
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 MAX_STACK = 16  # bytes; a few words of stack are not spills
@@ -197,15 +197,15 @@ def cases(quick: bool) -> Iterator[Case]:
         )
         yield Case(
             f"add + rms_norm {t} N=4096",
-            ops._rms_norm_kernel,
+            fused._rms_norm_kernel,
             dict(x_ptr=t, residual_ptr=t, w_ptr=t, out_ptr=t),
             ("eps",),
             dict(N=4096, BLOCK=4096, ADD_RESIDUAL=True),
-            ops._warps(4096),
+            fused._warps(4096),
         )
         yield Case(
             f"qk_norm_rope {t} heads=32/8 D=128",
-            ops._qk_norm_rope_kernel,
+            fused._qk_norm_rope_kernel,
             dict(
                 q_ptr=t,
                 k_ptr=t,
@@ -217,15 +217,15 @@ def cases(quick: bool) -> Iterator[Case]:
             ),
             ("eps",),
             dict(Q_HEADS=32, K_HEADS=8, BLOCK_HQ=32, BLOCK_HK=8, HALF=64, HAS_K=True),
-            ops._warps(32 * 128),
+            fused._warps(32 * 128),
         )
         yield Case(
             f"silu_and_mul {t} I=12288",
-            ops._silu_and_mul_kernel,
+            fused._silu_and_mul_kernel,
             dict(gu_ptr=t, out_ptr=t),
             (),
             dict(N=12288, BLOCK=1024),
-            ops._warps(1024),
+            fused._warps(1024),
         )
 
 

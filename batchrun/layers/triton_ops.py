@@ -1,4 +1,4 @@
-"""The fused Triton versions of a layer's small ops (batchrun/kernels/triton_ops.py), behind
+"""The fused Triton versions of a layer's small ops (batchrun/kernels/triton_fused.py), behind
 the interface of the torch reference (layers/ops.py). They write in place where they can: the
 tensors they overwrite are a step's own intermediates."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-import batchrun.kernels.triton_ops as kernels
+import batchrun.kernels.triton_fused as kernels
 from batchrun.layers.ops import TorchOps
 
 

@@ -14,9 +14,9 @@ from batchrun.errors import JobError
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.models.qwen3_sharding import TensorParallelQwen3, shard_checkpoint
 from batchrun.models.safetensors_reader import read_safetensors
 from batchrun.parallel.group import TensorParallel
-from batchrun.parallel.sharding import TensorParallelQwen3, shard_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,1 +1,2 @@
-"""Tensor parallelism: one process per GPU (torchrun), the target's weights split across them."""
+"""Tensor parallelism's process group (group.py). Its layers are in layers/ (tensor_parallel.py,
+parallel_logits.py), the sharded Qwen3 in models/qwen3_sharding.py, launching in launch/."""

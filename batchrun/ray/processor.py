@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from batchrun.engine.admission_order import windowed
+from batchrun.admission_order import windowed
 from batchrun.engine.request import Request
 from batchrun.errors import JobError
 from batchrun.io.output_schema import (
@@ -127,8 +127,13 @@ class BatchrunProcessor:
                 requests.append(request)
             else:
                 outputs[i] = error_rows(row_indices[i], request, builder.output_rows(values))
-        window, max_len = self.job.schedule_window, self.engine.max_model_len
-        ordered = windowed(iter(requests), window, max_len, lambda request: request)
+        ordered = windowed(
+            iter(requests),
+            window=self.job.schedule_window,
+            max_len=self.engine.max_model_len,
+            page_size=self.job.engine_config().page_size,
+            request=lambda request: request,
+        )
         max_queued = QUEUE_FACTOR * self.job.max_batch_size
         for finished in generate(self.engine, ordered, max_queued):
             for request in finished:

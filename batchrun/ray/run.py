@@ -5,7 +5,7 @@
     commit    this process (the driver): parts, _progress, stats.json, _SUCCESS
 
 Exactly once per input row, as in a local run, because only the driver writes the output, under
-its claim, with the local run's atomic part commits (batchrun.io.progress):
+its claim, with the local run's atomic part commits (batchrun.io.output_dir):
 - each row carries its row_index from the read stage, numbered as a local run numbers it (files
   sorted by path, rows in file order); row groups whose rows are all committed are not read, and
   committed rows of the others are dropped as they are read;
@@ -45,10 +45,10 @@ import pyarrow.parquet as pq
 from batchrun.engine.request import round_tokens
 from batchrun.errors import JobError
 from batchrun.io.cells import column_values
+from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR, row_ranges
 from batchrun.io.output_schema import build_table, concat_parts, conform_part
 from batchrun.io.overrides import output_rows
 from batchrun.io.part_writer import PartWriter
-from batchrun.io.progress import DAMAGED_DIR, PROGRESS_DIR, row_ranges
 from batchrun.io.progress_bar import ProgressBar
 from batchrun.io.prompts import PromptColumn, find_prompt_column
 from batchrun.io.reader import open_input

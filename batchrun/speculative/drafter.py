@@ -4,7 +4,7 @@ drafted per decoding request over its draft context and the block. Full-attentio
 their context in the target's pages; sliding-window layers in a ring per slot
 (speculative/sliding_window.py), with an attention meta of their own.
 
-It works on tensors (SlotState): nothing here imports the engine.
+It works on tensors (SlotState, DraftContext): nothing here imports the engine.
 """
 
 from __future__ import annotations
@@ -25,17 +25,44 @@ class SlotState(Protocol):
     page_table: torch.Tensor  # [slots, max_pages] int32
     seq_len: torch.Tensor  # tokens with target KV: the anchor's position
     last_token: torch.Tensor  # the anchor
-    ctx_rows: torch.Tensor  # rows of the last verify still to enter the draft context
-    ctx_row0: torch.Tensor  # their first row in that verify's features
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """Per slot, the rows of the last verify still to enter the draft's context: how many, and
+    where they start in that verify's feature rows."""
+
+    rows: torch.Tensor
+    row0: torch.Tensor
+
+    @classmethod
+    def zeros(cls, num_slots: int, device: torch.device) -> DraftContext:
+        def zeros() -> torch.Tensor:
+            return torch.zeros(num_slots, dtype=torch.int64, device=device)
+
+        return cls(zeros(), zeros())
+
+    def admit(self, slots: torch.Tensor) -> None:
+        """Slots that just took a request: nothing of theirs waits."""
+        self.rows[slots] = 0
+
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, width: int) -> None:
+        """After a step: only its verify rows wait, `accepted + 1` for each decoding request in
+        `slots`, starting at the request's first row of the step (request i's: i * width)."""
+        self.rows.zero_()
+        if slots.shape[0] and width > 1:
+            self.rows.index_copy_(0, slots, accepted + 1)
+            first = torch.arange(slots.shape[0], device=slots.device) * width
+            self.row0.index_copy_(0, slots, first)
 
 
 def context_feature_rows(
-    state: SlotState, slots: torch.Tensor, width: int, num_feature_rows: int
+    context: DraftContext, slots: torch.Tensor, width: int, num_feature_rows: int
 ) -> torch.Tensor:
     """[D * W]: the row of the last step's features each context row reads (clamped: rows
     past a request's count are read but not written)."""
     j = torch.arange(width, device=slots.device)
-    rows = state.ctx_row0[slots][:, None] + j
+    rows = context.row0[slots][:, None] + j
     return rows.clamp_(0, max(num_feature_rows - 1, 0)).view(-1)
 
 
@@ -52,6 +79,7 @@ class DraftInputs:
 
 def draft_inputs(
     state: SlotState,
+    context: DraftContext,
     slots: torch.Tensor,  # [D] the decoding requests' slots (padding: the scratch slot)
     width: int,
     mask_token_id: int,
@@ -69,7 +97,7 @@ def draft_inputs(
     req = torch.arange(num_req, device=device)[:, None].expand(num_req, width).reshape(-1)
     start = state.seq_len[slots]
     table = state.page_table[slots]
-    count = state.ctx_rows[slots]
+    count = context.rows[slots]
     ctx_pos = ((start - count)[:, None] + j).clamp_(min=0).view(-1)
     committed = ((j < count[:, None]) & live[:, None]).view(-1)
     ctx_slots = torch.where(committed, cache_slots(table, req, ctx_pos, page_size), -1)

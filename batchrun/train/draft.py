@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3ForCausalLM
 
-from batchrun.engine.loading import resolve_device
+from batchrun.device import resolve_device
 from batchrun.models.dflash import default_target_layer_ids
 from batchrun.tools.tiny_draft import draft_config, unused_embedding_row
 from batchrun.train import (

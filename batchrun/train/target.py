@@ -28,7 +28,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from batchrun.engine.loading import resolve_device
+from batchrun.device import resolve_device
 from batchrun.tools.bpe import ENDOFTEXT, build_tokenizer
 from batchrun.train import (
     LossLog,

@@ -1,4 +1,4 @@
-"""One process of `batchrun run --tp N` under torchrun: `python -m batchrun.parallel.worker JOB`,
+"""One process of `batchrun run --tp N` under torchrun: `python -m batchrun.launch.worker JOB`,
 JOB the resolved job as JSON. Rank 0 prints the summary line; a JobError is one line on stderr
 and exit status 2, and a stop by a signal one line and EXIT_STOPPED, as from `batchrun run`."""
 
@@ -9,7 +9,7 @@ import sys
 
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
 from batchrun.job import JobSpec
-from batchrun.parallel.launch import run_rank
+from batchrun.launch.torchrun import run_rank
 from batchrun.pipeline import summary_line
 
 

@@ -19,10 +19,10 @@ from torch import nn
 from batchrun.errors import JobError
 from batchrun.layers.attention import PagedAttention
 from batchrun.layers.mlp import SwiGLU
+from batchrun.layers.parallel_logits import gather_logits, greedy_tokens
+from batchrun.layers.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.parallel.group import TensorParallel
-from batchrun.parallel.layers import RowParallelLinear, VocabParallelEmbedding
-from batchrun.parallel.vocab import gather_logits, greedy_tokens
 
 # Checkpoint tensor (its last two name parts) -> the dimension split across ranks. Splitting the
 # rows of q/k/v by even blocks gives each rank whole heads, since the heads divide evenly.

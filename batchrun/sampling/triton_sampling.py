@@ -1,8 +1,8 @@
 """Gumbel-max sampling of rows without top-k/top-p in one pass over the logits, token for token
-what the torch sampler draws (batchrun/engine/sampler.py, `_draw_plain`):
+what the torch sampler draws (batchrun/sampling/sampler.py, `_draw_plain`):
 
     token = argmax_j(float32(logits[j]) / T + g_j),  g_j = -log(-log(u_j)),
-    u_j = philox_uniform(seed, step, j)                (batchrun/engine/philox.py)
+    u_j = philox_uniform(seed, step, j)                (batchrun/sampling/philox.py)
 
 and the plain argmax (first index on ties, NaN counting as the largest, as torch.argmax) for rows
 with T <= 0. The torch path materialises eight int64 Philox words per logit; here each program
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from batchrun.engine import philox
+from batchrun.sampling import philox
 
 __all__ = ["BLOCK", "philox_debug", "sample_plain"]
 

@@ -1,7 +1,7 @@
 """Batched sampling as a pure function of (logits, parameters, seed, step).
 
 Randomness is Gumbel noise from Philox-4x32-10 keyed by the row's 64-bit seed, with its 64-bit
-token index (step) and the token id as the counter (batchrun/engine/philox.py), not from a
+token index (step) and the token id as the counter (batchrun/sampling/philox.py), not from a
 generator's state: a row's sample does not depend on what else is in the batch, on preemption,
 or on whether the token comes from a plain decode step or a speculative verify row.
 
@@ -12,7 +12,7 @@ topk (a full sort only when some row of the chunk has top-p without top-k) and d
 for the candidates.
 
 On CUDA, when triton imports, greedy and unfiltered rows take one Triton launch instead
-(batchrun/kernels/triton_sampling.py): the same tokens, noise regenerated in registers rather than
+(batchrun/sampling/triton_sampling.py): the same tokens, noise regenerated in registers rather than
 held as int64 words; the torch path stays the reference and the CPU path.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.engine.philox import philox_uniform
+from batchrun.sampling.philox import philox_uniform
 
 # Peak temporaries per logit of a chunk, measured: 68 bytes drawing noise for every logit (eight
 # live int64 Philox words and the float32 logits), 78 with a full sort before it.
@@ -95,7 +95,7 @@ def _plain_kernel(logits: torch.Tensor) -> PlainKernel | None:
 @functools.cache
 def _import_plain_kernel() -> PlainKernel | None:
     try:
-        from batchrun.kernels.triton_sampling import sample_plain
+        from batchrun.sampling.triton_sampling import sample_plain
     except ImportError:
         return None
     return sample_plain

@@ -1,40 +1,21 @@
-"""Start-up helpers of the engine: device, attention backend, tokenizer, eos ids."""
+"""The attention backend a job runs: the name `--attention-backend` resolves to on a device,
+what `auto` chooses between (the measurement itself is choice.py's) and the backend built
+with the layers' small ops that go with it."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
-from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from batchrun.attention.base import AttentionBackend
 from batchrun.attention.choice import Workload, fastest
 from batchrun.attention.torch_backend import TorchAttention
 from batchrun.errors import JobError
 from batchrun.layers.ops import TORCH_OPS, TorchOps
-
-
-def resolve_device(name: str) -> torch.device:
-    """auto, cpu, cuda or cuda:N; cuda:N also becomes the current CUDA device, so streams, graph
-    pools and kernels launched without a device land on it."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise JobError(f"device {name!r} was asked for but no CUDA device is available")
-    device = torch.device(name)
-    if device.index is not None:
-        if device.index >= torch.cuda.device_count():
-            count = torch.cuda.device_count()
-            raise JobError(f"device {name!r} was asked for but there are {count} CUDA devices")
-        torch.cuda.set_device(device)
-    return device
-
 
 FLASHINFER_NEEDS = (
     "attention backend 'flashinfer' needs a CUDA GPU and the flashinfer-python package "
@@ -141,25 +122,3 @@ def _flashinfer_backend(device: torch.device) -> tuple[AttentionBackend, TorchOp
         return FlashInferAttention(device, write), ops
     except ImportError as e:  # installed but not importable (e.g. without apache-tvm-ffi)
         raise JobError(f"{FLASHINFER_NEEDS}: {e}".splitlines()[0]) from None
-
-
-def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:  # transformers raises many kinds; any of them means no tokenizer
-        raise JobError(f"cannot load the tokenizer of {model_dir}: {e}".splitlines()[0]) from None
-
-
-def eos_token_ids(
-    model_dir: Path, config: dict[str, Any], tok: PreTrainedTokenizerBase
-) -> set[int]:
-    """End-of-sequence ids as generate() uses them: generation_config.json, else the config."""
-    eos = None
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-    if eos is None:
-        eos = config.get("eos_token_id", tok.eos_token_id)
-    if eos is None:
-        return set()
-    return {int(e) for e in eos} if isinstance(eos, list) else {int(eos)}

@@ -1,7 +1,7 @@
 """`batchrun run --tp N`: a job on N tensor-parallel processes of this host.
 
 Outside torchrun the job is checked, then re-executed under torch.distributed.run (standalone
-rendezvous on a free port) as N processes of `batchrun.parallel.worker`, each handed the
+rendezvous on a free port) as N processes of `batchrun.launch.worker`, each handed the
 resolved job. Inside torchrun (the worker, or `torchrun ... -m batchrun.cli run --tp N`) each
 process joins its tensor-parallel group and runs the job in lockstep with the group.
 """
@@ -25,8 +25,8 @@ import torch.distributed as dist
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
 from batchrun.job import JobSpec
 from batchrun.models.loader import qwen3_shape, read_config
+from batchrun.models.qwen3_sharding import local_shape
 from batchrun.parallel.group import TensorParallel, init_from_env
-from batchrun.parallel.sharding import local_shape
 from batchrun.pipeline import STOP_SIGNALS, open_job, run_job
 
 TP_DEVICES = ("auto", "cpu", "cuda")
@@ -62,7 +62,7 @@ def relaunch(job: JobSpec) -> int:
     open_job(job)  # the input and output checks, said once here rather than by every rank
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={job.tp}", "-m", "batchrun.parallel.worker", json.dumps(job.to_dict()),
+        f"--nproc-per-node={job.tp}", "-m", "batchrun.launch.worker", json.dumps(job.to_dict()),
     ]  # fmt: skip
     environ = dict(os.environ)
     environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.tp)))
