@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchrun.attention.backends import auto_candidates, backend_name, check_backend_dtype
 from batchrun.device import resolve_device
+from batchrun.engine.attention_backends import auto_candidates, backend_name, check_backend_dtype
 from batchrun.engine.config import EngineConfig, check_batch_budget, verify_widths
 from batchrun.engine.memory import (
     BatchFootprint,

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from batchrun.attention import choice
-from batchrun.attention.backends import attention_backend, auto_candidates
 from batchrun.attention.base import AttentionBackend
 from batchrun.attention.choice import Workload, fastest
 from batchrun.attention.torch_backend import TorchAttention
+from batchrun.engine.attention_backends import attention_backend, auto_candidates
 
 WORKLOAD = Workload(32, 8, 128, "bfloat16", 16, 64, 16, 36, 5, 1024)
 

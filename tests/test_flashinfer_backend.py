@@ -22,7 +22,6 @@ from test_triton_engine import DEMO, demo_work, identical_demo_rows, run
 from test_triton_kernels import ATTN_TOL, DEVICE, Batch, _gen, _randn, make_batch
 from test_triton_kernels import reference_attention as torch_reference
 
-from batchrun.attention.backends import FLASHINFER_NEEDS, attention_backend, backend_name
 from batchrun.attention.base import GraphShape
 from batchrun.attention.choice import Workload
 from batchrun.attention.flashinfer_backend import (
@@ -33,6 +32,7 @@ from batchrun.attention.flashinfer_backend import (
 )
 from batchrun.attention.meta import AttentionMeta
 from batchrun.attention.torch_backend import TorchAttention
+from batchrun.engine.attention_backends import FLASHINFER_NEEDS, attention_backend, backend_name
 from batchrun.errors import JobError
 from batchrun.kernels.triton_attention import write_kv
 

@@ -246,19 +246,9 @@ class Engine:
         admitted = self.scheduler.admitted
         runner.state.admit(admitted)
         speculator.admit(admitted)
-        for req in admitted:  # a slot taken afresh: the step sends its whole page table
-            req.pages_on_device = 0
         plan = plan_step(batch, samples, width, self.pool.page_size, runner.state.num_slots, pad_to)
         prompt = prompt_rows(batch) if self.config.prompt_logprobs else None
-        for it in batch:  # the host's view moves on; decode rows commit when read back
-            req = it.req
-            req.pages_on_device = len(req.pages)  # the step sends the rest
-            if it.decoding:
-                req.in_flight += it.num_new
-            else:
-                start, req.num_cached = req.num_cached, req.num_cached + it.num_new
-                prefix = req.token_slice(0, req.num_cached)
-                self.pool.register(req.pages, prefix, start, req.num_cached)
+        self.scheduler.launched(batch)
         self.timer.mark()
         args = runner.load(plan)
         drafts = speculator.propose(args, plan)
@@ -313,7 +303,7 @@ class Engine:
                 continue
             before = len(req.output_ids)
             if it.decoding:
-                req.in_flight -= it.num_new
+                self.scheduler.landed(it)
                 drafted = drafts[(dec - 1) * d : dec * d]
                 self._commit_round(req, post, accepted[dec - 1], drafted, launched.plan.width)
             elif post:  # the first token, sampled from the prompt's last row
@@ -323,9 +313,8 @@ class Engine:
             if req.finish_reason:
                 self.scheduler.finish(req)
                 finished.append(req)
-            else:  # release KV past the committed tokens and the rows still in flight
-                self.pool.shrink(req.pages, req.num_cached + req.in_flight)
-                req.pages_on_device = min(req.pages_on_device, len(req.pages))
+            else:
+                self.scheduler.keep(req)
         return finished
 
     def _learn(self, launched: Launched, accepted: list[int]) -> None:

@@ -138,12 +138,36 @@ class Scheduler:
             self.waiting.popleft()
             req.status = Status.RUNNING
             req.slot = self._free_slots.pop()
+            req.pages_on_device = 0  # a slot taken afresh: the step sends its whole table
             self.running.append(req)
             self.admitted.append(req)
             batch.append(self._plan(req, n, decoding=False))
             budget -= n
         self.waiting.extendleft(reversed(held))
         return batch
+
+    def launched(self, batch: list[Scheduled]) -> None:
+        """The step is on its way: its page-table entries are on the device, its decode rows
+        in flight, its chunks' tokens hold K/V (their full pages join the prefix cache)."""
+        for it in batch:
+            req = it.req
+            req.pages_on_device = len(req.pages)
+            if it.decoding:
+                req.in_flight += it.num_new
+            else:
+                start, req.num_cached = req.num_cached, req.num_cached + it.num_new
+                prefix = req.token_slice(0, req.num_cached)
+                self.pool.register(req.pages, prefix, start, req.num_cached)
+
+    def landed(self, it: Scheduled) -> None:
+        """A decoding request's rows were read back: no longer in flight."""
+        it.req.in_flight -= it.num_new
+
+    def keep(self, req: Request) -> None:
+        """A request that goes on after a step: K/V past its committed tokens and the rows
+        still in flight is released."""
+        self.pool.shrink(req.pages, req.num_cached + req.in_flight)
+        req.pages_on_device = min(req.pages_on_device, len(req.pages))
 
     def _sibling_pages(self, req: Request) -> list[int] | None:
         """The full pages of the prompt that a running sibling (a sample of the same row) has

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from batchrun.attention.backends import attention_backend
 from batchrun.attention.base import AttentionBackend
 from batchrun.attention.choice import MEASURED_CONTEXT, Workload
+from batchrun.engine.attention_backends import attention_backend
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.memory import job_kv_pages, usable_context
 from batchrun.layers.ops import use_ops
