@@ -205,6 +205,8 @@ class StatsAccumulator:
             "step_seconds": info.get("step_seconds"),  # and the seconds they took
             "startup_seconds": info.get("startup_seconds"),  # the engine's, by stage
             "prefix_cache_hit_rate": info.get("prefix_cache_hit_rate"),
+            # Prompt tokens the target computed: cached prefixes and shared samples' are not.
+            "prompt_tokens_computed": info.get("prompt_tokens_computed"),
             "versions": versions(),
             "finish_reasons": dict(sorted(self.finish_reasons.items())),
             **(extra or {}),

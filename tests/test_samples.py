@@ -57,22 +57,13 @@ def engine_for(target: Path, draft: Path | None = None, **config: Any) -> Engine
 
 def run_all(engine: Engine, requests: list[Request]) -> tuple[list[Request], int]:
     """Every sample finished, by (row_index, sample_index), and the prompt tokens prefilled."""
-    schedule = engine.scheduler.schedule
-    prefilled = 0
-
-    def counting(width: int | None = None) -> Any:
-        nonlocal prefilled
-        batch = schedule(width)
-        prefilled += sum(it.num_new for it in batch if not it.decoding)
-        return batch
-
-    engine.scheduler.schedule = counting  # type: ignore[method-assign]
-    return run_to_end(engine, requests), prefilled
+    finished = run_to_end(engine, requests)
+    return finished, engine.info()["prompt_tokens_computed"]
 
 
 def assert_pool_idle(engine: Engine) -> None:
     pool = engine.pool
-    assert pool._refs == [0] * pool.num_pages and pool.num_free == pool.num_pages
+    assert pool.num_held == 0 and pool.num_free == pool.num_pages
 
 
 # -- seeds ----------------------------------------------------------------------------------

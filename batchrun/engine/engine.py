@@ -153,6 +153,7 @@ class Engine:
         self.step_seconds: dict[str, float] = {}  # the same kinds -> their pipeline periods
         self.decode_forwards = 0  # decode/verify rounds of a request, over every step
         self.decode_tokens = 0  # the tokens those rounds committed
+        self.prompt_tokens_computed = 0  # prefill chunks' rows (cached or shared ones are not)
         self._launched: Launched | None = None
         self._last_done: float | None = None  # when the host last read a step's results
 
@@ -188,6 +189,7 @@ class Engine:
             "step_seconds": {k: round(v, 4) for k, v in self.step_seconds.items()},
             "cuda_graphs": bool(self.runner.target_graphs),
             "prefix_cache_hit_rate": self.pool.hit_rate,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
             "startup_seconds": self.startup_seconds,
         } | self.speculator.info()
 
@@ -242,6 +244,7 @@ class Engine:
         decoding = sum(it.decoding for it in batch)
         kind = "decode" if decoding == len(batch) else "mixed" if decoding else "prefill"
         self.step_kinds[kind] += 1
+        self.prompt_tokens_computed += sum(it.num_new for it in batch if not it.decoding)
         pad_to = runner.graph_size(len(batch), width) if decoding == len(batch) else None
         admitted = self.scheduler.admitted
         runner.state.admit(admitted)

@@ -54,6 +54,11 @@ class PagePool:
         return len(self._free) + len(self._idle)
 
     @property
+    def num_held(self) -> int:
+        """Pages some request holds."""
+        return sum(1 for n in self._refs if n)
+
+    @property
     def hit_rate(self) -> float | None:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else None
 
