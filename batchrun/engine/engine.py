@@ -60,7 +60,7 @@ class Launched:
 
     batch: list[Scheduled]
     plan: StepPlan
-    samples: list[int]  # rows sampled per item
+    sampled: SampledRows  # the rows each item samples
     epochs: list[int]  # each request's epoch at launch: a later one drops the result
     host: torch.Tensor  # sampled tokens, accepted counts (and drafts when traced), on their way
     ready: torch.cuda.Event | None
@@ -240,7 +240,7 @@ class Engine:
     def _launch(self, batch: list[Scheduled], width: int) -> Launched:
         runner, speculator = self.runner, self.speculator
         started = time.perf_counter()
-        samples = [rows_sampled(it) for it in batch]
+        sampled = SampledRows(batch, [rows_sampled(it) for it in batch])
         decoding = sum(it.decoding for it in batch)
         kind = "decode" if decoding == len(batch) else "mixed" if decoding else "prefill"
         self.step_kinds[kind] += 1
@@ -249,7 +249,9 @@ class Engine:
         admitted = self.scheduler.admitted
         runner.state.admit(admitted)
         speculator.admit(admitted)
-        plan = plan_step(batch, samples, width, self.pool.page_size, runner.state.num_slots, pad_to)
+        plan = plan_step(
+            batch, sampled.counts, width, self.pool.page_size, runner.state.num_slots, pad_to
+        )
         prompt = prompt_rows(batch) if self.config.prompt_logprobs else None
         self.scheduler.launched(batch)
         self.timer.mark()
@@ -258,7 +260,6 @@ class Engine:
         self.timer.mark()
         out = runner.target_step(args, plan, drafts)
         speculator.observe(out.features)
-        sampled = SampledRows(batch, samples)
         tokens = sample_tokens(self.model, runner.state, out, sampled)
         scores = None
         if self.config.logprobs is not None or (prompt is not None and prompt.rows):
@@ -267,12 +268,12 @@ class Engine:
         accepted = speculator.accept(drafts, tokens, plan)
         live, d = plan.num_live, plan.num_decoding
         slots = args.slot[:live]
-        q_lens, sampled_rows = args.q_len[:live], args.sampled[:live]
-        runner.state.commit(slots, q_lens, sampled_rows, tokens, accepted, d, width)
+        q_lens, counts = args.q_len[:live], args.sampled[:live]
+        runner.state.commit(slots, q_lens, counts, tokens, accepted, d, width)
         speculator.commit(slots[:d], accepted, plan)
         self.timer.mark()
         # The step's one device-to-host copy: sampled tokens, accepted counts (drafts if traced).
-        parts = [tokens[: sum(samples)], accepted]
+        parts = [tokens[: sampled.total], accepted]
         traced = self.round_trace is not None and drafts is not None
         if traced and drafts is not None:
             parts.append(drafts.reshape(-1))
@@ -280,14 +281,14 @@ class Engine:
         seconds = None if ready is not None else time.perf_counter() - started
         epochs = [it.req.epoch for it in batch]
         drafted = width - 1 if traced else 0
-        return Launched(batch, plan, samples, epochs, host, ready, drafted, kind, seconds, scores)
+        return Launched(batch, plan, sampled, epochs, host, ready, drafted, kind, seconds, scores)
 
     def _read_back(self, launched: Launched) -> list[Request]:
         """Commit a launched step's tokens on the host: stop checks, outputs, finished ones."""
         if launched.ready is not None:
             launched.ready.synchronize()
         values = launched.host.tolist()
-        num_sampled = sum(launched.samples)
+        num_sampled = launched.sampled.total
         num_dec = launched.plan.num_decoding
         post_all, values = values[:num_sampled], values[num_sampled:]
         scores = ReadLogprobs(launched.logprobs) if launched.logprobs is not None else None
@@ -295,7 +296,7 @@ class Engine:
         self._learn(launched, accepted)
         d = launched.num_drafts
         finished, pos, dec = [], 0, 0
-        items = zip(launched.batch, launched.samples, launched.epochs, strict=True)
+        items = zip(launched.batch, launched.sampled.counts, launched.epochs, strict=True)
         for i, (it, k, epoch) in enumerate(items):
             req = it.req
             post = post_all[pos : pos + k]

@@ -23,6 +23,7 @@ from batchrun.attention.base import AttentionBackend
 from batchrun.attention.meta import AttentionMeta, allocate_kv
 from batchrun.engine.config import EngineConfig, verify_widths
 from batchrun.engine.cuda_graphs import GraphSet, graph_sizes, ladder_bucket
+from batchrun.engine.device_state import to_device
 from batchrun.engine.page_pool import pages_for
 from batchrun.engine.request import Request
 from batchrun.engine.step_inputs import StepArgs, StepPlan, TargetInputs
@@ -221,9 +222,9 @@ class DFlashSpeculator(Speculator):
     # -- a step -------------------------------------------------------------------------------
 
     def admit(self, requests: list[Request]) -> None:
-        if requests:
-            slots = [r.slot for r in requests]
-            self.context.admit(torch.tensor(slots, device=self.context.rows.device))
+        if requests:  # through pinned memory: a plain copy would wait for the GPU's queue
+            slots = torch.tensor([r.slot for r in requests])
+            self.context.admit(to_device(slots, self.context.rows.device))
         if self.oracle is not None:
             self.oracle.admit(requests)
 

@@ -22,7 +22,11 @@ class SampledRows:
     """The step's items and the rows each samples."""
 
     batch: list[Scheduled]
-    counts: list[int]
+    counts: list[int]  # per item
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
 
     def params(self) -> list[SamplingParams]:
         """The sampling parameters of the items that sample a row."""
@@ -54,7 +58,7 @@ def score_tokens(
 ) -> StepLogprobs:
     """The log-probabilities of the sampled tokens (padding rows left out) with their top_k
     alternatives, and of the prompt rows, on their way to the host."""
-    n = sum(rows.counts)
+    n = rows.total
     params = state.sampling(out.row_slot[:n], out.row_step[:n])
     return score_step(
         model.full_logits(out.logits),
