@@ -330,7 +330,7 @@ class Engine:
         seconds = launched.seconds if launched.seconds is not None else done - (last or done)
         kind = launched.kind
         self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
-        self.speculator.learn(launched.plan, accepted, seconds, self.config.max_batch_size)
+        self.speculator.learn(launched.plan, accepted, seconds)
 
     def _commit_round(
         self, req: Request, post: list[int], acc: int, drafts: list[int], width: int

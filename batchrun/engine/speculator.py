@@ -40,7 +40,8 @@ from batchrun.speculative.drafter import (
 from batchrun.speculative.sliding_window import DraftRing
 from batchrun.speculative.verify_width import WidthPolicy, step_width
 
-if TYPE_CHECKING:  # the start-up (engine/startup.py) sizes memory with the runner's constants
+if TYPE_CHECKING:  # both import this module
+    from batchrun.engine.model_runner import ModelRunner
     from batchrun.engine.startup import BackendChoice
 
 
@@ -92,9 +93,7 @@ class Speculator:
     def commit(self, slots: torch.Tensor, accepted: torch.Tensor, plan: StepPlan) -> None:
         """After the step's commit into the device state: `slots` [D] decoding requests'."""
 
-    def learn(
-        self, plan: StepPlan, accepted: list[int], seconds: float, max_batch_size: int
-    ) -> None:
+    def learn(self, plan: StepPlan, accepted: list[int], seconds: float) -> None:
         """A step read back: its acceptance and, on a GPU, its period."""
 
     def capture_graphs(self, max_batch_size: int, max_batched_tokens: int, pool: Any) -> None:
@@ -106,7 +105,7 @@ class Speculator:
 
 def make_speculator(
     draft: DFlashDraft | None,
-    runner: Any,
+    runner: ModelRunner,
     choice: BackendChoice,
     config: EngineConfig,
     tp: TensorParallel | None,
@@ -131,7 +130,7 @@ class DFlashSpeculator(Speculator):
     def __init__(
         self,
         draft: DFlashDraft,
-        runner: Any,  # engine/model_runner.py's ModelRunner (which imports this module)
+        runner: ModelRunner,
         backend: AttentionBackend,
         window_backend: AttentionBackend | None,
         verify_width: int | str,
@@ -198,9 +197,7 @@ class DFlashSpeculator(Speculator):
             width = self.tp.first_int(width)
         return width
 
-    def learn(
-        self, plan: StepPlan, accepted: list[int], seconds: float, max_batch_size: int
-    ) -> None:
+    def learn(self, plan: StepPlan, accepted: list[int], seconds: float) -> None:
         """Feeds the policy: the rounds' acceptance, and the step's cost when every request
         decoded (a step with prefill chunks says little about a width's cost) and the width
         was the last step's too (a switch costs the pipeline more than the width does)."""
@@ -216,7 +213,7 @@ class DFlashSpeculator(Speculator):
         if seconds > 0 and not switched:
             policy.record_rows(plan.num_rows, seconds * 1e3)
             if plan.uniform:
-                bucket = ladder_bucket(plan.num_live, max_batch_size)
+                bucket = ladder_bucket(plan.num_live, self.max_batch_size)
                 policy.record_cost(width, bucket, seconds * 1e3)
 
     # -- a step -------------------------------------------------------------------------------
