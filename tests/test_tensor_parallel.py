@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -26,13 +27,13 @@ from batchrun.attention.torch_backend import TorchAttention
 from batchrun.bench.shapes import random_target, shape_from_flags
 from batchrun.cli import cli
 from batchrun.errors import JobError
-from batchrun.io.progress import OutputDir
+from batchrun.io.output_dir import OutputDir
 from batchrun.job import JobSpec, load_job
+from batchrun.layers.parallel_logits import first_best
 from batchrun.models.loader import load_qwen3, qwen3_shape, read_config
 from batchrun.models.qwen3 import Qwen3ForCausalLM
+from batchrun.models.qwen3_sharding import local_shape
 from batchrun.parallel.group import TensorParallel, init_from_env
-from batchrun.parallel.sharding import local_shape
-from batchrun.parallel.vocab import first_best
 from batchrun.pipeline import run_job
 from batchrun.shard_env import apply_env_shard
 from batchrun.speculative.verify_width import WidthPolicy
@@ -91,43 +92,54 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def tp_rank(rank: int, world: int, port: int, model_dir: Path, out_dir: Path) -> None:
-    """One torchrun-like process: joins the gloo group, loads its share, runs paged_greedy."""
-    torch.set_num_threads(1)
-    environ = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-    tp = init_from_env(environ, device_type="cpu")
-    model, _ = load_qwen3(model_dir, "float32", CPU, tp=tp)
+# The checkpoints the gloo ranks run: tied, and untied with 1027 ids (the ranks' vocabulary
+# slices of unequal size) and 8 heads over 4 KV heads.
+GLOO_SHAPES = {
+    "tied": {},
+    "untied-uneven-vocab": {"vocab_size": 1027, "tie_word_embeddings": False, "num_heads": 8,
+                            "num_kv_heads": 4},
+}  # fmt: skip
+
+
+def shared_head(model: Qwen3ForCausalLM) -> Head:
+    """A rank's head: the full logits and the argmax, each gathered across the ranks."""
 
     def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         local = model.logits(hidden)
         return model.full_logits(local), model.argmax(local)
 
-    logits, tokens = paged_greedy(model, head)
-    torch.save({"logits": logits, "tokens": tokens, "kv_heads": model.shape.num_kv_heads},
-               out_dir / f"rank{rank}.pt")  # fmt: skip
+    return head
+
+
+def tp_rank(rank: int, world: int, port: int, model_dirs: dict[str, Path], out_dir: Path) -> None:
+    """One torchrun-like process: joins the gloo group, then for each checkpoint loads its share
+    and runs paged_greedy."""
+    environ = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    tp = init_from_env(environ, device_type="cpu")
+    for name, model_dir in model_dirs.items():
+        model, _ = load_qwen3(model_dir, "float32", CPU, tp=tp)
+        logits, tokens = paged_greedy(model, shared_head(model))
+        torch.save({"logits": logits, "tokens": tokens, "kv_heads": model.shape.num_kv_heads},
+                   out_dir / f"{name}-rank{rank}.pt")  # fmt: skip
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [{}, {"vocab_size": 1027, "tie_word_embeddings": False, "num_heads": 8, "num_kv_heads": 4}],
-    ids=["tied", "untied-uneven-vocab"],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", list(GLOO_SHAPES))
 def test_two_gloo_ranks_match_one_process(
-    make_model: Callable[..., Path], tmp_path: Path, shape: dict[str, object]
+    make_model: Callable[..., Path], spawned_pair: SpawnedPair, shape: str
 ) -> None:
-    model_dir = make_model(**shape)
-    single, _ = load_qwen3(model_dir, "float32", CPU)
+    """tp_rank's results, run by spawned_pair's processes, against one process's."""
+    single, _ = load_qwen3(make_model(**GLOO_SHAPES[shape]), "float32", CPU)
 
     def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = single.logits(hidden)
         return logits, logits.argmax(-1)
 
     want_logits, want_tokens = paged_greedy(single, head)
-    mp.spawn(tp_rank, args=(2, free_port(), model_dir, tmp_path), nprocs=2, join=True)
     for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+        got = spawned_pair.rank_result(shape, rank)
         assert got["kv_heads"] == single.shape.num_kv_heads // 2  # each rank pages half the heads
         assert torch.equal(got["tokens"], want_tokens)
         assert len(got["logits"]) == len(want_logits)
@@ -237,14 +249,17 @@ STATS_COMPARED = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_
                   "verify_width_steps", "finish_reasons")  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "keys",
     [
-        {},
-        {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7, "n": 2},
+        # Greedy: every step takes the ranks' argmax (first_best), with or without log-probabilities
+        # (they are scored from the gathered logits beside it), so one run checks both; the plain
+        # greedy job is test_tp_job_resumes_the_rows_not_committed's.
         {"logprobs": 2, "prompt_logprobs": True},
+        {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7, "n": 2},
     ],
-    ids=["greedy", "seeded-top-p-top-k", "logprobs"],
+    ids=["greedy-logprobs", "seeded-top-p-top-k"],
 )
 def test_tp_job_writes_what_one_process_writes(
     target: Path, tmp_path: Path, keys: dict[str, object]
@@ -260,6 +275,7 @@ def test_tp_job_writes_what_one_process_writes(
     assert [s["tensor_parallel"] for s in stats] == [2, 1]
 
 
+@pytest.mark.slow
 def test_tp_job_with_a_draft_drafts_what_one_process_drafts(target: Path, tmp_path: Path) -> None:
     """The trained draft on the prompts it learnt: it is accepted often, so drafts that were
     not one process's would change the acceptance (and ranks that drafted apart would verify
@@ -277,19 +293,29 @@ def test_tp_job_with_a_draft_drafts_what_one_process_drafts(target: Path, tmp_pa
     assert {k: stats[0][k] for k in STATS_COMPARED} == {k: stats[1][k] for k in STATS_COMPARED}
 
 
+@pytest.mark.slow
 def test_tp_job_resumes_the_rows_not_committed(target: Path, tmp_path: Path) -> None:
     """Every rank reads the committed parts and skips the same rows (else they would not step
-    in lockstep): the rows of a lost part are redone, the other parts kept as they are."""
+    in lockstep): the rows of a lost part are redone, the other parts kept as they are.
+
+    The job is the plain greedy one (no log-probabilities, which
+    test_tp_job_writes_what_one_process_writes asks for): the redone rows, the summary line,
+    _SUCCESS and stats.json are the tensor-parallel run's."""
     job = write_tp_job(tmp_path, target)
     want = one_process(job, tmp_path / "out")
+    one_stats = json.loads((tmp_path / "out" / "stats.json").read_text())
     parts = sorted((tmp_path / "out").glob("part-*.parquet"))
     kept = {p.name: p.read_bytes() for p in parts[::2]}
     parts[1].unlink()
     (tmp_path / "out" / "_SUCCESS").unlink()
     done = run_tp(job)
     assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith(f"batchrun: {JOB_ROWS} rows")
     assert all((tmp_path / "out" / name).read_bytes() == data for name, data in kept.items())
     assert_same_rows(read_output(tmp_path / "out"), want)
+    assert (tmp_path / "out" / "_SUCCESS").exists()
+    stats = [json.loads((tmp_path / "out" / "stats.json").read_text()), one_stats]
+    assert [s["tensor_parallel"] for s in stats] == [2, 1]
 
 
 def cli_rank(rank: int, port: int, job: Path, calls: Any) -> None:
@@ -306,24 +332,65 @@ def cli_rank(rank: int, port: int, job: Path, calls: Any) -> None:
     cli.main(["run", str(job), "--tp", "2"], standalone_mode=False)
 
 
-def test_tp_ranks_under_an_outer_torchrun_and_only_rank_0_writes(
-    target: Path, tmp_path: Path
-) -> None:
-    draft = make_tiny_draft(tmp_path / "draft", target, block_size=4)
-    job = write_tp_job(tmp_path, target, draft=str(draft), max_tokens=16)
-    want = one_process(job, tmp_path / "one")
+def gloo_and_cli_ranks(
+    rank: int, ports: tuple[int, int], model_dirs: dict[str, Path], out_dir: Path, job: Path,
+    calls: Any,
+) -> None:  # fmt: skip
+    """A process of the one pair that the module spawns (spawned_pair; a process costs seconds
+    to start on a small machine): tp_rank's gloo group, then, on a port of its own, cli_rank's
+    whole job."""
+    torch.set_num_threads(1)
+    tp_rank(rank, 2, ports[0], model_dirs, out_dir)
+    cli_rank(rank, ports[1], job, calls)
+
+
+@dataclasses.dataclass
+class SpawnedPair:
+    """What spawned_pair's processes left in `root`: paged_greedy's results for each GLOO_SHAPES
+    checkpoint (`{shape}-rank{rank}.pt`), and cli_rank's job: its output `out`, beside `one`,
+    one process's output of the same job; `calls`, the output writes rank 1 tried."""
+
+    root: Path
+    calls: list[str]
+
+    def rank_result(self, shape: str, rank: int) -> dict[str, Any]:
+        return dict(torch.load(self.root / f"{shape}-rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def spawned_pair(
+    make_model: Callable[..., Path], target: Path, tmp_path_factory: pytest.TempPathFactory
+) -> SpawnedPair:
+    """Spawns the module's one pair of processes (gloo_and_cli_ranks): the work of
+    test_two_gloo_ranks_match_one_process and of test_tp_ranks_under_an_outer_torchrun_..."""
+    root = tmp_path_factory.mktemp("spawned-pair")
+    model_dirs = {name: make_model(**shape) for name, shape in GLOO_SHAPES.items()}
+    draft = make_tiny_draft(root / "draft", target, block_size=4)
+    job = write_tp_job(root, target, draft=str(draft), max_tokens=16)
+    one_process(job, root / "one")
+    ports = (free_port(), free_port())
+    while ports[1] == ports[0]:
+        ports = (ports[0], free_port())
     with mp.Manager() as manager:
         calls = manager.list()
-        mp.spawn(cli_rank, args=(free_port(), job, calls), nprocs=2, join=True)
-        assert list(calls) == []
-    got = read_output(tmp_path / "out")
+        mp.spawn(gloo_and_cli_ranks, args=(ports, model_dirs, root, job, calls), nprocs=2,
+                 join=True)  # fmt: skip
+        return SpawnedPair(root, list(calls))
+
+
+@pytest.mark.slow
+def test_tp_ranks_under_an_outer_torchrun_and_only_rank_0_writes(spawned_pair: SpawnedPair) -> None:
+    """cli_rank's job (a tiny draft, 16 tokens), run by spawned_pair's processes."""
+    root = spawned_pair.root
+    assert spawned_pair.calls == []
+    got, want = read_output(root / "out"), read_output(root / "one")
     assert_same_rows(
         got.drop(["spec_rounds", "spec_accept_hist", "acceptance_length"]),
         want.drop(["spec_rounds", "spec_accept_hist", "acceptance_length"]),
     )
-    widths = json.loads((tmp_path / "out" / "stats.json").read_text())["verify_width_steps"]
+    widths = json.loads((root / "out" / "stats.json").read_text())["verify_width_steps"]
     assert set(widths) - {"1"}  # rank 0's choices: not only rank 1's width 1
-    one, out = (sorted(p.name for p in (tmp_path / d).rglob("*")) for d in ("one", "out"))
+    one, out = (sorted(p.name for p in (root / d).rglob("*")) for d in ("one", "out"))
     assert out == one  # no shard: the files of one process's run
 
 
@@ -382,6 +449,7 @@ def test_a_rank_builds_only_its_share_of_a_random_shape() -> None:
             assert p.numel() == params[name] // (1 if "norm" in name else 2), name
 
 
+@pytest.mark.slow
 def test_bench_shape_sweeps_on_two_gloo_ranks(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     done = subprocess.run(
