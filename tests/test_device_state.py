@@ -101,14 +101,14 @@ def test_device_rows_equal_a_host_loop() -> None:
             steps.append(len(req.output_ids) + j - (it.num_new - samples[r]))
     assert got.ids.tolist() == ids
     assert got.meta.positions.tolist() == positions
-    assert got.meta.slot_mapping.tolist() == slots
+    assert got.meta.kv_index.tolist() == slots
     assert got.meta.cu_q.tolist() == [0, 3, 6, 8, 13]
     assert got.meta.kv_lens.tolist() == [10, 5, 6, 5]
     assert args.logit_rows is not None and args.logit_rows.tolist() == [0, 1, 2, 3, 4, 5, 7]
     rows = args.logit_rows
     assert got.row_step[rows].tolist() == [steps[i] for i in rows.tolist()]
     assert got.row_slot[rows].tolist() == [0, 0, 0, 3, 3, 3, 1]
-    assert got.context_slots.tolist() == [-1] * 6 + slots[6:]
+    assert got.context_kv_index.tolist() == [-1] * 6 + slots[6:]
 
     # The decoding pair alone, padded to a graph of 4: padding rows write nothing.
     pad = plan_step(batch[:2], samples[:2], WIDTH, PAGE, SLOTS, pad_to=4)
@@ -116,7 +116,7 @@ def test_device_rows_equal_a_host_loop() -> None:
     padded = target_inputs(args, state, drafts, pad.num_rows, WIDTH, PAGE, WIDTH, 64)
     assert pad.uniform and pad.num_rows == 12
     assert padded.ids[:6].tolist() == ids[:6]
-    assert padded.meta.slot_mapping.tolist() == slots[:6] + [-1] * 6
+    assert padded.meta.kv_index.tolist() == slots[:6] + [-1] * 6
     assert padded.meta.cu_q.tolist() == [0, 3, 6, 6, 6]
     assert padded.row_slot[6:].tolist() == [SLOTS] * 6
 

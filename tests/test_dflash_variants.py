@@ -167,19 +167,19 @@ def test_layer_types_default_as_transformers_derives_them(target: Path, tmp_path
 def test_a_chunk_longer_than_the_ring_stores_only_its_last_positions() -> None:
     """Slot 1 prefills positions 5 .. 44 in one write, slot 0 positions 0 .. 2: the ring (3
     pages of 4 per slot for W 8 and B 4) keeps each slot's last 12 positions, each in its own
-    cache slot, position i in ring page (i // 4) % 3 of its slot."""
+    cache index, position i in ring page (i // 4) % 3 of its slot."""
     ring = DraftRing(num_slots=2, max_pages=16, window=8, block_size=4, page_size=4, device=CPU)
     assert (ring.pages_per_slot, ring.capacity, ring.num_pages) == (3, 12, 9)
     positions = torch.cat([torch.arange(5, 45), torch.arange(3)])
     slot = torch.tensor([1] * 40 + [0] * 3)
     end = torch.tensor([45] * 40 + [3] * 3)
-    slots = ring.slots(slot, positions, end, torch.ones(43, dtype=torch.bool))
-    kept = slots >= 0
+    index = ring.kv_index(slot, positions, end, torch.ones(43, dtype=torch.bool))
+    kept = index >= 0
     assert positions[kept].tolist() == list(range(33, 45)) + [0, 1, 2]
-    assert len(set(slots[kept].tolist())) == 15
+    assert len(set(index[kept].tolist())) == 15
     page = (slot * 3 + (positions // 4) % 3) * 4 + positions % 4
-    assert torch.equal(slots[kept], page[kept])
-    skipped = ring.slots(slot, positions, end, torch.zeros(43, dtype=torch.bool))
+    assert torch.equal(index[kept], page[kept])
+    skipped = ring.kv_index(slot, positions, end, torch.zeros(43, dtype=torch.bool))
     assert bool((skipped == -1).all())
 
 

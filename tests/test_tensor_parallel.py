@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from click.testing import CliRunner
 from dflash_train import CONTINUATION, trained_draft_beside, training_prompts
 
-from batchrun.attention.meta import AttentionMeta, allocate_kv, cache_slots
+from batchrun.attention.meta import AttentionMeta, allocate_kv, kv_indices
 from batchrun.attention.torch_backend import TorchAttention
 from batchrun.bench.shapes import random_target, shape_from_flags
 from batchrun.cli import cli
@@ -72,7 +72,7 @@ def paged_greedy(model: Qwen3ForCausalLM, head: Head) -> tuple[list[torch.Tensor
         kv_lens = torch.tensor(starts) + q_lens
         backend.plan(AttentionMeta(
             positions=positions,
-            slot_mapping=cache_slots(page_table, req, positions, PAGE_SIZE),
+            kv_index=kv_indices(page_table, req, positions, PAGE_SIZE),
             cu_q=cu_q.int(), kv_lens=kv_lens.int(), page_table=page_table, page_size=PAGE_SIZE,
             max_q=int(q_lens.max()), max_kv=int(kv_lens.max()),
         ))  # fmt: skip

@@ -123,7 +123,7 @@ class Batch:
         return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
 
     def slots(self) -> list[int]:
-        """The cache slot of every query row (its own K/V), in row order."""
+        """The cache index of every query row (its own K/V), in row order."""
         out = []
         for q_len, kv_len, table in zip(self.q_lens, self.kv_lens, self.tables, strict=True):
             for p in range(kv_len - q_len, kv_len):
@@ -131,13 +131,13 @@ class Batch:
         return out
 
     def meta(
-        self, causal: bool, slot_mapping: torch.Tensor, window: int | None = None
+        self, causal: bool, kv_index: torch.Tensor, window: int | None = None
     ) -> AttentionMeta:
         positions = [p for n, kv in zip(self.q_lens, self.kv_lens, strict=True) for p in
                      range(kv - n, kv)]  # fmt: skip
         return AttentionMeta(
             positions=torch.tensor(positions, dtype=torch.long, device=DEVICE),
-            slot_mapping=slot_mapping,
+            kv_index=kv_index,
             cu_q=torch.tensor(self.cu_q, dtype=torch.int32, device=DEVICE),
             kv_lens=torch.tensor(self.kv_lens, dtype=torch.int32, device=DEVICE),
             page_table=self.table(0),

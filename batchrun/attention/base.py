@@ -47,9 +47,9 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
         v_cache: torch.Tensor,
-        slots: torch.Tensor | None = None,  # [T] int64; default: the planned slot_mapping
+        kv_index: torch.Tensor | None = None,  # [T] int64; default: the planned meta's
     ) -> None:
-        """Store K/V rows at cache slots; a slot of -1 stores nothing."""
+        """Store K/V rows at their cache index (page * page_size + offset); -1 stores nothing."""
         ...
 
     def attend(

@@ -118,7 +118,7 @@ def _forward_ms(
     table = torch.randperm(num_pages, generator=gen, device=device).view(batch, pages_each)
     meta = AttentionMeta(
         positions=(torch.arange(q_len, device=device) + w.context).repeat(batch),
-        slot_mapping=torch.full((batch * q_len,), -1, dtype=torch.long, device=device),
+        kv_index=torch.full((batch * q_len,), -1, dtype=torch.long, device=device),
         cu_q=(torch.arange(batch + 1, device=device) * q_len).int(),
         kv_lens=torch.full((batch,), kv_len, dtype=torch.int32, device=device),
         page_table=table.int(),

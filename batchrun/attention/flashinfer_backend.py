@@ -24,7 +24,7 @@ pinned host copy); the 128 MiB float workspace is shared, as one forward runs at
 
 Rows past cu_q[R] belong to no request and come back zero. flashinfer computes in float16 and
 bfloat16 only. K/V rows are stored with the same write as the other backends (the Triton kernel
-when triton imports, else torch indexing); a slot of -1 stores nothing.
+when triton imports, else torch indexing); an index of -1 stores nothing.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class FlashInferAttention:
         self._write: WriteKV = write or write_kv_torch
         self.graphs: dict[GraphKey, GraphWrapper] = {}
         self.paged: PagedPlan | None = None
-        self.slot_mapping: torch.Tensor | None = None
+        self.kv_index: torch.Tensor | None = None
         self.causal = True
         self.window_left = -1
         self._planned: Params | None = None  # what the eager wrapper is planned for
@@ -206,7 +206,7 @@ class FlashInferAttention:
     # -- a forward ----------------------------------------------------------------------------
 
     def plan(self, meta: AttentionMeta) -> None:
-        self.slot_mapping = meta.slot_mapping
+        self.kv_index = meta.kv_index
         self.causal = meta.causal
         self.window_left = -1 if meta.window is None else meta.window - 1
         if self._bound is None:  # a graph's wrapper is planned around its capture or replay
@@ -219,12 +219,12 @@ class FlashInferAttention:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slots: torch.Tensor | None = None,
+        kv_index: torch.Tensor | None = None,
     ) -> None:
-        if slots is None:
-            assert self.slot_mapping is not None, "plan() first"
-            slots = self.slot_mapping
-        self._write(k, v, k_cache, v_cache, slots)
+        if kv_index is None:
+            assert self.kv_index is not None, "plan() first"
+            kv_index = self.kv_index
+        self._write(k, v, k_cache, v_cache, kv_index)
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float

@@ -1,8 +1,8 @@
 """What one batched forward needs to read and write the paged KV cache, and how it is built.
 
 Tokens of all scheduled requests are packed into one flat batch; request r owns the rows
-cu_q[r]:cu_q[r+1]. Position i of a request lives in slot page_table[r, i // page_size] *
-page_size + i % page_size of every layer's cache. A row whose slot is -1 is padding: it writes
+cu_q[r]:cu_q[r+1]. Position i of a request lives at cache index page_table[r, i // page_size]
+* page_size + i % page_size of every layer's cache. A row whose index is -1 is padding: it writes
 no K/V (CUDA-graph batches are padded up to their captured size).
 """
 
@@ -16,7 +16,7 @@ import torch
 @dataclass
 class AttentionMeta:
     positions: torch.Tensor  # [T] int64, position of each row
-    slot_mapping: torch.Tensor  # [T] int64, cache slot each row's K/V is written to (-1: none)
+    kv_index: torch.Tensor  # [T] int64, the cache index each row's K/V goes to (-1: none)
     cu_q: torch.Tensor  # [R+1] int32, row offsets per request
     kv_lens: torch.Tensor  # [R] int32, cached length after this forward's writes
     page_table: torch.Tensor  # [R, max_pages] int32, padded with 0
@@ -36,10 +36,10 @@ class AttentionMeta:
         return self.kv_lens.shape[0]
 
 
-def cache_slots(
+def kv_indices(
     page_table: torch.Tensor, req: torch.Tensor, positions: torch.Tensor, page_size: int
 ) -> torch.Tensor:
-    """The cache slot of position positions[t] of request req[t] (int64)."""
+    """The cache index of position positions[t] of request req[t] (int64)."""
     pages = page_table[req, torch.div(positions, page_size, rounding_mode="floor")].long()
     return pages * page_size + positions % page_size
 

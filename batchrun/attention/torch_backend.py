@@ -18,13 +18,13 @@ def write_kv_torch(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    kv_index: torch.Tensor,
 ) -> None:
-    """Store K/V rows [T, Hkv, D] at cache slots [T]; a slot of -1 stores nothing."""
-    keep = slots >= 0
+    """Store K/V rows [T, Hkv, D] at their cache index [T]; -1 stores nothing."""
+    keep = kv_index >= 0
     hkv, dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, hkv, dim)[slots[keep]] = k[keep]
-    v_cache.view(-1, hkv, dim)[slots[keep]] = v[keep]
+    k_cache.view(-1, hkv, dim)[kv_index[keep]] = k[keep]
+    v_cache.view(-1, hkv, dim)[kv_index[keep]] = v[keep]
 
 
 class TorchAttention:
@@ -42,7 +42,7 @@ class TorchAttention:
         col_of_row = torch.arange(req_of_row.numel(), device=device) - cu_q[req_of_row]
         kv_pos = torch.arange(meta.max_kv, device=device)
         pages = meta.page_table.long()[:, kv_pos // meta.page_size]
-        self.kv_slots = pages * meta.page_size + kv_pos % meta.page_size  # [R, max_kv]
+        self.kv_index_table = pages * meta.page_size + kv_pos % meta.page_size  # [R, max_kv]
         q_pos = torch.full((num_req, meta.max_q), -1, dtype=torch.long, device=device)
         q_pos[req_of_row, col_of_row] = meta.positions[: req_of_row.numel()]
         visible = kv_pos[None, None, :] < meta.kv_lens.long()[:, None, None]
@@ -54,7 +54,7 @@ class TorchAttention:
         self.mask = visible.unsqueeze(1)  # [R, 1, max_q, max_kv]
         self.req_of_row, self.col_of_row = req_of_row, col_of_row
         self.max_q = meta.max_q
-        self.slot_mapping = meta.slot_mapping
+        self.kv_index = meta.kv_index
 
     def write_kv(
         self,
@@ -62,9 +62,9 @@ class TorchAttention:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slots: torch.Tensor | None = None,
+        kv_index: torch.Tensor | None = None,
     ) -> None:
-        write_kv_torch(k, v, k_cache, v_cache, self.slot_mapping if slots is None else slots)
+        write_kv_torch(k, v, k_cache, v_cache, self.kv_index if kv_index is None else kv_index)
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
@@ -74,8 +74,10 @@ class TorchAttention:
         if num_req == 0:
             return out
         hq, hkv, dim = q.shape[1], k_cache.shape[2], q.shape[2]
-        keys = k_cache.view(-1, hkv, dim)[self.kv_slots].transpose(1, 2)  # [R, Hkv, max_kv, D]
-        values = v_cache.view(-1, hkv, dim)[self.kv_slots].transpose(1, 2)
+        keys = k_cache.view(-1, hkv, dim)[self.kv_index_table].transpose(
+            1, 2
+        )  # [R, Hkv, max_kv, D]
+        values = v_cache.view(-1, hkv, dim)[self.kv_index_table].transpose(1, 2)
         if hq != hkv:
             keys = keys.repeat_interleave(hq // hkv, dim=1)
             values = values.repeat_interleave(hq // hkv, dim=1)

@@ -58,12 +58,12 @@ class TritonAttention:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slots: torch.Tensor | None = None,
+        kv_index: torch.Tensor | None = None,
     ) -> None:
-        if slots is None:
+        if kv_index is None:
             assert self.meta is not None, "plan() first"
-            slots = self.meta.slot_mapping
-        write_kv(k, v, k_cache, v_cache, slots)
+            kv_index = self.meta.kv_index
+        write_kv(k, v, k_cache, v_cache, kv_index)
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float

@@ -245,16 +245,18 @@ class DFlashSpeculator(Speculator):
         return self.drafts[:size]
 
     def store_context(self, features: torch.Tensor, inputs: TargetInputs) -> None:
-        window_slots = None
+        window_kv_index = None
         if self.ring is not None:  # a chunk's rows, up to the ring's last positions
             end = inputs.meta.kv_lens.long()[inputs.row_req]
-            committed = inputs.context_slots >= 0
-            window_slots = self.ring.slots(inputs.row_slot, inputs.meta.positions, end, committed)
+            committed = inputs.context_kv_index >= 0
+            window_kv_index = self.ring.kv_index(
+                inputs.row_slot, inputs.meta.positions, end, committed
+            )
         self.draft.write_context(
             features,
             inputs.meta.positions,
-            inputs.context_slots,
-            window_slots,
+            inputs.context_kv_index,
+            window_kv_index,
             self.backend,
             self.kv_caches,
         )
@@ -325,8 +327,8 @@ class DFlashSpeculator(Speculator):
         self.draft.write_context(
             context,
             inputs.ctx_positions,
-            inputs.ctx_slots,
-            inputs.ctx_window_slots,
+            inputs.ctx_kv_index,
+            inputs.ctx_window_kv_index,
             self.backend,
             self.kv_caches,
         )

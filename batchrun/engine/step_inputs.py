@@ -1,6 +1,6 @@
 """One step's inputs: what the host sends (a handful of ints per request, new page-table
 entries, the prompt tokens of prefill chunks) and what the device builds from it and the
-per-slot state (engine/device_state.py): input ids, positions, cache slots, the attention
+per-slot state (engine/device_state.py): input ids, positions, cache indices, the attention
 metadata and each row's sampling slot and counter.
 
 The step's requests come in scheduler order, decoding ones first: request r < D feeds rows
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchrun.attention.meta import AttentionMeta, cache_slots
+from batchrun.attention.meta import AttentionMeta, kv_indices
 from batchrun.engine.device_state import DeviceState
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import Scheduled
@@ -157,9 +157,9 @@ class TargetInputs:
     row_slot: torch.Tensor  # [T] the slot that samples each row (padding: the scratch slot)
     row_step: torch.Tensor  # [T] the output-token index each row would sample
     row_req: torch.Tensor  # [T] the request each row belongs to
-    # [T] the cache slot of each row whose draft context the step stores at once (prefill-chunk
+    # [T] the cache index of each row whose draft context the step stores at once (prefill-chunk
     # rows; at width 1, every row: all are committed), -1 elsewhere
-    context_slots: torch.Tensor
+    context_kv_index: torch.Tensor
 
 
 def target_inputs(
@@ -187,7 +187,7 @@ def target_inputs(
     offset = rows - cu_q[req]
     positions = torch.where(live, start[req] + offset, 0)
     table = state.page_table[args.slot]
-    slots = torch.where(live, cache_slots(table, req, positions, page_size), -1)
+    kv_index = torch.where(live, kv_indices(table, req, positions, page_size), -1)
     decoding = (args.decoding[req] > 0) & live
     anchor = state.last_token[args.slot[req]]
     chunk_rows = live & ~decoding
@@ -202,7 +202,7 @@ def target_inputs(
     row_step = state.out_len[row_slot] + offset - (args.q_len - args.sampled)[req]
     meta = AttentionMeta(
         positions=positions,
-        slot_mapping=slots,
+        kv_index=kv_index,
         cu_q=cu_q.to(torch.int32),
         kv_lens=(start + args.q_len).to(torch.int32),
         page_table=table,
@@ -213,4 +213,4 @@ def target_inputs(
         decode_q=width if mixed_decoding else 0,
     )
     committed = live if width == 1 else chunk_rows
-    return TargetInputs(ids, meta, row_slot, row_step, req, torch.where(committed, slots, -1))
+    return TargetInputs(ids, meta, row_slot, row_step, req, torch.where(committed, kv_index, -1))

@@ -190,7 +190,7 @@ def cases(quick: bool) -> Iterator[Case]:
         yield Case(
             f"write_kv {t} kv_heads=8 D=128",
             ta._write_kv_kernel,
-            dict(k_ptr=t, v_ptr=t, k_cache_ptr=t, v_cache_ptr=t, slot_ptr="i64"),
+            dict(k_ptr=t, v_ptr=t, k_cache_ptr=t, v_cache_ptr=t, kv_index_ptr="i64"),
             (),
             dict(NUM_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8),
             4,

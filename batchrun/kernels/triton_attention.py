@@ -7,7 +7,7 @@ is `write_kv` here:
 - q [T, Hq, D] holds the packed rows of R requests: request r owns rows cu_q[r]:cu_q[r+1]
   (cu_q[0] == 0; rows from cu_q[R] to T belong to no request and are never written).
 - k/v caches [num_pages, page_size, Hkv, D]; kv_lens [R] int32 is each request's cached length
-  after this step's writes; page_table [R, max_pages] int32 maps position p of request r to slot
+  after this step's writes; page_table [R, max_pages] int32 maps position p of request r to index
   page_table[r, p // page_size] * page_size + p % page_size.
 - causal: query row i of request r sits at position kv_lens[r] - q_len[r] + i and sees the cached
   positions <= it (the engine's `positions` always satisfy this). Non-causal (the DFlash draft
@@ -498,7 +498,7 @@ def _write_kv_kernel(
     v_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    slot_ptr,
+    kv_index_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -515,11 +515,11 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
+    index = tl.load(kv_index_ptr + t).to(tl.int64)
+    if index < 0:
         return
-    page = slot // PAGE_SIZE
-    off = slot % PAGE_SIZE
+    page = index // PAGE_SIZE
+    off = index % PAGE_SIZE
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_h < NUM_HEADS)[:, None]
@@ -550,11 +550,11 @@ def write_kv(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    kv_index: torch.Tensor,
 ) -> None:
     """Stores rows k, v [T, Hkv, D] into the caches [num_pages, page_size, Hkv, D] at
-    slot_mapping [T] int64 (slot = page * page_size + offset); rows with a negative slot are
-    padding and write nothing. D is a power of two; last dims contiguous."""
+    kv_index [T] int64 (page * page_size + offset); rows with a negative index are padding
+    and write nothing. D is a power of two; last dims contiguous."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -567,7 +567,7 @@ def write_kv(
         v,
         k_cache,
         v_cache,
-        slot_mapping,
+        kv_index,
         k.stride(0),
         k.stride(1),
         v.stride(0),

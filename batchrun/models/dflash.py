@@ -96,8 +96,8 @@ class DFlashDraft(nn.Module):
         self,
         features: torch.Tensor,  # [C, n * H] target features of newly committed tokens
         positions: torch.Tensor,  # [C]
-        slots: torch.Tensor,  # [C] draft-cache slots of the full-attention layers
-        window_slots: torch.Tensor | None,  # [C] the sliding layers' (their ring)
+        kv_index: torch.Tensor,  # [C] the full-attention layers' cache index of each row
+        window_kv_index: torch.Tensor | None,  # [C] the sliding layers' (in their ring)
         backend: AttentionBackend,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
@@ -117,9 +117,9 @@ class DFlashDraft(nn.Module):
                 k.reshape(-1, attn.num_kv_heads, attn.head_dim), attn.k_norm.weight,
                 attn.k_norm.eps, self.rope.cos, self.rope.sin, positions,
             )  # fmt: skip
-            layer_slots = window_slots if sliding else slots
-            assert layer_slots is not None, "a sliding layer's context goes to its ring"
-            backend.write_kv(k, v.reshape_as(k), cache[0], cache[1], layer_slots)
+            layer_kv_index = window_kv_index if sliding else kv_index
+            assert layer_kv_index is not None, "a sliding layer's context goes to its ring"
+            backend.write_kv(k, v.reshape_as(k), cache[0], cache[1], layer_kv_index)
 
     def draft_block(
         self,

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from batchrun.attention.meta import AttentionMeta, cache_slots
+from batchrun.attention.meta import AttentionMeta, kv_indices
 from batchrun.speculative.sliding_window import BlockAttention, DraftRing
 
 
@@ -71,10 +71,10 @@ class DraftInputs:
     block_ids: torch.Tensor  # [D * W] anchor, then masks
     meta: AttentionMeta  # the blocks, for the full-attention layers
     ctx_positions: torch.Tensor  # [D * W]
-    ctx_slots: torch.Tensor  # [D * W], -1: not a committed row
+    ctx_kv_index: torch.Tensor  # [D * W], -1: not a committed row
     # The sliding layers' blocks (windowed, over the ring) and context slots in the ring.
     window_meta: AttentionMeta | None = None
-    ctx_window_slots: torch.Tensor | None = None
+    ctx_window_kv_index: torch.Tensor | None = None
 
 
 def draft_inputs(
@@ -100,9 +100,9 @@ def draft_inputs(
     count = context.rows[slots]
     ctx_pos = ((start - count)[:, None] + j).clamp_(min=0).view(-1)
     committed = ((j < count[:, None]) & live[:, None]).view(-1)
-    ctx_slots = torch.where(committed, cache_slots(table, req, ctx_pos, page_size), -1)
+    ctx_kv_index = torch.where(committed, kv_indices(table, req, ctx_pos, page_size), -1)
     block_pos = (start[:, None] + j).view(-1)
-    block_slots = torch.where(live[req], cache_slots(table, req, block_pos, page_size), -1)
+    block_kv_index = torch.where(live[req], kv_indices(table, req, block_pos, page_size), -1)
     anchor = state.last_token[slots][:, None]
     block_ids = torch.where(j == 0, anchor, mask_token_id).view(-1)
     q_lens = torch.where(live, width, 0)
@@ -111,7 +111,7 @@ def draft_inputs(
     kv_lens = (start + q_lens).to(torch.int32)
     meta = AttentionMeta(
         positions=block_pos,
-        slot_mapping=block_slots,
+        kv_index=block_kv_index,
         cu_q=cu_q,
         kv_lens=kv_lens,
         page_table=table,
@@ -121,11 +121,11 @@ def draft_inputs(
         causal=attention.full_causal,
     )
     if ring is None:
-        return DraftInputs(block_ids, meta, ctx_pos, ctx_slots)
+        return DraftInputs(block_ids, meta, ctx_pos, ctx_kv_index)
     slot_of_row = slots[req]
     window_meta = AttentionMeta(
         positions=block_pos,
-        slot_mapping=ring.slots(slot_of_row, block_pos, start[req] + width, live[req]),
+        kv_index=ring.kv_index(slot_of_row, block_pos, start[req] + width, live[req]),
         cu_q=cu_q,
         kv_lens=kv_lens,
         page_table=ring.table[slots],
@@ -135,5 +135,5 @@ def draft_inputs(
         causal=attention.sliding_causal,
         window=attention.window,
     )
-    ctx_window = ring.slots(slot_of_row, ctx_pos, start[req], committed)
-    return DraftInputs(block_ids, meta, ctx_pos, ctx_slots, window_meta, ctx_window)
+    ctx_window = ring.kv_index(slot_of_row, ctx_pos, start[req], committed)
+    return DraftInputs(block_ids, meta, ctx_pos, ctx_kv_index, window_meta, ctx_window)

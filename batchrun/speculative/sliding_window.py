@@ -77,16 +77,16 @@ class DraftRing:
         # [slots + 1, max_pages]: column j of a slot's row is its ring page j mod R.
         self.table = (slots * self.pages_per_slot + columns % self.pages_per_slot).to(torch.int32)
 
-    def slots(
+    def kv_index(
         self,
         slot: torch.Tensor,  # [T] the request slot of each row
         positions: torch.Tensor,  # [T]
         end: torch.Tensor,  # [T] one past the last position its request writes in this write
         keep: torch.Tensor,  # [T] bool: rows to store at all
     ) -> torch.Tensor:
-        """Ring cache slots of rows to store (-1: none). A row that a later row of the same
-        request in the same write would overwrite (a prefill chunk longer than the ring) is
-        left out, so no two rows of one write share a slot."""
+        """The ring's cache index of each row to store (-1: none). A row that a later row of
+        the same request in the same write would overwrite (a prefill chunk longer than the
+        ring) is left out, so no two rows of one write share a place."""
         page = self.table[slot, torch.div(positions, self.page_size, rounding_mode="floor")]
         ring = page.long() * self.page_size + positions % self.page_size
         return torch.where(keep & (positions >= end - self.capacity), ring, -1)
