@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -16,7 +17,13 @@ import click
 import batchrun
 from batchrun.bench.command import bench
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
-from batchrun.io.prompts import DEFAULT_PROMPT_COLUMNS, OVERRIDE_COLUMNS, PromptKind
+from batchrun.io.prompts import (
+    CHAT_KWARGS_COLUMN,
+    DEFAULT_PROMPT_COLUMNS,
+    OVERRIDE_COLUMNS,
+    PromptKind,
+    template_thinks,
+)
 from batchrun.job import JobSpec, load_job
 from batchrun.pipeline import OpenedJob, open_job, run_job, summary_line
 from batchrun.shard_env import apply_env_shard
@@ -49,6 +56,18 @@ def _verify_width(value: str | None) -> int | str | None:
     if value.isdigit():
         return int(value)
     raise click.BadParameter(f"expected auto, full or a positive integer, got {value!r}")
+
+
+def _json_object(value: str | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise click.BadParameter(f"expected a JSON object, got {value!r}")
+    return parsed
 
 
 def _fail(ctx: click.Context, message: str) -> None:
@@ -95,6 +114,18 @@ _RUN_OPTIONS = [
         "--prompt-logprobs/--no-prompt-logprobs",
         default=None,
         help="Write each prompt token's log-probability (turns prefix caching off).",
+    ),
+    click.option(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        callback=lambda _ctx, _param, value: _json_object(value),
+        help="Arguments to the chat template, a JSON object, e.g. '{\"enable_thinking\": false}'.",
+    ),
+    click.option(
+        "--thinking/--no-thinking",
+        default=None,
+        help="Turn the chat template's thinking on or off (enable_thinking; Qwen3 thinks by "
+        "default).",
     ),
     click.option("--dtype", help="auto, float32, bfloat16 or float16."),
     click.option("--device", help="auto, cpu, cuda or cuda:N."),
@@ -166,6 +197,8 @@ _UNSET_MEANS = {
     "token_ids_column": f"{DEFAULT_PROMPT_COLUMNS[PromptKind.TOKEN_IDS]}, if the input has it",
     "id_column": "none; rows are named by row_index",
     "logprobs": "off",
+    "chat_template_kwargs": "none",
+    "thinking": "the chat template's default",
     "shard": "from SLURM_ARRAY_TASK_ID/COUNT or RANK/WORLD_SIZE, else every row",
 }
 
@@ -286,7 +319,7 @@ def validate(job_file: Path | None, **flags: Any) -> None:
 
 def _input_lines(opened: OpenedJob) -> list[str]:
     source = opened.source
-    overrides = [c for c in source.schema.names if c in OVERRIDE_COLUMNS]
+    overrides = [c for c in source.schema.names if c in (*OVERRIDE_COLUMNS, CHAT_KWARGS_COLUMN)]
     done = int(opened.out.done_mask(source.total_rows).sum()) if opened.out.all_parts() else 0
     damaged = opened.out.damaged_parts()
     rows, shard = opened.rows, opened.job.shard
@@ -312,6 +345,11 @@ def _row_span(rows: range) -> str:
 def _model_lines(job: JobSpec, found: Preflight) -> list[str]:
     t, draft = found.target, found.draft
     template = "a chat template" if found.tokenizer.chat_template else "no chat template"
+    thinks = template_thinks(found.tokenizer)
+    if thinks is not None:
+        template += " that thinks by default" if thinks else " that does not think by default"
+        if job.thinking is not None:
+            template += f"; this job: thinking {'on' if job.thinking else 'off'}"
     return [
         f"target: {job.target} ({t.num_layers} layers, hidden size {t.hidden_size}, "
         f"vocab {t.vocab_size}, context {t.max_position_embeddings}; "

@@ -18,6 +18,22 @@ from batchrun.engine.request import SamplingParams, row_seed
 from batchrun.errors import JobError
 from batchrun.schemas import job_schema
 
+# apply_chat_template's own arguments: batchrun sets them, a job's template arguments may not.
+_CHAT_ARGS_OF_BATCHRUN = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+
+
+def chat_kwargs_problem(kwargs: Mapping[str, Any]) -> str | None:
+    """Why these chat template arguments cannot be used (None: they can)."""
+    taken = sorted(set(kwargs) & _CHAT_ARGS_OF_BATCHRUN)
+    if taken:
+        return f"{taken[0]!r} is set by batchrun, not by the template's arguments"
+    return None
+
+
 # Keys holding paths: relative ones in a job file resolve against the job file's directory.
 _PATH_KEYS = ("input", "output", "target", "draft")
 
@@ -42,6 +58,10 @@ class JobSpec:
     n: int = 1
     logprobs: int | None = None  # None: off; k: each token's log-probability and its top k
     prompt_logprobs: bool = False
+    # Arguments to the chat template of `messages` rows (Qwen3: enable_thinking); a row's
+    # chat_template_kwargs cell adds to them. thinking: enable_thinking, a shorthand.
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking: bool | None = None
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
@@ -73,6 +93,9 @@ class JobSpec:
         object.__setattr__(self, "gpu_memory_fraction", float(self.gpu_memory_fraction))
         if self.shard is not None:
             parse_shard(self.shard)
+        problem = chat_kwargs_problem(self.chat_template_kwargs or {})
+        if problem is not None:
+            raise JobError(f"job key 'chat_template_kwargs': {problem}")
         # The schema lets NaN and inf through; hold the defaults to the check every row gets.
         problem = self.default_params().problem()
         if problem is not None:
@@ -86,6 +109,13 @@ class JobSpec:
             if value is not None:
                 out[field.name] = list(value) if isinstance(value, tuple) else value
         return out
+
+    def chat_kwargs(self) -> dict[str, Any]:
+        """The chat template's arguments: chat_template_kwargs, with thinking as enable_thinking."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.thinking is not None:
+            kwargs["enable_thinking"] = self.thinking
+        return kwargs
 
     @property
     def shard_spec(self) -> tuple[int, int] | None:

@@ -116,6 +116,17 @@ def job_schema() -> dict[str, Any]:
             1,
         )
         | {"maximum": MAX_SAMPLES},
+        "chat_template_kwargs": {
+            "type": "object",
+            "description": "Arguments to the chat template of messages rows, e.g. "
+            "{enable_thinking = false} for Qwen3; a row's chat_template_kwargs column (a JSON "
+            "object or a struct) adds to them.",
+        },
+        "thinking": {
+            "type": "boolean",
+            "description": "Shorthand for chat_template_kwargs.enable_thinking (Qwen3's switch); "
+            "unset: the template's default.",
+        },
         "logprobs": {
             "type": "integer",
             "minimum": 0,

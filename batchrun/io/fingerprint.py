@@ -4,12 +4,13 @@ jobs are never mixed in one output directory.
 Covered: each input file's identity (resolved path, size, mtime, a hash of its Parquet footer,
 which holds its row counts and column statistics), the prompt column and its kind, the resolved
 dtype, the target's and draft's files (names, sizes, mtimes), the sampling defaults and the
-log-probability columns asked for (a job without them has no such key, as before they
-existed). Not covered, as they do not change outputs: the id column, batch sizes, part sizes,
-the shard, the schedule window. The context length comes from the target's config.json (no job
-key sets it), so the model files cover it. A model directory may also be an output directory (of
-this job or another): the files batchrun writes there (stats.json above all) are not model files,
-else a job writing into its own target would be a different job on its next run.
+log-probability columns asked for and the chat template's arguments (a job without them has
+no such key, as before they existed). Not covered, as they do not change outputs: the id
+column, batch sizes, part sizes, the shard, the schedule window. The context length comes from
+the target's config.json (no job key sets it), so the model files cover it. A model directory
+may also be an output directory (of this job or another): the files batchrun writes there
+(stats.json above all) are not model files, else a job writing into its own target would be a
+different job on its next run.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
     }
     if job.logprobs is not None or job.prompt_logprobs:  # columns of their own; unset: none
         fingerprint["logprobs"] = {"logprobs": job.logprobs, "prompt": job.prompt_logprobs}
+    if job.chat_kwargs():  # the chat template's arguments; unset: no key, as before they existed
+        fingerprint["chat_template_kwargs"] = job.chat_kwargs()
     data: dict[str, Any] = json.loads(json.dumps(fingerprint))  # tuples become lists, as on disk
     return data
 

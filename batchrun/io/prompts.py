@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from batchrun.io.overrides import (
     output_rows,
 )
 from batchrun.io.prompt_bound import longest_token_chars, min_tokens
+from batchrun.job import chat_kwargs_problem
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -39,6 +41,7 @@ class PromptKind(enum.Enum):
     TOKEN_IDS = "token_ids"
 
 
+CHAT_KWARGS_COLUMN = "chat_template_kwargs"  # a messages row's own template arguments
 DEFAULT_PROMPT_COLUMNS = {
     PromptKind.TEXT: "prompt",
     PromptKind.MESSAGES: "messages",
@@ -148,6 +151,13 @@ class RequestBuilder:
         self.job = job
         self.prompt = prompt
         self.overrides = tuple(name for name in OVERRIDE_COLUMNS if name in schema.names)
+        self.chat_kwargs = job.chat_kwargs()
+        # A messages row's own template arguments, over the job's.
+        self.kwargs_column = (
+            CHAT_KWARGS_COLUMN
+            if prompt.kind is PromptKind.MESSAGES and CHAT_KWARGS_COLUMN in schema.names
+            else None
+        )
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -156,7 +166,8 @@ class RequestBuilder:
     @property
     def columns(self) -> list[str]:
         """The input columns `build` reads."""
-        return [self.prompt.name, *(c for c in self.overrides if c != self.prompt.name)]
+        extra = [*self.overrides, *([self.kwargs_column] if self.kwargs_column else [])]
+        return [self.prompt.name, *(c for c in extra if c != self.prompt.name)]
 
     def build_batch(
         self, batch: pa.RecordBatch, row_indices: Sequence[int], extra_columns: Sequence[str] = ()
@@ -174,7 +185,7 @@ class RequestBuilder:
         params = self._params(row_index, values)
         if isinstance(params, str):
             return params
-        prompt_ids = self._prompt_ids(values[self.prompt.name])
+        prompt_ids = self._prompt_ids(values[self.prompt.name], values)
         if isinstance(prompt_ids, str):
             return prompt_ids
         if len(prompt_ids) >= self.max_model_len:
@@ -208,7 +219,7 @@ class RequestBuilder:
         params = dataclasses.replace(self.job.default_params(row_index), **changes)
         return params.problem() or for_engine(params, self.vocab_size)
 
-    def _prompt_ids(self, value: Any) -> list[int] | str:
+    def _prompt_ids(self, value: Any, row: Mapping[str, Any]) -> list[int] | str:
         name = self.prompt.name
         if value is None:
             return f"{name} is null"
@@ -219,7 +230,8 @@ class RequestBuilder:
         if self.prompt.kind is PromptKind.TOKEN_IDS:
             return self._check_token_ids(value)
         if self.prompt.kind is PromptKind.MESSAGES:
-            return self._render_chat(value)
+            kwargs = self._chat_kwargs(row.get(self.kwargs_column) if self.kwargs_column else None)
+            return kwargs if isinstance(kwargs, str) else self._render_chat(value, kwargs)
         too_long = self._too_many_chars(len(value))
         if too_long is not None:
             return too_long
@@ -241,7 +253,26 @@ class RequestBuilder:
                 return f"token id {token} is outside the vocabulary [0, {self.vocab_size})"
         return list(ids)
 
-    def _render_chat(self, messages: list[Any]) -> list[int] | str:
+    def _chat_kwargs(self, cell: Any) -> dict[str, Any] | str:
+        """The job's template arguments with the row's cell over them (a JSON object string,
+        or a struct: its fields null in this row left out), or the row's error."""
+        if cell is None:
+            return self.chat_kwargs
+        if isinstance(cell, BadCell):
+            return f"{CHAT_KWARGS_COLUMN} {cell.reason}"
+        if isinstance(cell, str):
+            try:
+                cell = json.loads(cell)
+            except ValueError:
+                return f"{CHAT_KWARGS_COLUMN} is not JSON: {cell[:80]!r}"
+        if not isinstance(cell, dict):
+            return f"{CHAT_KWARGS_COLUMN} must be a JSON object"
+        reserved = chat_kwargs_problem(cell)
+        if reserved is not None:
+            return f"{CHAT_KWARGS_COLUMN}: {reserved}"
+        return self.chat_kwargs | {k: v for k, v in cell.items() if v is not None}
+
+    def _render_chat(self, messages: list[Any], kwargs: dict[str, Any]) -> list[int] | str:
         for number, message in enumerate(messages, start=1):
             if not (
                 isinstance(message, dict)
@@ -256,7 +287,7 @@ class RequestBuilder:
         cleaned = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             rendered: Any = self.tokenizer.apply_chat_template(
-                cleaned, add_generation_prompt=True, tokenize=True, return_dict=False
+                cleaned, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
             )
         except BaseException as exc:  # a template error is a row error, whatever its type
             if not _is_row_failure(exc):
@@ -266,6 +297,23 @@ class RequestBuilder:
             rendered = rendered["input_ids"]
         ids = [int(token) for token in rendered]
         return ids or f"{self.prompt.name} renders to no tokens"
+
+
+def template_thinks(tokenizer: PreTrainedTokenizerBase) -> bool | None:
+    """Whether the tokenizer's chat template thinks by default (Qwen3's does): None when it has
+    no enable_thinking switch, i.e. its prompt does not change with it."""
+    probe = [{"role": "user", "content": "hi"}]
+
+    def render(**kwargs: Any) -> Any:
+        return tokenizer.apply_chat_template(
+            probe, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+
+    try:
+        default, off, on = render(), render(enable_thinking=False), render(enable_thinking=True)
+    except Exception:  # no template, or one that needs more than a plain user turn
+        return None
+    return None if off == on else default == on
 
 
 def _is_row_failure(exc: BaseException) -> bool:

@@ -1,0 +1,126 @@
+"""Chat template arguments (issue 23, part 1): the job key chat_template_kwargs, the --thinking
+shorthand and a row's chat_template_kwargs column reach the template, on a tiny model whose
+template has Qwen3's enable_thinking switch (thinking by default; off, an empty think block)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_cli import assert_one_line_error, invoke, read_output, write_job
+from transformers import AutoTokenizer
+
+from batchrun.io.prompts import template_thinks
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+# Qwen3's generation prompt, as its template writes it: thinking unless enable_thinking is false.
+QWEN3_STYLE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+HELLO = [{"role": "user", "content": "def add(a, b):"}]
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a Qwen3-style template."""
+    out = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(tiny_model, out)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.chat_template = QWEN3_STYLE
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def rendered_length(model: Path, **kwargs: Any) -> int:
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    ids = tokenizer.apply_chat_template(
+        HELLO, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+    )
+    return len(ids)
+
+
+def write_chats(directory: Path, kwargs_cells: list[Any] | None = None) -> None:
+    messages = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    count = len(kwargs_cells) if kwargs_cells is not None else 2
+    columns: dict[str, Any] = {"messages": pa.array([HELLO] * count, messages)}
+    if kwargs_cells is not None:
+        columns["chat_template_kwargs"] = pa.array(kwargs_cells, pa.string())
+    directory.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), directory / "chats.parquet")
+
+
+def test_the_probe_tells_a_thinking_template(thinking_model: Path, tiny_model: Path) -> None:
+    assert template_thinks(AutoTokenizer.from_pretrained(str(thinking_model))) is True
+    assert template_thinks(AutoTokenizer.from_pretrained(str(tiny_model))) is None  # no switch
+
+
+def test_thinking_off_by_flag_key_or_row(tmp_path: Path, thinking_model: Path) -> None:
+    thinking = rendered_length(thinking_model)
+    off = rendered_length(thinking_model, enable_thinking=False)
+    assert off > thinking  # the empty think block
+    job = write_job(tmp_path, thinking_model, max_tokens=2)
+    cells = [None, json.dumps({"enable_thinking": False}), "[1]", "{not json", '{"tokenize": 1}']
+    write_chats(tmp_path / "in", cells)
+
+    assert invoke("run", str(job)).exit_code == 0
+    rows = read_output(tmp_path / "out").to_pylist()
+    assert [r["prompt_tokens"] for r in rows[:2]] == [thinking, off]  # the template's default
+    assert rows[2]["error"] == "chat_template_kwargs must be a JSON object"
+    assert rows[3]["error"].startswith("chat_template_kwargs is not JSON")
+    assert "'tokenize' is set by batchrun" in rows[4]["error"]
+
+    # --no-thinking for the job: a row without a cell of its own renders without thinking.
+    result = invoke("run", str(job), "--no-thinking", "--output", str(tmp_path / "off"))
+    assert result.exit_code == 0, result.output
+    assert read_output(tmp_path / "off").column("prompt_tokens").to_pylist()[:2] == [off, off]
+    # The same as a job key; a row's own arguments go over the job's.
+    write_chats(tmp_path / "in2", [json.dumps({"enable_thinking": True}), None])
+    keyed = write_job(
+        tmp_path, thinking_model, "chat_template_kwargs = {enable_thinking = false}\n"
+    )
+    result = invoke("run", str(keyed), "--input", str(tmp_path / "in2"), "--output",
+                    str(tmp_path / "keyed"))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert read_output(tmp_path / "keyed").column("prompt_tokens").to_pylist() == [thinking, off]
+
+
+def test_a_different_thinking_is_a_different_job(tmp_path: Path, thinking_model: Path) -> None:
+    job = write_job(tmp_path, thinking_model, max_tokens=2)
+    write_chats(tmp_path / "in")
+    assert invoke("run", str(job), "--no-thinking").exit_code == 0
+    assert_one_line_error(invoke("run", str(job)), "different job")
+
+
+def test_validate_says_whether_the_template_thinks(tmp_path: Path, thinking_model: Path) -> None:
+    write_chats(tmp_path / "in")
+    job = str(write_job(tmp_path, thinking_model))
+    assert "a chat template that thinks by default" in invoke("validate", job).output
+    assert "this job: thinking off" in invoke("validate", job, "--no-thinking").output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--chat-template-kwargs", "{nope"], "not JSON"),
+        (["--chat-template-kwargs", "[1]"], "expected a JSON object"),
+        (["--chat-template-kwargs", '{"add_generation_prompt": false}'], "set by batchrun"),
+    ],
+)
+def test_bad_template_arguments_refuse_the_job(
+    tmp_path: Path, thinking_model: Path, args: list[str], message: str
+) -> None:
+    write_chats(tmp_path / "in")
+    job = str(write_job(tmp_path, thinking_model))
+    for command in ("validate", "run"):
+        assert_one_line_error(invoke(command, job, *args), message)
