@@ -127,6 +127,11 @@ _RUN_OPTIONS = [
         help="Turn the chat template's thinking on or off (enable_thinking; Qwen3 thinks by "
         "default).",
     ),
+    click.option(
+        "--reasoning-parser",
+        type=click.Choice(["qwen3", "auto"]),
+        help="Split the think block from the answer: columns reasoning, reasoning_tokens.",
+    ),
     click.option("--dtype", help="auto, float32, bfloat16 or float16."),
     click.option("--device", help="auto, cpu, cuda or cuda:N."),
     click.option(
@@ -199,6 +204,7 @@ _UNSET_MEANS = {
     "logprobs": "off",
     "chat_template_kwargs": "none",
     "thinking": "the chat template's default",
+    "reasoning_parser": "none",
     "shard": "from SLURM_ARRAY_TASK_ID/COUNT or RANK/WORLD_SIZE, else every row",
 }
 

@@ -62,6 +62,7 @@ class JobSpec:
     # chat_template_kwargs cell adds to them. thinking: enable_thinking, a shorthand.
     chat_template_kwargs: dict[str, Any] | None = None
     thinking: bool | None = None
+    reasoning_parser: str | None = None  # qwen3 | auto: the think block apart from the answer
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"

@@ -45,6 +45,7 @@ from batchrun.io.prompts import (
     find_prompt_column,
 )
 from batchrun.io.reader import InputSource, RowSelection, iter_batches, open_input
+from batchrun.io.reasoning import reasoning_split
 from batchrun.io.shards import shard_rows
 from batchrun.job import JobSpec
 from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
@@ -133,7 +134,8 @@ def open_job(job: JobSpec) -> OpenedJob:
     source = open_input(job.input, exclude=Path(job.output))
     prompt = find_prompt_column(source.schema, job)
     id_column = find_id_column(source.schema, job)
-    schema = output_schema(source.schema, job.logprobs, job.prompt_logprobs)
+    reasoning = job.reasoning_parser is not None
+    schema = output_schema(source.schema, job.logprobs, job.prompt_logprobs, reasoning)
     rows = shard_rows(source, job.shard_spec)
     out = OutputDir(Path(job.output), job.shard_spec, rows)
     fingerprint = job_fingerprint(job, source, prompt)
@@ -364,6 +366,7 @@ class _Run:
         signals that stop the run early (None: none do); tp: the group whose ranks must agree
         on a stop."""
         self.job, self.out, self.engine, self.builder = opened.job, opened.out, engine, builder
+        self.reasoning = reasoning_split(self.job, engine.tokenizer)
         self.writes = writes
         self.stop = stop if stop is not None else StopSignals()
         self.tp = tp
@@ -458,7 +461,7 @@ class _Run:
         if len(done) == request.params.n:
             del self.pending[request.row_index]
             done.sort(key=lambda r: r.sample_index)
-            self._buffer(inputs, [finished_row(r) for r in done])
+            self._buffer(inputs, [finished_row(r, self.reasoning) for r in done])
 
     def _input_rows(self) -> Iterator[InputRow]:
         """Each selected row, its input columns, its values and its request (or why not),

@@ -29,6 +29,7 @@ from batchrun.engine.memory import (
 )
 from batchrun.errors import JobError
 from batchrun.io.prompts import PromptColumn, PromptKind
+from batchrun.io.reasoning import reasoning_split
 from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import DraftSpec, _draft_to_target, check_draft
 from batchrun.models.loader import (
@@ -90,6 +91,7 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
             "but the target's tokenizer has no chat template"
         )
     _check_eos(config.target, target_config, tokenizer)
+    reasoning_split(job, tokenizer)  # qwen3's think tokens, where the job asks for the split
     weights = check_checkpoints(config.target, target, config.draft, draft, dtype)
     footprint = batch_footprint(
         target, draft, dtype, weights, min(widths), job.tp, config.page_size

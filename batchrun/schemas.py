@@ -17,6 +17,7 @@ from batchrun.engine.request import MAX_SAMPLES, SEED_END, SEED_MIN
 from batchrun.io.output_schema import (
     COMPLETION_LOGPROB_FIELDS,
     PROMPT_LOGPROBS_FIELD,
+    REASONING_FIELDS,
     TOP_LOGPROBS_FIELD,
     output_fields,
 )
@@ -126,6 +127,13 @@ def job_schema() -> dict[str, Any]:
             "type": "boolean",
             "description": "Shorthand for chat_template_kwargs.enable_thinking (Qwen3's switch); "
             "unset: the template's default.",
+        },
+        "reasoning_parser": {
+            "type": "string",
+            "enum": ["qwen3", "auto"],
+            "description": "Split each completion's think block from its answer: columns "
+            "reasoning and reasoning_tokens, completion the answer only. auto: qwen3 where the "
+            "tokenizer has <think> and </think> tokens.",
         },
         "logprobs": {
             "type": "integer",
@@ -255,6 +263,7 @@ _ONLY_WHEN = {
     **{field.name: "logprobs is set" for field in COMPLETION_LOGPROB_FIELDS},
     TOP_LOGPROBS_FIELD.name: "logprobs is above 0",
     PROMPT_LOGPROBS_FIELD.name: "prompt_logprobs is true",
+    **{field.name: "reasoning_parser is set" for field in REASONING_FIELDS},
 }
 
 
@@ -269,7 +278,7 @@ def output_schema_json() -> list[dict[str, Any]]:
             **({"only_when": _ONLY_WHEN[field.name]} if field.name in _ONLY_WHEN else {}),
             "description": field.metadata[b"description"].decode(),
         }
-        for field in output_fields(logprobs=1, prompt_logprobs=True)
+        for field in output_fields(logprobs=1, prompt_logprobs=True, reasoning=True)
     ]
 
 

@@ -1,6 +1,7 @@
-"""Chat template arguments (issue 23, part 1): the job key chat_template_kwargs, the --thinking
-shorthand and a row's chat_template_kwargs column reach the template, on a tiny model whose
-template has Qwen3's enable_thinking switch (thinking by default; off, an empty think block)."""
+"""Chat template arguments and the reasoning split (issue 23, parts 1 and 2): the job key
+chat_template_kwargs, the --thinking shorthand and a row's chat_template_kwargs column reach the
+template, on a tiny model whose template has Qwen3's enable_thinking switch (thinking by default;
+off, an empty think block); --reasoning-parser qwen3 splits the think block from the answer."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ import pytest
 from test_cli import assert_one_line_error, invoke, read_output, write_job
 from transformers import AutoTokenizer
 
+from batchrun.engine.request import Request, SamplingParams
+from batchrun.errors import JobError
 from batchrun.io.prompts import template_thinks
+from batchrun.io.reasoning import ReasoningSplit
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
@@ -124,3 +128,85 @@ def test_bad_template_arguments_refuse_the_job(
     job = str(write_job(tmp_path, thinking_model))
     for command in ("validate", "run"):
         assert_one_line_error(invoke(command, job, *args), message)
+
+
+# -- the reasoning split (issue 23, part 2) -------------------------------------------------
+
+# A thinking-only template (Qwen3-2507's): the generation prompt opens the think block.
+OPENS_THINKING = QWEN3_STYLE.replace(
+    "{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}"
+)
+
+
+@pytest.fixture(scope="module")
+def reasoning_model(make_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose tokenizer has <think> and </think> tokens (its vocabulary covers
+    them) and whose template opens the think block."""
+    out = tmp_path_factory.mktemp("reasoning") / "model"
+    shutil.copytree(make_model(vocab_size=1040), out)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = OPENS_THINKING
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def finished(output: list[int], prompt: list[int], reason: str, text: str | None = None) -> Request:
+    req = Request(row_index=0, prompt_ids=prompt, params=SamplingParams(max_tokens=99))
+    req.output_ids, req.finish_reason, req.completion = output, reason, text
+    return req
+
+
+def test_the_split_by_token_ids(reasoning_model: Path, tiny_model: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(reasoning_model))
+    split = ReasoningSplit(tokenizer, "qwen3")
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    why = tokenizer.encode("why not", add_special_tokens=False)
+    answer = tokenizer.encode("\n\nreturn 1", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    prompt = tokenizer.encode("hi", add_special_tokens=False)
+    # Thought, then the answer (the stop token is not text).
+    got = split.split(finished([start, *why, end, *answer, eos], prompt, "stop"))
+    assert got == ("why not", "return 1", len(why))
+    # Cut inside the block: no answer.
+    assert split.split(finished([start, *why], prompt, "length")) == ("why not", None, len(why))
+    # The template opened the block: the output has only its end.
+    assert split.split(finished([*why, end, *answer], [*prompt, start], "length"))[:2] == (
+        "why not", "return 1",
+    )  # fmt: skip
+    # No think block: the completion as decoded.
+    assert split.split(finished(answer, prompt, "length", "return 1")) == (None, "return 1", 0)
+    plain = AutoTokenizer.from_pretrained(str(tiny_model))
+    with pytest.raises(JobError, match="needs <think> and </think>"):
+        ReasoningSplit(plain, "qwen3")
+    auto = ReasoningSplit(plain, "auto")  # splits nothing
+    assert auto.split(finished(answer, prompt, "length", "x")) == (None, "x", 0)
+
+
+def test_a_row_cut_while_thinking_has_no_answer(tmp_path: Path, reasoning_model: Path) -> None:
+    write_chats(tmp_path / "in")
+    job = str(write_job(tmp_path, reasoning_model, max_tokens=4))
+    result = invoke("run", job, "--reasoning-parser", "qwen3")
+    assert result.exit_code == 0, result.output
+    table = read_output(tmp_path / "out")
+    assert {"reasoning", "reasoning_tokens"} <= set(table.column_names)
+    tokenizer = AutoTokenizer.from_pretrained(str(reasoning_model))
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    for row in table.to_pylist():
+        assert end not in row["completion_token_ids"]  # a tiny model does not stop thinking
+        assert row["finish_reason"] == "length" and row["completion"] is None
+        assert row["reasoning_tokens"] == row["completion_tokens"] == 4
+        text = tokenizer.decode(row["completion_token_ids"], skip_special_tokens=True)
+        assert row["reasoning"] == text.strip()
+    # Without the split the columns are not there, and the completion is the whole text.
+    plain = invoke("run", job, "--output", str(tmp_path / "plain"))
+    assert plain.exit_code == 0, plain.output
+    assert "reasoning" not in read_output(tmp_path / "plain").column_names
+
+
+def test_qwen3_split_needs_the_think_tokens(tmp_path: Path, thinking_model: Path) -> None:
+    write_chats(tmp_path / "in")
+    job = str(write_job(tmp_path, thinking_model))
+    for command in ("validate", "run"):
+        result = invoke(command, job, "--reasoning-parser", "qwen3")
+        assert_one_line_error(result, "needs <think> and </think> as single tokens")

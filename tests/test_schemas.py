@@ -70,6 +70,8 @@ def test_output_schema_file_lists_the_output_columns_in_order() -> None:
         "spec_accept_hist",
         "spec_capped_hist",
         "acceptance_length",
+        "reasoning",
+        "reasoning_tokens",
         "completion_logprobs",
         "completion_logprob_sum",
         "top_logprobs",
@@ -83,7 +85,7 @@ def test_output_schema_file_lists_the_output_columns_in_order() -> None:
     assert all(c["description"] for c in listed)
     only_some_jobs = {c["name"] for c in listed if "only_when" in c}
     assert only_some_jobs == {c["name"] for c in listed} - {f.name for f in OUTPUT_FIELDS}
-    every_column = output_fields(logprobs=1, prompt_logprobs=True)
+    every_column = output_fields(logprobs=1, prompt_logprobs=True, reasoning=True)
     assert {f.name for f in dataclasses.fields(OutputRow)} == {f.name for f in every_column}
 
 

@@ -58,6 +58,8 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
         fingerprint["logprobs"] = {"logprobs": job.logprobs, "prompt": job.prompt_logprobs}
     if job.chat_kwargs():  # the chat template's arguments; unset: no key, as before they existed
         fingerprint["chat_template_kwargs"] = job.chat_kwargs()
+    if job.reasoning_parser is not None:  # its columns; unset: none
+        fingerprint["reasoning_parser"] = job.reasoning_parser
     data: dict[str, Any] = json.loads(json.dumps(fingerprint))  # tuples become lists, as on disk
     return data
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from batchrun.engine.request import Request, round_tokens
 from batchrun.errors import JobError
+
+if TYPE_CHECKING:  # the split needs transformers: a job that asks for it has it loaded
+    from batchrun.io.reasoning import ReasoningSplit
 
 # Parquet names a list's item "element"; using it here keeps parts equal to this schema on read.
 _INT32_LIST = pa.list_(pa.field("element", pa.int32()))
@@ -139,21 +143,45 @@ PROMPT_LOGPROBS_FIELD = _field(
 )
 
 
-def output_fields(logprobs: int | None = None, prompt_logprobs: bool = False) -> list[pa.Field]:
-    """The columns a job appends after the input's: OUTPUT_FIELDS with the log-probability
-    columns it asks for (logprobs = k, None: off) before `error`."""
-    extra = list(COMPLETION_LOGPROB_FIELDS) if logprobs is not None else []
+REASONING_FIELDS: tuple[pa.Field, ...] = (
+    _field(
+        "reasoning",
+        pa.string(),
+        True,
+        "With reasoning_parser: the text of the completion's think block; null when it has none "
+        "or on error (completion is then the answer after the block, null when the row ended "
+        "inside it).",
+    ),
+    _field(
+        "reasoning_tokens",
+        pa.int32(),
+        True,
+        "With reasoning_parser: the tokens inside the think block. Null on error.",
+    ),
+)
+
+
+def output_fields(
+    logprobs: int | None = None, prompt_logprobs: bool = False, reasoning: bool = False
+) -> list[pa.Field]:
+    """The columns a job appends after the input's: OUTPUT_FIELDS with the reasoning and
+    log-probability columns it asks for (logprobs = k, None: off) before `error`."""
+    extra = list(REASONING_FIELDS) if reasoning else []
+    extra += list(COMPLETION_LOGPROB_FIELDS) if logprobs is not None else []
     extra += [TOP_LOGPROBS_FIELD] if logprobs else []
     extra += [PROMPT_LOGPROBS_FIELD] if prompt_logprobs else []
     return [*OUTPUT_FIELDS[:-1], *extra, OUTPUT_FIELDS[-1]]
 
 
 def output_schema(
-    input_schema: pa.Schema, logprobs: int | None = None, prompt_logprobs: bool = False
+    input_schema: pa.Schema,
+    logprobs: int | None = None,
+    prompt_logprobs: bool = False,
+    reasoning: bool = False,
 ) -> pa.Schema:
     """Every input column unchanged, in input order, then output_fields(...). (A part whose
     input cells held invalid UTF-8 also has raw-bytes columns after these: see build_table.)"""
-    fields = output_fields(logprobs, prompt_logprobs)
+    fields = output_fields(logprobs, prompt_logprobs, reasoning)
     names = [field.name for field in fields]
     collisions = [name for name in input_schema.names if name in names]
     if collisions:
@@ -188,14 +216,16 @@ class OutputRow:
     spec_capped_hist: list[int] | None
     acceptance_length: float | None
     error: str | None
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
     completion_logprobs: list[float] | None = None
     completion_logprob_sum: float | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
 
 
-def finished_row(request: Request) -> OutputRow:
-    """The output of a request the engine finished."""
+def finished_row(request: Request, reasoning: ReasoningSplit | None = None) -> OutputRow:
+    """The output of a request the engine finished; with `reasoning`, its think block apart."""
     if request.finish_reason is None:
         raise RuntimeError(f"engine returned row {request.row_index} without a finish_reason")
     completion_tokens = len(request.output_ids)
@@ -204,10 +234,13 @@ def finished_row(request: Request) -> OutputRow:
         tau = round_tokens(request.spec_hist) / request.spec_rounds
     scored = request.logprobs
     tokens = scored.tokens if scored is not None else None
+    thought, completion, thought_tokens = None, request.completion, None
+    if reasoning is not None:
+        thought, completion, thought_tokens = reasoning.split(request)
     return OutputRow(
         row_index=request.row_index,
         sample_index=request.sample_index,
-        completion=request.completion,
+        completion=completion,
         completion_token_ids=list(request.output_ids),
         finish_reason=request.finish_reason,
         prompt_tokens=len(request.prompt_ids),
@@ -217,6 +250,8 @@ def finished_row(request: Request) -> OutputRow:
         spec_capped_hist=list(request.spec_capped) if request.spec_capped is not None else None,
         acceptance_length=tau,
         error=None,
+        reasoning=thought,
+        reasoning_tokens=thought_tokens,
         completion_logprobs=list(tokens) if tokens is not None else None,
         completion_logprob_sum=sum(tokens) if tokens is not None else None,
         top_logprobs=scored.top if scored is not None else None,

@@ -41,6 +41,7 @@ from batchrun.io.output_schema import (
     output_schema,
 )
 from batchrun.io.prompts import RequestBuilder, find_prompt_column
+from batchrun.io.reasoning import reasoning_split
 from batchrun.job import JobSpec
 from batchrun.pipeline import QUEUE_FACTOR, EngineLike, build_engine, generate
 
@@ -88,6 +89,7 @@ class BatchrunProcessor:
         that creates this file exits mid-batch, as a killed actor would."""
         self.job = processor_job({"target": target, **settings})
         self.engine = _engine if _engine is not None else build_engine(self.job)
+        self.reasoning = reasoning_split(self.job, self.engine.tokenizer)
         self.crash_once = _crash_once
         self.builders: dict[pa.Schema, RequestBuilder] = {}
 
@@ -111,7 +113,9 @@ class BatchrunProcessor:
         """The output rows of the input rows of `table` (n per row, by sample_index), in the
         same order."""
         row_indices, inputs = _row_indices(table)
-        schema = output_schema(inputs.schema, self.job.logprobs, self.job.prompt_logprobs)
+        job = self.job
+        reasoning = job.reasoning_parser is not None
+        schema = output_schema(inputs.schema, job.logprobs, job.prompt_logprobs, reasoning)
         inputs = inputs.replace_schema_metadata(None)
         if inputs.num_rows == 0:
             return build_table(schema, [], [])
@@ -138,7 +142,7 @@ class BatchrunProcessor:
         for finished in generate(self.engine, ordered, max_queued):
             for request in finished:
                 first = request.siblings[0] if request.siblings else request
-                outputs[position[id(first)]].append(finished_row(request))
+                outputs[position[id(first)]].append(finished_row(request, self.reasoning))
             if finished:
                 self._maybe_crash()
         for rows in outputs:

@@ -1,0 +1,79 @@
+"""The reasoning split (`reasoning_parser`): a Qwen3 completion's think block apart from its
+answer. Qwen3 writes `<think>` reasoning `</think>` then the answer; a template that opens the
+block in the prompt (thinking-only models) leaves only `</think>` in the output. Output:
+`reasoning` (the text inside the block, null when there is none), `completion` (the answer after
+it; null when the row ended inside the block, cut by length or a stop), `reasoning_tokens`.
+`completion_token_ids` stays whole. The split is by token ids, so a tokenizer that skips the
+think tokens when decoding splits alike."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from batchrun.engine.request import Request
+from batchrun.errors import JobError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from batchrun.job import JobSpec
+
+THINK_START, THINK_END = "<think>", "</think>"
+REASONING_PARSERS = ("qwen3", "auto")  # auto: qwen3 where the tokenizer has the think tokens
+
+
+class ReasoningSplit:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: str) -> None:
+        """Refuses `qwen3` for a tokenizer without single think tokens; `auto` then splits
+        nothing (every row's reasoning null, its completion whole)."""
+        self.tokenizer = tokenizer
+        self.special = frozenset(tokenizer.all_special_ids)  # end-of-sequence tokens among them
+        self.start, self.end = _token_id(tokenizer, THINK_START), _token_id(tokenizer, THINK_END)
+        self.active = self.start is not None and self.end is not None
+        if parser == "qwen3" and not self.active:
+            raise JobError(
+                f"reasoning_parser qwen3 needs {THINK_START} and {THINK_END} as single tokens "
+                "of the target's tokenizer; it has not"
+            )
+
+    def split(self, request: Request) -> tuple[str | None, str | None, int]:
+        """(reasoning, completion, reasoning_tokens) of a finished request."""
+        if not self.active:
+            return None, request.completion, 0
+        ids = request.output_ids
+        stops_with = {*request.params.stop_token_ids, *self.special}
+        if request.finish_reason == "stop" and ids and ids[-1] in stops_with:
+            ids = ids[:-1]  # a stop token ends the text without being part of it
+        thinking = self._opens_in_prompt(request.prompt_ids)
+        if not thinking and ids and ids[0] == self.start:
+            ids, thinking = ids[1:], True
+        if not thinking:
+            return None, request.completion, 0
+        if self.end not in ids:  # ended inside the block: no answer
+            return self._text(ids).strip(), None, len(ids)
+        cut = ids.index(self.end)
+        answer = self._text(ids[cut + 1 :]).lstrip()
+        stops = [i for i in (answer.find(s) for s in request.params.stop) if i >= 0]
+        return self._text(ids[:cut]).strip(), answer[: min(stops)] if stops else answer, cut
+
+    def _opens_in_prompt(self, prompt: list[int]) -> bool:
+        """The prompt's last think token opens a block (the template started the thinking)."""
+        for token in reversed(prompt):
+            if token in (self.start, self.end):
+                return token == self.start
+        return False
+
+    def _text(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def reasoning_split(job: JobSpec, tokenizer: PreTrainedTokenizerBase) -> ReasoningSplit | None:
+    """The job's split (None: it asks for none). Raises JobError as ReasoningSplit does."""
+    parser = job.reasoning_parser
+    return ReasoningSplit(tokenizer, parser) if parser is not None else None
+
+
+def _token_id(tokenizer: PreTrainedTokenizerBase, text: str) -> int | None:
+    """The id of `text` when the tokenizer encodes it as one token."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
