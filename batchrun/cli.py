@@ -102,6 +102,11 @@ _RUN_OPTIONS = [
     ),
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
     click.option("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
+    click.option(
+        "--ignore-eos/--no-ignore-eos",
+        default=None,
+        help="Generate past end-of-sequence tokens until max_tokens or a stop.",
+    ),
     click.option("--n", type=int, help="Samples per row (n output rows, sample_index 0 .. n-1)."),
     click.option(
         "--logprobs",

@@ -56,6 +56,7 @@ class JobSpec:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
+    ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: each token's log-probability and its top k
     prompt_logprobs: bool = False
     # Arguments to the chat template of `messages` rows (Qwen3: enable_thinking); a row's
@@ -152,6 +153,7 @@ class JobSpec:
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             n=self.n,
+            ignore_eos=self.ignore_eos,
         )
 
 

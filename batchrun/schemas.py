@@ -135,6 +135,11 @@ def job_schema() -> dict[str, Any]:
             "reasoning and reasoning_tokens, completion the answer only. auto: qwen3 where the "
             "tokenizer has <think> and </think> tokens.",
         },
+        "ignore_eos": _flag(
+            "Generate past end-of-sequence tokens (they are output) until max_tokens or a "
+            "stop; a per-row column ignore_eos overrides it.",
+            False,
+        ),
         "logprobs": {
             "type": "integer",
             "minimum": 0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -365,3 +366,42 @@ def test_a_bad_flag_is_one_line(
 ) -> None:
     write_prompts(tmp_path / "in", PROMPTS[:2])
     assert_one_line_error(invoke("run", str(write_job(tmp_path, tiny_model)), *flags), message)
+
+
+def test_ignore_eos_generates_past_the_end(tmp_path: Path, tiny_model: Path) -> None:
+    """A copy of the tiny model whose end-of-sequence id is the first token row 0 generates:
+    there it stops at once; with ignore_eos (the job's, or the row's cell) every row writes the
+    original model's tokens to max_tokens, with a draft alike."""
+    write_prompts(tmp_path / "in", PROMPTS[:4])
+    job = str(write_job(tmp_path, tiny_model, max_tokens=10))
+    assert invoke("run", job, "--output", str(tmp_path / "plain")).exit_code == 0
+    plain = read_output(tmp_path / "plain").column("completion_token_ids").to_pylist()
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config = {"eos_token_id": plain[0][0]}
+    (model / "generation_config.json").write_text(json.dumps(config))
+    job = str(write_job(tmp_path, model, max_tokens=10))
+    assert invoke("run", job, "--output", str(tmp_path / "stops")).exit_code == 0
+    first = read_output(tmp_path / "stops").to_pylist()[0]
+    assert (first["finish_reason"], first["completion_tokens"]) == ("stop", 1)
+    draft = make_tiny_draft(tmp_path / "draft", model, block_size=4)
+    for args in (["--ignore-eos"], ["--ignore-eos", "--draft", str(draft)]):
+        out = str(tmp_path / "-".join(a.strip("-")[:5] for a in args))
+        assert invoke("run", job, *args, "--output", out).exit_code == 0
+        rows = read_output(Path(out)).to_pylist()
+        assert [r["completion_token_ids"] for r in rows] == plain, args
+        assert all(r["finish_reason"] == "length" for r in rows)
+    # As a row's cell: true goes on, a non-boolean is the row's error.
+    table = pa.table({"prompt": PROMPTS[:2], "ignore_eos": pa.array([True, None])})
+    pq.write_table(table, tmp_path / "in" / "0.parquet")
+    cells = pa.table({"prompt": PROMPTS[:1], "ignore_eos": pa.array(["yes"])})
+    (tmp_path / "in2").mkdir()
+    pq.write_table(cells, tmp_path / "in2" / "0.parquet")
+    assert invoke("run", job, "--output", str(tmp_path / "cells")).exit_code == 0
+    rows = read_output(tmp_path / "cells").to_pylist()
+    assert rows[0]["completion_token_ids"] == plain[0] and rows[1]["finish_reason"] == "length"
+    result = invoke("run", job, "--input", str(tmp_path / "in2"), "--output", str(tmp_path / "bad"))
+    assert result.exit_code == 0, result.output
+    assert read_output(tmp_path / "bad").column("error").to_pylist() == [
+        "ignore_eos must be true or false, got 'yes'"
+    ]

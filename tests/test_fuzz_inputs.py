@@ -93,6 +93,7 @@ FITTING_TYPES = {
     "stop": [pa.list_(pa.string()), pa.large_list(pa.large_string())],
     "stop_token_ids": [pa.list_(pa.int64()), pa.list_(pa.uint64()), pa.list_(pa.int8())],
     "n": WIDE_INTS + [pa.int8(), pa.uint16()],
+    "ignore_eos": [pa.bool_()],
 }
 SANE: dict[str, list[Any]] = {
     "max_tokens": [1, 2, 3, 2**63, 2**64 - 1],
@@ -103,6 +104,7 @@ SANE: dict[str, list[Any]] = {
     "stop": [[], [b"\n"], [b"e", b"\xff"], [b"(", b"0"]],
     "stop_token_ids": [[], [3], [2**64 - 1], [0, 7]],
     "n": [1, 2, 3, MAX_SAMPLES + 1],
+    "ignore_eos": [True, False],
 }
 
 

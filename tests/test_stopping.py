@@ -131,3 +131,16 @@ def test_decoding_per_committed_token_is_constant(
     calls, decoded = counting.calls - 1, counting.ids - len(ids)  # less the final decode
     assert calls <= 2 * len(ids)
     assert decoded <= 6 * len(ids)
+
+
+def test_ignore_eos_outputs_the_eos_and_goes_on(tok: PreTrainedTokenizerBase) -> None:
+    stopper = make_stopper(tok)
+    eos = tok.convert_tokens_to_ids(IM_END)
+    text = tok.encode("x = 1", add_special_tokens=False)
+    ids = [*text, eos, *text]
+    stops = Request(0, [1], SamplingParams(max_tokens=len(ids)))
+    assert stopper.commit(stops, ids) == len(text) + 1 and stops.finish_reason == "stop"
+    assert stops.completion == "x = 1"
+    goes_on = Request(0, [1], SamplingParams(max_tokens=len(ids), ignore_eos=True))
+    assert stopper.commit(goes_on, ids) == len(ids) and goes_on.finish_reason == "length"
+    assert goes_on.output_ids == ids and goes_on.completion == "x = 1x = 1"  # eos decodes to ""

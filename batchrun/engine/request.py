@@ -23,6 +23,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1  # samples of the row, each with its own seed (sample_seed)
+    ignore_eos: bool = False  # an end-of-sequence token is output and generation goes on
 
     def problem(self) -> str | None:
         """Why these parameters cannot run, or None. The engine samples in float32, so the
@@ -44,6 +45,8 @@ class SamplingParams:
             return "stop_token_ids must be a list of non-negative integers"
         if not (isinstance(self.n, int) and 1 <= self.n <= MAX_SAMPLES):
             return f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}"
+        if not isinstance(self.ignore_eos, bool):
+            return f"ignore_eos must be true or false, got {_show(self.ignore_eos)}"
         return None
 
 

@@ -33,7 +33,8 @@ class Stopper:
         p = req.params
         for n, token in enumerate(tokens, start=1):
             req.output_ids.append(token)
-            if token in self.eos_ids or token in p.stop_token_ids or self._stop_string(req, token):
+            eos = token in self.eos_ids and not p.ignore_eos
+            if eos or token in p.stop_token_ids or self._stop_string(req, token):
                 req.finish_reason = "stop"
             elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 req.finish_reason = "length"
@@ -58,7 +59,8 @@ class Stopper:
             return None
         ids = req.output_ids
         last = ids[-1] if ids else None
-        if last is not None and (last in self.eos_ids or last in req.params.stop_token_ids):
+        stop_ids = (*self.eos_ids, *req.params.stop_token_ids)
+        if req.finish_reason == "stop" and last in stop_ids:
             ids = ids[:-1]  # a stop token ends the text without being part of it
         text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
         cuts = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]

@@ -36,7 +36,7 @@ _MISSING = object()  # a key one fingerprint has and the other lacks
 
 def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> dict[str, Any]:
     """What makes two runs the same job, as JSON data (the form _progress/job.json holds)."""
-    fingerprint = {
+    fingerprint: dict[str, Any] = {
         "version": FINGERPRINT_VERSION,
         "input": {str(f.path.resolve()): input_file_identity(f) for f in source.files},
         "prompt": {"column": prompt.name, "kind": prompt.kind.value},
@@ -54,6 +54,8 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
             "n": job.n,
         },
     }
+    if job.ignore_eos:  # unset: no key, as before it existed
+        fingerprint["sampling"]["ignore_eos"] = True
     if job.logprobs is not None or job.prompt_logprobs:  # columns of their own; unset: none
         fingerprint["logprobs"] = {"logprobs": job.logprobs, "prompt": job.prompt_logprobs}
     if job.chat_kwargs():  # the chat template's arguments; unset: no key, as before they existed

@@ -17,6 +17,7 @@ from batchrun.io.cells import BadCell
 # Optional input columns whose non-null cells override the job's sampling defaults.
 OVERRIDE_COLUMNS = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
+    "ignore_eos",
 )  # fmt: skip
 _INT_OVERRIDES = ("max_tokens", "top_k", "seed", "n")
 _FLOAT_OVERRIDES = ("temperature", "top_p")
@@ -64,6 +65,10 @@ def convert_override(name: str, value: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         raise BadOverride(f"{name} must be a number, got {_show(value)}")
+    if name == "ignore_eos":
+        if isinstance(value, bool):
+            return value
+        raise BadOverride(f"ignore_eos must be true or false, got {_show(value)}")
     if name == "stop":
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return tuple(value)
