@@ -217,6 +217,7 @@ class Engine:
         if self._launched is not None and self._launched.ready is not None:
             self._launched.ready.synchronize()
         self._launched = self._last_done = None
+        self.speculator.aborted()
         for req in list(self.scheduler.running):
             self.scheduler.finish(req)
         for req in self.scheduler.waiting:  # preempted ones may hold no pages; fresh ones none

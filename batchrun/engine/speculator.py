@@ -96,6 +96,9 @@ class Speculator:
     def learn(self, plan: StepPlan, accepted: list[int], seconds: float) -> None:
         """A step read back: its acceptance and, on a GPU, its period."""
 
+    def aborted(self) -> None:
+        """The engine dropped its requests: the next step follows none."""
+
     def capture_graphs(self, max_batch_size: int, max_batched_tokens: int, pool: Any) -> None:
         """Capture its own CUDA graphs (after the runner's)."""
 
@@ -151,7 +154,7 @@ class DFlashSpeculator(Speculator):
         device, page_size = runner.device, runner.page_size
         max_pages = pages_for(runner.max_kv, page_size)
         # A full-attention layer's cache is indexed by the target's page tables: position i of
-        # a request lives in the same slot of both. A sliding layer's lives in its ring.
+        # a request lives at the same cache index in both. A sliding layer's lives in its ring.
         self.ring = None
         if window is not None:
             self.ring = DraftRing(max_batch_size, max_pages, window, block, page_size, device)
@@ -215,6 +218,9 @@ class DFlashSpeculator(Speculator):
             if plan.uniform:
                 bucket = ladder_bucket(plan.num_live, self.max_batch_size)
                 policy.record_cost(width, bucket, seconds * 1e3)
+
+    def aborted(self) -> None:
+        self._last_width = 0
 
     # -- a step -------------------------------------------------------------------------------
 
