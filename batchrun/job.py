@@ -16,23 +16,8 @@ import jsonschema
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.request import SamplingParams, row_seed
 from batchrun.errors import JobError
+from batchrun.io.prompts import chat_kwargs_problem
 from batchrun.schemas import job_schema
-
-# apply_chat_template's own arguments: batchrun sets them, a job's template arguments may not.
-_CHAT_ARGS_OF_BATCHRUN = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-})  # fmt: skip
-
-
-def chat_kwargs_problem(kwargs: Mapping[str, Any]) -> str | None:
-    """Why these chat template arguments cannot be used (None: they can)."""
-    taken = sorted(set(kwargs) & _CHAT_ARGS_OF_BATCHRUN)
-    if taken:
-        return f"{taken[0]!r} is set by batchrun, not by the template's arguments"
-    return None
-
 
 # Keys holding paths: relative ones in a job file resolve against the job file's directory.
 _PATH_KEYS = ("input", "output", "target", "draft")

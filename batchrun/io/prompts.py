@@ -27,7 +27,6 @@ from batchrun.io.overrides import (
     output_rows,
 )
 from batchrun.io.prompt_bound import longest_token_chars, min_tokens
-from batchrun.job import chat_kwargs_problem
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -42,6 +41,22 @@ class PromptKind(enum.Enum):
 
 
 CHAT_KWARGS_COLUMN = "chat_template_kwargs"  # a messages row's own template arguments
+# apply_chat_template's own arguments: batchrun sets them, a job's template arguments may not.
+_CHAT_ARGS_OF_BATCHRUN = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+
+
+def chat_kwargs_problem(kwargs: Mapping[str, Any]) -> str | None:
+    """Why these chat template arguments cannot be used (None: they can)."""
+    taken = sorted(set(kwargs) & _CHAT_ARGS_OF_BATCHRUN)
+    if taken:
+        return f"{taken[0]!r} is set by batchrun, not by the template's arguments"
+    return None
+
+
 DEFAULT_PROMPT_COLUMNS = {
     PromptKind.TEXT: "prompt",
     PromptKind.MESSAGES: "messages",
