@@ -103,6 +103,11 @@ _RUN_OPTIONS = [
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
     click.option("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
     click.option(
+        "--max-thinking-tokens",
+        type=int,
+        help="Tokens a think block may take; then its end is forced and the answer follows.",
+    ),
+    click.option(
         "--ignore-eos/--no-ignore-eos",
         default=None,
         help="Generate past end-of-sequence tokens until max_tokens or a stop.",
@@ -210,6 +215,7 @@ _UNSET_MEANS = {
     "chat_template_kwargs": "none",
     "thinking": "the chat template's default",
     "reasoning_parser": "none",
+    "max_thinking_tokens": "no limit",
     "shard": "from SLURM_ARRAY_TASK_ID/COUNT or RANK/WORLD_SIZE, else every row",
 }
 

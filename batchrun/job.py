@@ -16,7 +16,7 @@ import jsonschema
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.request import SamplingParams, row_seed
 from batchrun.errors import JobError
-from batchrun.io.prompts import chat_kwargs_problem
+from batchrun.io.prompts import THINKING_WITH_LOGPROBS, chat_kwargs_problem
 from batchrun.schemas import job_schema
 
 # Keys holding paths: relative ones in a job file resolve against the job file's directory.
@@ -42,6 +42,7 @@ class JobSpec:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     ignore_eos: bool = False
+    max_thinking_tokens: int | None = None  # a think block's budget; then its end is forced
     logprobs: int | None = None  # None: off; k: each token's log-probability and its top k
     prompt_logprobs: bool = False
     # Arguments to the chat template of `messages` rows (Qwen3: enable_thinking); a row's
@@ -80,6 +81,8 @@ class JobSpec:
         object.__setattr__(self, "gpu_memory_fraction", float(self.gpu_memory_fraction))
         if self.shard is not None:
             parse_shard(self.shard)
+        if self.max_thinking_tokens is not None and self.logprobs is not None:
+            raise JobError(THINKING_WITH_LOGPROBS)
         problem = chat_kwargs_problem(self.chat_template_kwargs or {})
         if problem is not None:
             raise JobError(f"job key 'chat_template_kwargs': {problem}")
@@ -139,6 +142,7 @@ class JobSpec:
             stop_token_ids=self.stop_token_ids,
             n=self.n,
             ignore_eos=self.ignore_eos,
+            max_thinking_tokens=self.max_thinking_tokens,
         )
 
 

@@ -42,7 +42,7 @@ from batchrun.models.loader import (
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.models.safetensors_reader import file_header
-from batchrun.models.tokenizer import eos_token_ids, load_tokenizer
+from batchrun.models.tokenizer import eos_token_ids, load_tokenizer, think_token_ids
 from batchrun.speculative.sliding_window import ring_pages
 
 if TYPE_CHECKING:
@@ -92,6 +92,8 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
         )
     _check_eos(config.target, target_config, tokenizer)
     reasoning_split(job, tokenizer)  # qwen3's think tokens, where the job asks for the split
+    if job.max_thinking_tokens is not None and think_token_ids(tokenizer) is None:
+        raise JobError("max_thinking_tokens needs <think> and </think> tokens in the tokenizer")
     weights = check_checkpoints(config.target, target, config.draft, draft, dtype)
     footprint = batch_footprint(
         target, draft, dtype, weights, min(widths), job.tp, config.page_size

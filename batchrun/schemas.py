@@ -135,6 +135,13 @@ def job_schema() -> dict[str, Any]:
             "reasoning and reasoning_tokens, completion the answer only. auto: qwen3 where the "
             "tokenizer has <think> and </think> tokens.",
         },
+        "max_thinking_tokens": {
+            "type": "integer",
+            "minimum": 0,
+            "description": "Tokens a completion's think block may take (at least one); then "
+            "its end (\\n</think>\\n\\n) is forced and the answer follows. Needs <think> "
+            "and </think> tokens; a per-row column max_thinking_tokens overrides it.",
+        },
         "ignore_eos": _flag(
             "Generate past end-of-sequence tokens (they are output) until max_tokens or a "
             "stop; a per-row column ignore_eos overrides it.",

@@ -1,7 +1,8 @@
 """Chat template arguments and the reasoning split (issue 23, parts 1 and 2): the job key
 chat_template_kwargs, the --thinking shorthand and a row's chat_template_kwargs column reach the
 template, on a tiny model whose template has Qwen3's enable_thinking switch (thinking by default;
-off, an empty think block); --reasoning-parser qwen3 splits the think block from the answer."""
+off, an empty think block); --reasoning-parser qwen3 splits the think block from the answer;
+--max-thinking-tokens forces its end."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from batchrun.engine.request import Request, SamplingParams
 from batchrun.errors import JobError
 from batchrun.io.prompts import template_thinks
 from batchrun.io.reasoning import ReasoningSplit
+from batchrun.tools.tiny_draft import make_tiny_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
@@ -210,3 +212,56 @@ def test_qwen3_split_needs_the_think_tokens(tmp_path: Path, thinking_model: Path
     for command in ("validate", "run"):
         result = invoke(command, job, "--reasoning-parser", "qwen3")
         assert_one_line_error(result, "needs <think> and </think> as single tokens")
+
+
+# -- the thinking budget (issue 23, part 3) ---------------------------------------------------
+
+
+def test_a_thinking_budget_forces_the_end_of_the_block(
+    tmp_path: Path, reasoning_model: Path
+) -> None:
+    """The template opens the block; after 3 tokens in it the host appends the end as Qwen3
+    writes it, and the row goes on from there: the tokens after equal a run whose prompt holds
+    the forced ones, and a draft changes nothing."""
+    tokenizer = AutoTokenizer.from_pretrained(str(reasoning_model))
+    forced = tokenizer.encode("\n</think>\n\n", add_special_tokens=False)
+    write_chats(tmp_path / "in")
+    job = str(write_job(tmp_path, reasoning_model, max_tokens=12))
+    args = ["--max-thinking-tokens", "3", "--reasoning-parser", "qwen3"]
+    assert invoke("run", job, *args).exit_code == 0
+    rows = read_output(tmp_path / "out").to_pylist()
+    for row in rows:
+        ids = row["completion_token_ids"]
+        assert ids[3 : 3 + len(forced)] == forced and len(ids) == 12
+        inside = 3 + forced.index(tokenizer.convert_tokens_to_ids("</think>"))  # its newline
+        assert row["reasoning_tokens"] == inside and row["completion"] is not None
+    draft = make_tiny_draft(tmp_path / "draft", reasoning_model, block_size=4)
+    out = str(tmp_path / "drafted")
+    assert invoke("run", job, *args, "--draft", str(draft), "--output", out).exit_code == 0
+    drafted = read_output(Path(out)).column("completion_token_ids").to_pylist()
+    assert drafted == [r["completion_token_ids"] for r in rows]
+    # The continuation is the target's own from the forced tokens.
+    prompt = tokenizer.apply_chat_template(
+        HELLO, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    head = rows[0]["completion_token_ids"][: 3 + len(forced)]
+    pq.write_table(pa.table({"prompt_token_ids": [[*prompt, *head]]}), tmp_path / "ids.parquet")
+    out = str(tmp_path / "resumed")
+    result = invoke("run", job, "--input", str(tmp_path / "ids.parquet"), "--output", out,
+                    "--max-tokens", str(12 - len(head)))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rest = read_output(Path(out)).column("completion_token_ids").to_pylist()[0]
+    assert rows[0]["completion_token_ids"] == head + rest
+
+
+def test_a_thinking_budget_needs_think_tokens_and_no_logprobs(
+    tmp_path: Path, thinking_model: Path, reasoning_model: Path
+) -> None:
+    write_chats(tmp_path / "in")
+    plain = str(write_job(tmp_path, thinking_model))
+    for command in ("validate", "run"):
+        result = invoke(command, plain, "--max-thinking-tokens", "3")
+        assert_one_line_error(result, "needs <think> and </think> tokens")
+    job = str(write_job(tmp_path, reasoning_model))
+    result = invoke("run", job, "--max-thinking-tokens", "3", "--logprobs", "0")
+    assert_one_line_error(result, "do not go together")

@@ -94,6 +94,7 @@ FITTING_TYPES = {
     "stop_token_ids": [pa.list_(pa.int64()), pa.list_(pa.uint64()), pa.list_(pa.int8())],
     "n": WIDE_INTS + [pa.int8(), pa.uint16()],
     "ignore_eos": [pa.bool_()],
+    "max_thinking_tokens": WIDE_INTS + [pa.int16()],
 }
 SANE: dict[str, list[Any]] = {
     "max_tokens": [1, 2, 3, 2**63, 2**64 - 1],
@@ -105,6 +106,7 @@ SANE: dict[str, list[Any]] = {
     "stop_token_ids": [[], [3], [2**64 - 1], [0, 7]],
     "n": [1, 2, 3, MAX_SAMPLES + 1],
     "ignore_eos": [True, False],
+    "max_thinking_tokens": [0, 1, 5],
 }
 
 

@@ -318,6 +318,9 @@ class Engine:
             if req.finish_reason:
                 self.scheduler.finish(req)
                 finished.append(req)
+            elif req.restart:  # forced tokens (a thinking budget): resume from them
+                req.restart = False
+                self.scheduler.restart(req)
             else:
                 self.scheduler.keep(req)
         return finished

@@ -24,6 +24,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1  # samples of the row, each with its own seed (sample_seed)
     ignore_eos: bool = False  # an end-of-sequence token is output and generation goes on
+    # Tokens a think block may take before its end is forced (None: no limit).
+    max_thinking_tokens: int | None = None
 
     def problem(self) -> str | None:
         """Why these parameters cannot run, or None. The engine samples in float32, so the
@@ -47,6 +49,9 @@ class SamplingParams:
             return f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}"
         if not isinstance(self.ignore_eos, bool):
             return f"ignore_eos must be true or false, got {_show(self.ignore_eos)}"
+        budget = self.max_thinking_tokens
+        if budget is not None and not (isinstance(budget, int) and budget >= 0):
+            return f"max_thinking_tokens must be an integer >= 0, got {budget!r}"
         return None
 
 
@@ -109,6 +114,8 @@ class Request:
     in_flight: int = 0  # decode/verify rows launched whose tokens the host has not read yet
     epoch: int = 0  # bumped when preempted or finished: results launched before are dropped
     stop_scan: StopScan | None = None  # stop-string search state, made on the first token
+    thinking: int | None = None  # tokens spent in an open think block (with a thinking budget)
+    restart: bool = False  # the host forced tokens: the request resumes from its tokens
     logprobs: Logprobs | None = None  # set by the engine when the job asks for them
 
     def token_slice(self, start: int, end: int) -> list[int]:

@@ -223,12 +223,17 @@ class Scheduler:
         return True
 
     def preempt(self, req: Request) -> None:
+        self.restart(req)
+        self._preempted.add(req)
+        self.num_preemptions += 1
+
+    def restart(self, req: Request) -> None:
+        """Off the running list, first to come back: its K/V is recomputed from its tokens (a
+        preempted request, or one whose tokens the host forced after its rounds launched)."""
         self._leave(req)
         req.num_cached = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
-        self._preempted.add(req)
-        self.num_preemptions += 1
 
     def finish(self, req: Request) -> None:
         self._leave(req)

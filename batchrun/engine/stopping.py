@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 from batchrun.engine.request import Request
 from batchrun.engine.stop_scan import StopScan
+from batchrun.models.tokenizer import THINK_END, think_token_ids
 
 
 def skipped_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
@@ -26,22 +27,57 @@ class Stopper:
         and no completion."""
         self.tokenizer, self.eos_ids, self.max_model_len = tokenizer, eos_ids, max_model_len
         self.skipped = skipped_ids(tokenizer) if tokenizer is not None else frozenset()
+        self.think = think_token_ids(tokenizer) if tokenizer is not None else None
+        # What ends a think block that ran out of budget: Qwen3's own way of closing one.
+        self.think_end: list[int] = []
+        if self.think is not None and tokenizer is not None:
+            self.think_end = tokenizer.encode(f"\n{THINK_END}\n\n", add_special_tokens=False)
 
     def commit(self, req: Request, tokens: list[int]) -> int:
         """Append tokens in order until one finishes the request; returns how many were kept.
-        Tokens after the cut are dropped: they are neither output nor counted."""
-        p = req.params
+        Tokens after the cut are dropped: they are neither output nor counted. A think block
+        that spends its budget gets its end appended, and the request is marked to restart."""
         for n, token in enumerate(tokens, start=1):
-            req.output_ids.append(token)
-            eos = token in self.eos_ids and not p.ignore_eos
-            if eos or token in p.stop_token_ids or self._stop_string(req, token):
-                req.finish_reason = "stop"
-            elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                req.finish_reason = "length"
-            if req.finish_reason:
-                req.completion = self.decode(req)
+            self._append(req, token)
+            if not req.finish_reason and self._thought_enough(req, token):
+                for forced in self.think_end:  # the target's own, as if it had sampled them
+                    if not req.finish_reason:
+                        self._append(req, forced)
+                req.restart = not req.finish_reason  # the in-flight rounds sampled without them
+            if req.finish_reason or req.restart:
+                if req.finish_reason:
+                    req.completion = self.decode(req)
                 return n
         return len(tokens)
+
+    def _append(self, req: Request, token: int) -> None:
+        p = req.params
+        req.output_ids.append(token)
+        eos = token in self.eos_ids and not p.ignore_eos
+        if eos or token in p.stop_token_ids or self._stop_string(req, token):
+            req.finish_reason = "stop"
+        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            req.finish_reason = "length"
+
+    def _thought_enough(self, req: Request, token: int) -> bool:
+        """Whether the request's think block has spent its budget with this token (counts
+        the tokens inside an open block: opened by the prompt's template or the output)."""
+        budget = req.params.max_thinking_tokens
+        if budget is None or self.think is None:
+            return False
+        start, end = self.think
+        if req.thinking is None and len(req.output_ids) == 1:
+            req.thinking = _opened(req.prompt_ids, start, end)
+        if token == start:
+            req.thinking = 0
+        elif token == end:
+            req.thinking = None
+        elif req.thinking is not None:
+            req.thinking += 1
+        if req.thinking is not None and req.thinking >= budget:
+            req.thinking = None
+            return True
+        return False
 
     def _stop_string(self, req: Request, token: int) -> bool:
         if not req.params.stop or token in self.skipped:
@@ -65,3 +101,11 @@ class Stopper:
         text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
         cuts = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
         return text[: min(cuts)] if cuts else text
+
+
+def _opened(prompt: list[int], start: int, end: int) -> int | None:
+    """0 when the prompt's last think token opens a block (the template started thinking)."""
+    for token in reversed(prompt):
+        if token in (start, end):
+            return 0 if token == start else None
+    return None

@@ -56,6 +56,8 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
     }
     if job.ignore_eos:  # unset: no key, as before it existed
         fingerprint["sampling"]["ignore_eos"] = True
+    if job.max_thinking_tokens is not None:  # likewise
+        fingerprint["sampling"]["max_thinking_tokens"] = job.max_thinking_tokens
     if job.logprobs is not None or job.prompt_logprobs:  # columns of their own; unset: none
         fingerprint["logprobs"] = {"logprobs": job.logprobs, "prompt": job.prompt_logprobs}
     if job.chat_kwargs():  # the chat template's arguments; unset: no key, as before they existed

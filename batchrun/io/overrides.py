@@ -17,9 +17,9 @@ from batchrun.io.cells import BadCell
 # Optional input columns whose non-null cells override the job's sampling defaults.
 OVERRIDE_COLUMNS = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
-    "ignore_eos",
+    "ignore_eos", "max_thinking_tokens",
 )  # fmt: skip
-_INT_OVERRIDES = ("max_tokens", "top_k", "seed", "n")
+_INT_OVERRIDES = ("max_tokens", "top_k", "seed", "n", "max_thinking_tokens")
 _FLOAT_OVERRIDES = ("temperature", "top_p")
 # As in vLLM: below this, 1/T overflows float32 logits (or T is 0 or subnormal in float32).
 GREEDY_BELOW = 1e-5

@@ -27,6 +27,7 @@ from batchrun.io.overrides import (
     output_rows,
 )
 from batchrun.io.prompt_bound import longest_token_chars, min_tokens
+from batchrun.models.tokenizer import think_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -41,6 +42,9 @@ class PromptKind(enum.Enum):
 
 
 CHAT_KWARGS_COLUMN = "chat_template_kwargs"  # a messages row's own template arguments
+THINKING_WITH_LOGPROBS = (
+    "max_thinking_tokens and logprobs do not go together: forced tokens have no probabilities"
+)
 # apply_chat_template's own arguments: batchrun sets them, a job's template arguments may not.
 _CHAT_ARGS_OF_BATCHRUN = frozenset({
     "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -167,6 +171,7 @@ class RequestBuilder:
         self.prompt = prompt
         self.overrides = tuple(name for name in OVERRIDE_COLUMNS if name in schema.names)
         self.chat_kwargs = job.chat_kwargs()
+        self.think = think_token_ids(tokenizer)
         # A messages row's own template arguments, over the job's.
         self.kwargs_column = (
             CHAT_KWARGS_COLUMN
@@ -232,6 +237,11 @@ class RequestBuilder:
         except BadOverride as exc:
             return str(exc)
         params = dataclasses.replace(self.job.default_params(row_index), **changes)
+        if params.max_thinking_tokens is not None:
+            if self.think is None:
+                return "max_thinking_tokens needs <think> and </think> tokens in the tokenizer"
+            if self.job.logprobs is not None:
+                return THINKING_WITH_LOGPROBS
         return params.problem() or for_engine(params, self.vocab_size)
 
     def _prompt_ids(self, value: Any, row: Mapping[str, Any]) -> list[int] | str:

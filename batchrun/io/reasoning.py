@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 
 from batchrun.engine.request import Request
 from batchrun.errors import JobError
+from batchrun.models.tokenizer import THINK_END, THINK_START, think_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from batchrun.job import JobSpec
 
-THINK_START, THINK_END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "auto")  # auto: qwen3 where the tokenizer has the think tokens
 
 
@@ -28,8 +28,9 @@ class ReasoningSplit:
         nothing (every row's reasoning null, its completion whole)."""
         self.tokenizer = tokenizer
         self.special = frozenset(tokenizer.all_special_ids)  # end-of-sequence tokens among them
-        self.start, self.end = _token_id(tokenizer, THINK_START), _token_id(tokenizer, THINK_END)
-        self.active = self.start is not None and self.end is not None
+        ids = think_token_ids(tokenizer)
+        self.start, self.end = ids if ids is not None else (-1, -1)  # -1: no token is
+        self.active = ids is not None
         if parser == "qwen3" and not self.active:
             raise JobError(
                 f"reasoning_parser qwen3 needs {THINK_START} and {THINK_END} as single tokens "
@@ -71,9 +72,3 @@ def reasoning_split(job: JobSpec, tokenizer: PreTrainedTokenizerBase) -> Reasoni
     """The job's split (None: it asks for none). Raises JobError as ReasoningSplit does."""
     parser = job.reasoning_parser
     return ReasoningSplit(tokenizer, parser) if parser is not None else None
-
-
-def _token_id(tokenizer: PreTrainedTokenizerBase, text: str) -> int | None:
-    """The id of `text` when the tokenizer encodes it as one token."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return int(ids[0]) if len(ids) == 1 else None

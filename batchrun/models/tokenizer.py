@@ -10,6 +10,19 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from batchrun.errors import JobError
 
+THINK_START, THINK_END = "<think>", "</think>"  # Qwen3's think block
+
+
+def think_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, int] | None:
+    """The ids of <think> and </think> where the tokenizer has each as one token."""
+    start, end = _single_id(tokenizer, THINK_START), _single_id(tokenizer, THINK_END)
+    return (start, end) if start is not None and end is not None else None
+
+
+def _single_id(tokenizer: PreTrainedTokenizerBase, text: str) -> int | None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
+
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     try:
