@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -171,7 +172,6 @@ class RequestBuilder:
         self.prompt = prompt
         self.overrides = tuple(name for name in OVERRIDE_COLUMNS if name in schema.names)
         self.chat_kwargs = job.chat_kwargs()
-        self.think = think_token_ids(tokenizer)
         # A messages row's own template arguments, over the job's.
         self.kwargs_column = (
             CHAT_KWARGS_COLUMN
@@ -226,6 +226,11 @@ class RequestBuilder:
         if at_least < self.max_model_len:
             return None
         return self._too_long(f"at least {at_least} tokens ({chars} characters)")
+
+    @functools.cached_property
+    def think(self) -> tuple[int, int] | None:
+        """The tokenizer's think token ids, looked up when a row first needs them."""
+        return think_token_ids(self.tokenizer)
 
     def _params(self, row_index: int, values: Mapping[str, Any]) -> SamplingParams | str:
         try:
