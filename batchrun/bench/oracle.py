@@ -39,16 +39,12 @@ class AcceptanceOracle:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.offsets = torch.arange(block_size - 1, device=device)
 
-    def admit(self, requests: list[Request]) -> None:
-        if not requests:
-            return
+    def admit(self, requests: list[Request], slots: torch.Tensor) -> None:
         rows = torch.zeros(len(requests), self.table.shape[1], dtype=torch.int64)
         for i, req in enumerate(requests):
             tokens = self.continuations.get(req.row_index, [])
             rows[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-        slots = torch.tensor([r.slot for r in requests], dtype=torch.int64)
-        device = self.table.device
-        self.table.index_copy_(0, to_device(slots, device), to_device(rows, device))
+        self.table.index_copy_(0, slots, to_device(rows, self.table.device))
 
     def rewrite(self, drafts: torch.Tensor, slots: torch.Tensor, out_len: torch.Tensor) -> None:
         """Draft j of a request proposes output token out_len + j - 1 (the anchor is the last

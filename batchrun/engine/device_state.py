@@ -47,11 +47,10 @@ class DeviceState:
 
     # -- host -> device -----------------------------------------------------------------------
 
-    def admit(self, reqs: list[Request]) -> None:
+    def admit(self, reqs: list[Request]) -> torch.Tensor:
         """Fill the slots of requests that just took one (admitted, or resumed after a
-        preemption: their KV is recomputed from the start, or from a cached prefix)."""
-        if not reqs:
-            return
+        preemption: their KV is recomputed from the start, or from a cached prefix); returns
+        those slots, on the device."""
         slots = _put([r.slot for r in reqs], torch.int64, self.device)
         p = [r.params for r in reqs]
         self.seq_len[slots] = _put([r.num_cached for r in reqs], torch.int64, self.device)
@@ -64,6 +63,7 @@ class DeviceState:
         top_k = [x.top_k if x.top_k < self.vocab_size else 0 for x in p]
         self.top_k[slots] = _put(top_k, torch.int64, self.device)
         self.seed[slots] = _put([as_int64(x.seed) for x in p], torch.int64, self.device)
+        return slots
 
     def add_pages(self, updates: torch.Tensor) -> None:
         """updates [3, U] on the device: slot, column, page of each new page-table entry."""

@@ -65,7 +65,6 @@ class Launched:
     host: torch.Tensor  # sampled tokens, accepted counts (and drafts when traced), on their way
     ready: torch.cuda.Event | None
     num_drafts: int  # drafts per decoding request copied back (0: not traced)
-    kind: str  # prefill, mixed or decode
     seconds: float | None  # off a GPU the launch ran the step: its time
     logprobs: StepLogprobs | None = None  # when the job asks for them
 
@@ -178,7 +177,6 @@ class Engine:
             "tensor_parallel": self.tp.world_size if self.tp is not None else 1,
             "attention_backend": self.runner.backend.name,
             "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
-            "verify_width_steps": None,
             # What speculation buys: tokens a decoding request commits per target forward.
             "tokens_per_target_forward": (
                 self.decode_tokens / self.decode_forwards if self.decode_forwards else None
@@ -242,17 +240,16 @@ class Engine:
         runner, speculator = self.runner, self.speculator
         started = time.perf_counter()
         sampled = SampledRows(batch, [rows_sampled(it) for it in batch])
-        decoding = sum(it.decoding for it in batch)
-        kind = "decode" if decoding == len(batch) else "mixed" if decoding else "prefill"
-        self.step_kinds[kind] += 1
+        decoding = all(it.decoding for it in batch)
         self.prompt_tokens_computed += sum(it.num_new for it in batch if not it.decoding)
-        pad_to = runner.graph_size(len(batch), width) if decoding == len(batch) else None
+        pad_to = runner.graph_size(len(batch), width) if decoding else None
         admitted = self.scheduler.admitted
-        runner.state.admit(admitted)
-        speculator.admit(admitted)
+        if admitted:  # new slots' state, sent once
+            speculator.admit(admitted, runner.state.admit(admitted))
         plan = plan_step(
             batch, sampled.counts, width, self.pool.page_size, runner.state.num_slots, pad_to
         )
+        self.step_kinds[plan.kind] += 1
         prompt = prompt_rows(batch) if self.config.prompt_logprobs else None
         self.scheduler.launched(batch)
         self.timer.mark()
@@ -282,7 +279,7 @@ class Engine:
         seconds = None if ready is not None else time.perf_counter() - started
         epochs = [it.req.epoch for it in batch]
         drafted = width - 1 if traced else 0
-        return Launched(batch, plan, sampled, epochs, host, ready, drafted, kind, seconds, scores)
+        return Launched(batch, plan, sampled, epochs, host, ready, drafted, seconds, scores)
 
     def _read_back(self, launched: Launched) -> list[Request]:
         """Commit a launched step's tokens on the host: stop checks, outputs, finished ones."""
@@ -332,7 +329,7 @@ class Engine:
         done, last = time.perf_counter(), self._last_done
         self._last_done = done
         seconds = launched.seconds if launched.seconds is not None else done - (last or done)
-        kind = launched.kind
+        kind = launched.plan.kind
         self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
         self.speculator.learn(launched.plan, accepted, seconds)
 

@@ -23,7 +23,6 @@ from batchrun.attention.base import AttentionBackend
 from batchrun.attention.meta import AttentionMeta, allocate_kv
 from batchrun.engine.config import EngineConfig, verify_widths
 from batchrun.engine.cuda_graphs import GraphSet, graph_sizes, ladder_bucket
-from batchrun.engine.device_state import to_device
 from batchrun.engine.page_pool import pages_for
 from batchrun.engine.request import Request
 from batchrun.engine.step_inputs import StepArgs, StepPlan, TargetInputs
@@ -66,8 +65,8 @@ class Speculator:
         """The verify width of the next step over `running` requests."""
         return 1
 
-    def admit(self, requests: list[Request]) -> None:
-        """Requests that just took their slots."""
+    def admit(self, requests: list[Request], slots: torch.Tensor) -> None:
+        """Requests that just took their slots (`slots`: theirs, on the device)."""
 
     def propose(self, args: StepArgs, plan: StepPlan) -> torch.Tensor | None:
         """The step's drafts [D, W-1] for its D decoding requests (None: it verifies none)."""
@@ -103,7 +102,8 @@ class Speculator:
         """Capture its own CUDA graphs (after the runner's)."""
 
     def info(self) -> dict[str, Any]:
-        return {}
+        """Its figures for stats.json."""
+        return {"verify_width_steps": None}
 
 
 def make_speculator(
@@ -224,12 +224,10 @@ class DFlashSpeculator(Speculator):
 
     # -- a step -------------------------------------------------------------------------------
 
-    def admit(self, requests: list[Request]) -> None:
-        if requests:  # through pinned memory: a plain copy would wait for the GPU's queue
-            slots = torch.tensor([r.slot for r in requests])
-            self.context.admit(to_device(slots, self.context.rows.device))
+    def admit(self, requests: list[Request], slots: torch.Tensor) -> None:
+        self.context.admit(slots)
         if self.oracle is not None:
-            self.oracle.admit(requests)
+            self.oracle.admit(requests, slots)
 
     @torch.inference_mode()
     def propose(self, args: StepArgs, plan: StepPlan) -> torch.Tensor | None:
@@ -279,8 +277,7 @@ class DFlashSpeculator(Speculator):
         return accepted_lengths(drafts, tokens[: d * plan.width].view(d, plan.width))
 
     def commit(self, slots: torch.Tensor, accepted: torch.Tensor, plan: StepPlan) -> None:
-        self.context.commit(slots, accepted, plan.width)
-        self._verified_unstored = plan.num_decoding > 0 and plan.width > 1
+        self._verified_unstored = self.context.commit(slots, accepted, plan.width)
 
     def _draft_step(self, args: StepArgs, plan: StepPlan) -> torch.Tensor:
         d = plan.num_decoding

@@ -56,6 +56,11 @@ class StepPlan:
         """Every live request decodes (the shape CUDA graphs are captured for)."""
         return self.num_decoding == self.num_live > 0
 
+    @property
+    def kind(self) -> str:
+        """decode (every request decodes), mixed (with prefill chunks) or prefill (only them)."""
+        return "decode" if self.uniform else "mixed" if self.num_decoding else "prefill"
+
 
 def plan_step(
     batch: list[Scheduled],

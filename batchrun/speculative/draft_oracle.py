@@ -14,8 +14,8 @@ if TYPE_CHECKING:  # speculative/ does not import the engine
 
 
 class DraftOracle(Protocol):
-    def admit(self, requests: list[Request]) -> None:
-        """Requests that just took their slots (`Request.slot`)."""
+    def admit(self, requests: list[Request], slots: torch.Tensor) -> None:
+        """Requests that just took their slots (`slots`: theirs, on the device)."""
 
     def rewrite(self, drafts: torch.Tensor, slots: torch.Tensor, out_len: torch.Tensor) -> None:
         """drafts [D, B-1] of the step's decoding requests in `slots` [D], in place; out_len:

@@ -46,14 +46,17 @@ class DraftContext:
         """Slots that just took a request: nothing of theirs waits."""
         self.rows[slots] = 0
 
-    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, width: int) -> None:
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, width: int) -> bool:
         """After a step: only its verify rows wait, `accepted + 1` for each decoding request in
-        `slots`, starting at the request's first row of the step (request i's: i * width)."""
+        `slots`, starting at the request's first row of the step (request i's: i * width).
+        Returns whether any row waits (known on the host)."""
         self.rows.zero_()
-        if slots.shape[0] and width > 1:
+        waiting = slots.shape[0] > 0 and width > 1
+        if waiting:
             self.rows.index_copy_(0, slots, accepted + 1)
             first = torch.arange(slots.shape[0], device=slots.device) * width
             self.row0.index_copy_(0, slots, first)
+        return waiting
 
 
 def context_feature_rows(
