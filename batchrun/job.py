@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import pyarrow as pa
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.request import SamplingParams, row_seed
 from batchrun.errors import JobError
+from batchrun.io.output_schema import output_schema
 from batchrun.io.prompts import THINKING_WITH_LOGPROBS, chat_kwargs_problem
 from batchrun.schemas import job_schema
 
@@ -99,6 +101,12 @@ class JobSpec:
             if value is not None:
                 out[field.name] = list(value) if isinstance(value, tuple) else value
         return out
+
+    def output_schema(self, input_schema: pa.Schema) -> pa.Schema:
+        """The schema of the job's output parts over this input: its columns, then the ones
+        the job adds (with the reasoning and log-probability columns it asks for)."""
+        reasoning = self.reasoning_parser is not None
+        return output_schema(input_schema, self.logprobs, self.prompt_logprobs, reasoning)
 
     def chat_kwargs(self) -> dict[str, Any]:
         """The chat template's arguments: chat_template_kwargs, with thinking as enable_thinking."""

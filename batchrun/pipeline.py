@@ -33,7 +33,6 @@ from batchrun.io.output_schema import (
     build_table,
     error_rows,
     finished_row,
-    output_schema,
 )
 from batchrun.io.part_writer import PartWriter
 from batchrun.io.prefetch import prefetch
@@ -134,8 +133,7 @@ def open_job(job: JobSpec) -> OpenedJob:
     source = open_input(job.input, exclude=Path(job.output))
     prompt = find_prompt_column(source.schema, job)
     id_column = find_id_column(source.schema, job)
-    reasoning = job.reasoning_parser is not None
-    schema = output_schema(source.schema, job.logprobs, job.prompt_logprobs, reasoning)
+    schema = job.output_schema(source.schema)
     rows = shard_rows(source, job.shard_spec)
     out = OutputDir(Path(job.output), job.shard_spec, rows)
     fingerprint = job_fingerprint(job, source, prompt)

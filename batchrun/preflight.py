@@ -28,7 +28,7 @@ from batchrun.engine.memory import (
     usable_context,
 )
 from batchrun.errors import JobError
-from batchrun.io.prompts import PromptColumn, PromptKind
+from batchrun.io.prompts import THINKING_NEEDS_TOKENS, PromptColumn, PromptKind
 from batchrun.io.reasoning import reasoning_split
 from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import DraftSpec, _draft_to_target, check_draft
@@ -93,7 +93,7 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     _check_eos(config.target, target_config, tokenizer)
     reasoning_split(job, tokenizer)  # qwen3's think tokens, where the job asks for the split
     if job.max_thinking_tokens is not None and think_token_ids(tokenizer) is None:
-        raise JobError("max_thinking_tokens needs <think> and </think> tokens in the tokenizer")
+        raise JobError(THINKING_NEEDS_TOKENS)
     weights = check_checkpoints(config.target, target, config.draft, draft, dtype)
     footprint = batch_footprint(
         target, draft, dtype, weights, min(widths), job.tp, config.page_size

@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 from batchrun.engine.request import Request
 from batchrun.engine.stop_scan import StopScan
-from batchrun.models.tokenizer import THINK_END, think_token_ids
+from batchrun.models.tokenizer import THINK_END, think_opened, think_token_ids
 
 
 def skipped_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
@@ -67,7 +67,7 @@ class Stopper:
             return False
         start, end = self.think
         if req.thinking is None and len(req.output_ids) == 1:
-            req.thinking = _opened(req.prompt_ids, start, end)
+            req.thinking = 0 if think_opened(req.prompt_ids, self.think) else None
         if token == start:
             req.thinking = 0
         elif token == end:
@@ -93,19 +93,21 @@ class Stopper:
     def decode(self, req: Request) -> str | None:
         if self.tokenizer is None:
             return None
-        ids = req.output_ids
-        last = ids[-1] if ids else None
-        stop_ids = (*self.eos_ids, *req.params.stop_token_ids)
-        if req.finish_reason == "stop" and last in stop_ids:
-            ids = ids[:-1]  # a stop token ends the text without being part of it
+        ids = text_ids(req, {*self.eos_ids, *req.params.stop_token_ids})
         text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
-        cuts = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
-        return text[: min(cuts)] if cuts else text
+        return cut_at_stops(text, req.params.stop)
 
 
-def _opened(prompt: list[int], start: int, end: int) -> int | None:
-    """0 when the prompt's last think token opens a block (the template started thinking)."""
-    for token in reversed(prompt):
-        if token in (start, end):
-            return 0 if token == start else None
-    return None
+def text_ids(req: Request, stop_ids: set[int]) -> list[int]:
+    """A finished request's output ids that are text: a stop token among `stop_ids` ends the
+    text without being part of it."""
+    ids = req.output_ids
+    if req.finish_reason == "stop" and ids and ids[-1] in stop_ids:
+        return ids[:-1]
+    return ids
+
+
+def cut_at_stops(text: str, stops: tuple[str, ...]) -> str:
+    """The text up to the first stop string in it."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(cuts)] if cuts else text

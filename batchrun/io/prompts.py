@@ -43,6 +43,7 @@ class PromptKind(enum.Enum):
 
 
 CHAT_KWARGS_COLUMN = "chat_template_kwargs"  # a messages row's own template arguments
+THINKING_NEEDS_TOKENS = "max_thinking_tokens needs <think> and </think> tokens in the tokenizer"
 THINKING_WITH_LOGPROBS = (
     "max_thinking_tokens and logprobs do not go together: forced tokens have no probabilities"
 )
@@ -244,7 +245,7 @@ class RequestBuilder:
         params = dataclasses.replace(self.job.default_params(row_index), **changes)
         if params.max_thinking_tokens is not None:
             if self.think is None:
-                return "max_thinking_tokens needs <think> and </think> tokens in the tokenizer"
+                return THINKING_NEEDS_TOKENS
             if self.job.logprobs is not None:
                 return THINKING_WITH_LOGPROBS
         return params.problem() or for_engine(params, self.vocab_size)

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from batchrun.engine.request import Request
+from batchrun.engine.stopping import cut_at_stops, text_ids
 from batchrun.errors import JobError
-from batchrun.models.tokenizer import THINK_END, THINK_START, think_token_ids
+from batchrun.models.tokenizer import THINK_END, THINK_START, think_opened, think_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -41,11 +42,8 @@ class ReasoningSplit:
         """(reasoning, completion, reasoning_tokens) of a finished request."""
         if not self.active:
             return None, request.completion, 0
-        ids = request.output_ids
-        stops_with = {*request.params.stop_token_ids, *self.special}
-        if request.finish_reason == "stop" and ids and ids[-1] in stops_with:
-            ids = ids[:-1]  # a stop token ends the text without being part of it
-        thinking = self._opens_in_prompt(request.prompt_ids)
+        ids = text_ids(request, {*request.params.stop_token_ids, *self.special})
+        thinking = think_opened(request.prompt_ids, (self.start, self.end))
         if not thinking and ids and ids[0] == self.start:
             ids, thinking = ids[1:], True
         if not thinking:
@@ -53,16 +51,8 @@ class ReasoningSplit:
         if self.end not in ids:  # ended inside the block: no answer
             return self._text(ids).strip(), None, len(ids)
         cut = ids.index(self.end)
-        answer = self._text(ids[cut + 1 :]).lstrip()
-        stops = [i for i in (answer.find(s) for s in request.params.stop) if i >= 0]
-        return self._text(ids[:cut]).strip(), answer[: min(stops)] if stops else answer, cut
-
-    def _opens_in_prompt(self, prompt: list[int]) -> bool:
-        """The prompt's last think token opens a block (the template started the thinking)."""
-        for token in reversed(prompt):
-            if token in (self.start, self.end):
-                return token == self.start
-        return False
+        answer = cut_at_stops(self._text(ids[cut + 1 :]).lstrip(), request.params.stop)
+        return self._text(ids[:cut]).strip(), answer, cut
 
     def _text(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))

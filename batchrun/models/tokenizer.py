@@ -19,6 +19,14 @@ def think_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, int] | Non
     return (start, end) if start is not None and end is not None else None
 
 
+def think_opened(prompt: list[int], think: tuple[int, int]) -> bool:
+    """The prompt's last think token opens a block (the template started the thinking)."""
+    for token in reversed(prompt):
+        if token in think:
+            return token == think[0]
+    return False
+
+
 def _single_id(tokenizer: PreTrainedTokenizerBase, text: str) -> int | None:
     ids = tokenizer.encode(text, add_special_tokens=False)
     return int(ids[0]) if len(ids) == 1 else None

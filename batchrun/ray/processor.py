@@ -38,7 +38,6 @@ from batchrun.io.output_schema import (
     build_table,
     error_rows,
     finished_row,
-    output_schema,
 )
 from batchrun.io.prompts import RequestBuilder, find_prompt_column
 from batchrun.io.reasoning import reasoning_split
@@ -113,9 +112,7 @@ class BatchrunProcessor:
         """The output rows of the input rows of `table` (n per row, by sample_index), in the
         same order."""
         row_indices, inputs = _row_indices(table)
-        job = self.job
-        reasoning = job.reasoning_parser is not None
-        schema = output_schema(inputs.schema, job.logprobs, job.prompt_logprobs, reasoning)
+        schema = self.job.output_schema(inputs.schema)
         inputs = inputs.replace_schema_metadata(None)
         if inputs.num_rows == 0:
             return build_table(schema, [], [])
