@@ -66,6 +66,7 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
         ["--jobs", "w1", "--target", "."],
         ["--shape", "qwen3-8b", "--batch-sizes", "1,,-4"],
         ["--shape", "qwen3-8b", "--contexts", "1e9999"],
+        ["--shape", "qwen3-8b", "--num-layers", "1"],  # the draft reads layers 1 .. L-3
     ],
 )
 def test_bad_bench_arguments_are_one_line(args: list[str]) -> None:

@@ -59,10 +59,15 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     type=click.Choice(["qwen3-4b", "qwen3-8b", "qwen3-32b"]),
     help="Sweep steady-state steps at this shape, random weights on the GPU (no checkpoint).",
 )
-@click.option("--num-layers", type=int, help="--shape: override the layer count.")
-@click.option("--hidden-size", type=int, help="--shape: override the hidden size.")
-@click.option("--intermediate-size", type=int, help="--shape: override the MLP width.")
-@click.option("--vocab-size", type=int, help="--shape: override the vocabulary.")
+# At least 4 layers: the draft reads target layers 1 .. L-3.
+@click.option("--num-layers", type=click.IntRange(min=4), help="--shape: override the layer count.")
+@click.option(
+    "--hidden-size", type=click.IntRange(min=1), help="--shape: override the hidden size."
+)
+@click.option(
+    "--intermediate-size", type=click.IntRange(min=1), help="--shape: override the MLP width."
+)
+@click.option("--vocab-size", type=click.IntRange(min=1), help="--shape: override the vocabulary.")
 @click.option("--batch-sizes", default="1,8,32,128,256", show_default=True, help="--shape sweep.")
 @click.option("--contexts", default="512,1024", show_default=True, help="--shape sweep.")
 @click.option("--steps", default=16, show_default=True, help="--shape: timed steps per point.")
