@@ -173,3 +173,18 @@ def test_small_shards_and_their_index(tmp_path: Path) -> None:
     hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
     for name, tensor in hf.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def test_random_shape_models_live_on_their_device_with_a_float32_rope() -> None:
+    """bench --shape builds its models on the GPU; anything left on the host (the RoPE table is
+    built there) fails its first kernel. The meta device stands in for the GPU here."""
+    from batchrun.bench.shapes import random_draft
+
+    meta = torch.device("meta")
+    shape = Qwen3Shape(**{**SHAPE.__dict__, "num_layers": 6})
+    target = random_target(shape, torch.bfloat16, meta)
+    draft = random_draft(target, shape, max_positions=512)
+    for model in (target, draft):
+        tensors = [*model.parameters(), *model.buffers()]
+        assert all(t.device == meta for t in tensors)
+        assert model.rope.cos.dtype == model.rope.sin.dtype == torch.float32

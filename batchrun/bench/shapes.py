@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.loader import checkpoint_tensors, load_weights
 from batchrun.models.meta import shapes_only
@@ -44,7 +45,9 @@ def shape_from_flags(name: str | None, **flags: Any) -> Qwen3Shape:
 
 
 def _randomize(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    device = next(module.parameters()).device
+    # The meta device (a check that builds nothing) has no generator and needs none.
+    gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
             if name.endswith("norm.weight"):
@@ -57,10 +60,14 @@ def random_target(
     shape: Qwen3Shape, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
 ) -> Qwen3ForCausalLM:
     """With tp, only this rank's share is built (its own random weights)."""
+    s = shape
     with torch.device(device):
         model = Qwen3ForCausalLM(shape) if tp is None else TensorParallelQwen3(shape, tp)
         model = model.to(dtype)
     _randomize(model, seed=0 if tp is None else tp.rank)
+    # The RoPE table is built on the host (layers/rotary.py) and .to(dtype) rounded it: build it
+    # again on the device, in float32, as the loader does.
+    model.rope = RotaryEmbedding(s.head_dim, s.max_position_embeddings, s.rope_theta).to(device)
     return model.eval()
 
 
@@ -75,6 +82,7 @@ def random_draft(target: Qwen3ForCausalLM, shape: Qwen3Shape, max_positions: int
         draft = DFlashDraft(draft_shape, layer_ids, DRAFT_BLOCK, 0, max_positions)
     draft.to(target.lm_head.weight.dtype)
     _randomize(draft, seed=1)
+    draft.rope = RotaryEmbedding(s.head_dim, max_positions, s.rope_theta).to(device)
     draft.pack_context_kv()
     return draft.eval()
 
