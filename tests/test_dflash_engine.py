@@ -126,13 +126,13 @@ VARIANTS = ["sliding", "sliding-noncausal", "causal", "vocab", "speculators",
 def run(
     target: Path, draft: Path | None, jobs: list[Job], **config: Any
 ) -> tuple[Engine, list[Request]]:
-    """Every job through one engine: finished requests in row order; rounds in round_trace."""
+    """Every job through one engine: finished requests in row order; rounds recorded."""
     settings: dict[str, Any] = {
         "max_batch_size": 8, "max_batched_tokens": 64, "num_pages": 64, "verify_width": "full",
     }  # fmt: skip
     settings |= config
     engine = cpu_engine(target, draft, cuda_graphs=False, **settings)
-    engine.round_trace = []
+    engine.instruments.rounds = []
     finished = run_to_end(engine, requests_of(jobs))
     assert len(finished) == len(jobs)
     return engine, finished
@@ -148,10 +148,10 @@ def greedy_jobs(prompts: list[list[int]], max_tokens: list[int]) -> list[Job]:
 
 
 def rounds_of(engine: Engine, row: int) -> list[RefRound]:
-    assert engine.round_trace is not None
+    assert engine.instruments.rounds is not None
     return [
         RefRound(t.position, t.anchor, list(t.drafts), list(t.committed))
-        for t in engine.round_trace
+        for t in engine.instruments.rounds
         if t.row_index == row
     ]
 
@@ -212,7 +212,7 @@ def test_greedy_equals_target_only_and_reference(
     check_same_outputs(spec, plain)
     check_against_reference(target, draft, jobs, engine, spec)
     if kind in TRAINED:
-        lengths = Counter(len(t.committed) for t in engine.round_trace or [])
+        lengths = Counter(len(t.committed) for t in engine.instruments.rounds or [])
         assert len(lengths) >= 3, lengths  # the commit paths of short and long runs both ran
 
 
@@ -367,7 +367,7 @@ def test_sampled_outputs_identical_with_and_without_draft(
     for req in spec:
         check_stats(req, engine.block_size, rounds_of(engine, req.row_index))
     # The drafts are still argmax, and they are accepted only where they equal the sample.
-    assert any(len(t.committed) > 1 for t in engine.round_trace or [])
+    assert any(len(t.committed) > 1 for t in engine.instruments.rounds or [])
 
 
 def exact_top_k_probs(target: Path, prompt: list[int], depth: int, k: int) -> dict[tuple, float]:
@@ -413,7 +413,7 @@ def test_sampling_distribution_matches_target(target: Path, trained: Path) -> No
     engine, spec = run(target, trained, jobs, **wide)
     _, plain = run(target, None, jobs, **wide)
     check_same_outputs(spec, plain)
-    multi = sum(len(t.committed) > 1 for t in engine.round_trace or [])
+    multi = sum(len(t.committed) > 1 for t in engine.instruments.rounds or [])
     assert multi >= n // 10, multi  # many samples came out of accepted drafts
 
     expected = exact_top_k_probs(target, prompt, depth, k)
@@ -571,7 +571,7 @@ def test_every_verify_width_is_lossless(
             assert r.anchor == sequence[r.position]
             assert r.drafts == expected[r.position][: len(r.drafts)], (req.row_index, r)
     if kind in TRAINED and width != "auto":  # the trained draft fills a round of any width
-        assert max(len(t.committed) for t in engine.round_trace or []) == widest
+        assert max(len(t.committed) for t in engine.instruments.rounds or []) == widest
     if width == "auto":  # width 1 and a drafting width were measured; the policy saw acceptance
         policy = engine.speculator.policy
         assert isinstance(engine.speculator, DFlashSpeculator) and policy is not None

@@ -47,7 +47,7 @@ def engine(target: Path, draft: Path | None, **config: Any) -> Engine:
     positions = model.shape.max_position_embeddings + ROPE_HEADROOM
     loaded = load_dflash(draft, model, CPU, positions) if draft is not None else None
     built = Engine(cfg, models=Models(model, loaded))
-    built.round_trace = []
+    built.instruments.rounds = []
     return built
 
 
@@ -65,10 +65,10 @@ def check_drafts(
 ) -> int:
     """Every `every`-th round of each request drafted what the reference drafts from the same
     context; returns how many rounds were checked."""
-    assert built.round_trace is not None
+    assert built.instruments.rounds is not None
     checked = 0
     for req in requests:
-        mine = [t for t in built.round_trace if t.row_index == req.row_index][::every]
+        mine = [t for t in built.instruments.rounds if t.row_index == req.row_index][::every]
         sequence = req.prompt_ids + req.output_ids
         expected = reference_drafts(target, draft, sequence, [t.position for t in mine])
         for t in mine:
@@ -119,8 +119,8 @@ def test_a_speculators_draft_is_its_zlab_twin(target: Path, tmp_path: Path) -> N
     for draft in (zlab, speculators):
         built = engine(target, draft, num_pages=64)
         generate(built, prompts, 24)
-        assert built.round_trace is not None
-        traces.append([(t.row_index, t.position, t.drafts) for t in built.round_trace])
+        assert built.instruments.rounds is not None
+        traces.append([(t.row_index, t.position, t.drafts) for t in built.instruments.rounds])
     assert traces[0] == traces[1]
 
 

@@ -99,7 +99,7 @@ def run(target: Path, draft: Path | None, jobs: list, **config: Any) -> tuple[En
             page_size=PAGE, verify_width="full", **settings,
         )
     )  # fmt: skip
-    engine.round_trace = []
+    engine.instruments.rounds = []
     requests = [Request(i, p, params) for i, (p, params) in enumerate(jobs)]
     for req in requests:
         engine.add(req)
@@ -109,7 +109,7 @@ def run(target: Path, draft: Path | None, jobs: list, **config: Any) -> tuple[En
 
 
 def rounds(engine: Engine) -> list:
-    return sorted(engine.round_trace or [], key=lambda t: (t.row_index, t.position))
+    return sorted(engine.instruments.rounds or [], key=lambda t: (t.row_index, t.position))
 
 
 @pytest.mark.parametrize(

@@ -75,7 +75,7 @@ def measure_point(engine: Engine, batch: int, context: int, steps: int) -> list[
 
 
 def _time_steps(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
-    engine.timer.reset(enabled=True)
+    engine.instruments.timer.reset(enabled=True)
     graphed = engine.runner.replays.total()
     before = sum(len(r.output_ids) for r in reqs)
     sync(engine.device)
@@ -85,7 +85,7 @@ def _time_steps(engine: Engine, reqs: list[Request], steps: int) -> dict[str, An
     sync(engine.device)
     wall_ms = (time.perf_counter() - start) / steps * 1e3
     committed = sum(len(r.output_ids) for r in reqs) - before
-    timing = engine.timer.reset(enabled=False)
+    timing = engine.instruments.timer.reset(enabled=False)
     draft_ms, target_ms = _median(timing["draft_ms"]), _median(timing["target_ms"])
     return {
         "ms_per_step": wall_ms,

@@ -27,6 +27,7 @@ from batchrun.device import resolve_device
 from batchrun.engine.config import EngineConfig, check_batch_budget
 from batchrun.engine.device_state import to_host
 from batchrun.engine.heap import collect_everything, freeze_heap
+from batchrun.engine.instruments import Instruments, StepTimer
 from batchrun.engine.logprobs import (
     ReadLogprobs,
     StepLogprobs,
@@ -47,7 +48,6 @@ from batchrun.engine.startup import (
 )
 from batchrun.engine.step_inputs import StepPlan, plan_step, rows_sampled
 from batchrun.engine.step_sampling import SampledRows, sample_tokens, score_tokens
-from batchrun.engine.step_timer import StepTimer
 from batchrun.engine.stopping import Stopper
 from batchrun.errors import JobError
 from batchrun.parallel.group import TensorParallel
@@ -111,8 +111,7 @@ class Engine:
         self.prefix_caching = config.prefix_caching and not config.prompt_logprobs
         self.built_batch_size = config.max_batch_size  # graphs and slots exist up to it
         self.stopper = Stopper(models.tokenizer, set(models.eos), self.max_model_len)
-        self.timer = StepTimer(self.device)
-        self.round_trace: list[RoundTrace] | None = None  # set to a list to record rounds
+        self.instruments = Instruments(StepTimer(self.device))
         self._start_job()
         freeze_heap()  # what exists now lives as long as the job: no collection need walk it
         clock.lap("freeze_heap")
@@ -252,10 +251,10 @@ class Engine:
         self.step_kinds[plan.kind] += 1
         prompt = prompt_rows(batch) if self.config.prompt_logprobs else None
         self.scheduler.launched(batch)
-        self.timer.mark()
+        self.instruments.timer.mark()
         args = runner.load(plan)
         drafts = speculator.propose(args, plan)
-        self.timer.mark()
+        self.instruments.timer.mark()
         out = runner.target_step(args, plan, drafts)
         speculator.observe(out.features)
         tokens = sample_tokens(self.model, runner.state, out, sampled)
@@ -269,10 +268,10 @@ class Engine:
         q_lens, counts = args.q_len[:live], args.sampled[:live]
         runner.state.commit(slots, q_lens, counts, tokens, accepted, d, width)
         speculator.commit(slots[:d], accepted, plan)
-        self.timer.mark()
+        self.instruments.timer.mark()
         # The step's one device-to-host copy: sampled tokens, accepted counts (drafts if traced).
         parts = [tokens[: sampled.total], accepted]
-        traced = self.round_trace is not None and drafts is not None
+        traced = self.instruments.rounds is not None and drafts is not None
         if traced and drafts is not None:
             parts.append(drafts.reshape(-1))
         host, ready = _to_host(torch.cat(parts))
@@ -348,9 +347,11 @@ class Engine:
                 req.spec_hist[kept - 1] += 1
                 if acc == width - 1 and kept == width:  # every draft it verified was accepted
                     req.spec_capped[kept - 1] += 1
-            if self.round_trace is not None:
+            if self.instruments.rounds is not None:
                 committed = req.output_ids[len(req.output_ids) - kept :]
-                self.round_trace.append(RoundTrace(req.row_index, p, anchor, drafts, committed))
+                self.instruments.rounds.append(
+                    RoundTrace(req.row_index, p, anchor, drafts, committed)
+                )
 
 
 def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -15,7 +15,7 @@ import torch
 
 @dataclass(frozen=True)
 class RoundTrace:
-    """One verify round of one request, recorded when the engine's round_trace is a list."""
+    """One verify round of one request, recorded when the engine's instruments.rounds is a list."""
 
     row_index: int
     position: int  # position p of the anchor

@@ -1,11 +1,15 @@
-"""Optional GPU timing of a step's phases with CUDA events (for `batchrun bench`): the draft
-forward and the target forward with sampling. Disabled, it costs nothing."""
+"""What benchmarks and tests may switch on in an engine, off in jobs: GPU timing of a step's
+phases with CUDA events (the draft forward; the target forward with sampling) and a record of
+every verify round. Off, they cost nothing."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from batchrun.speculative.acceptance import RoundTrace
 
 
 class StepTimer:
@@ -36,3 +40,9 @@ class StepTimer:
         self._events, self._current = [], []
         self.enabled = enabled
         return out
+
+
+@dataclass
+class Instruments:
+    timer: StepTimer
+    rounds: list[RoundTrace] | None = None  # set to a list: every verify round is appended
