@@ -108,6 +108,15 @@ _RUN_OPTIONS = [
         help="Tokens a think block may take; then its end is forced and the answer follows.",
     ),
     click.option(
+        "--json-schema",
+        metavar="JSON",
+        help="Every completion is JSON matching this JSON Schema (structured output).",
+    ),
+    click.option("--regex", help="Every completion matches this regular expression."),
+    click.option(
+        "--choice", multiple=True, help="Every completion is one of these strings (repeatable)."
+    ),
+    click.option(
         "--ignore-eos/--no-ignore-eos",
         default=None,
         help="Generate past end-of-sequence tokens until max_tokens or a stop.",
@@ -216,6 +225,9 @@ _UNSET_MEANS = {
     "thinking": "the chat template's default",
     "reasoning_parser": "none",
     "max_thinking_tokens": "no limit",
+    "json_schema": "none",
+    "regex": "none",
+    "choice": "none",
     "shard": "from SLURM_ARRAY_TASK_ID/COUNT or RANK/WORLD_SIZE, else every row",
 }
 

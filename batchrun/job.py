@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import tomllib
 from collections.abc import Mapping
@@ -18,7 +19,8 @@ from batchrun.engine.config import EngineConfig
 from batchrun.engine.request import SamplingParams, row_seed
 from batchrun.errors import JobError
 from batchrun.io.output_schema import output_schema
-from batchrun.io.prompts import THINKING_WITH_LOGPROBS, chat_kwargs_problem
+from batchrun.io.prompts import CONSTRAINT_COLUMNS, THINKING_WITH_LOGPROBS, chat_kwargs_problem
+from batchrun.sampling.grammar import Constraint
 from batchrun.schemas import job_schema
 
 # Keys holding paths: relative ones in a job file resolve against the job file's directory.
@@ -44,6 +46,10 @@ class JobSpec:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     ignore_eos: bool = False
+    # Structured output of every row (at most one of them; a row's own columns replace it).
+    json_schema: str | dict[str, Any] | None = None  # a JSON Schema, as JSON text or a table
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
     max_thinking_tokens: int | None = None  # a think block's budget; then its end is forced
     logprobs: int | None = None  # None: off; k: each token's log-probability and its top k
     prompt_logprobs: bool = False
@@ -73,7 +79,7 @@ class JobSpec:
         # Normalise what TOML and callers hand us, then hold every JobSpec to the schema.
         if self.draft is not None and self.draft.lower() == "none":
             object.__setattr__(self, "draft", None)
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "choice"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         validate_job_dict(self.to_dict())
@@ -85,6 +91,9 @@ class JobSpec:
             parse_shard(self.shard)
         if self.max_thinking_tokens is not None and self.logprobs is not None:
             raise JobError(THINKING_WITH_LOGPROBS)
+        set_keys = [k for k in CONSTRAINT_COLUMNS if getattr(self, k) is not None]
+        if len(set_keys) > 1:
+            raise JobError(f"job keys {set_keys[0]!r} and {set_keys[1]!r}: choose one")
         problem = chat_kwargs_problem(self.chat_template_kwargs or {})
         if problem is not None:
             raise JobError(f"job key 'chat_template_kwargs': {problem}")
@@ -151,7 +160,18 @@ class JobSpec:
             n=self.n,
             ignore_eos=self.ignore_eos,
             max_thinking_tokens=self.max_thinking_tokens,
+            constraint=self.constraint(),
         )
+
+    def constraint(self) -> Constraint | None:
+        """The job's structured output (a table's schema as JSON text), or None."""
+        if self.json_schema is not None:
+            schema = self.json_schema
+            text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+            return Constraint("json_schema", text)
+        if self.regex is not None:
+            return Constraint("regex", self.regex)
+        return Constraint("choice", self.choice) if self.choice is not None else None
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -47,6 +47,7 @@ from batchrun.io.reader import InputSource, RowSelection, iter_batches, open_inp
 from batchrun.io.reasoning import reasoning_split
 from batchrun.io.shards import shard_rows
 from batchrun.job import JobSpec
+from batchrun.sampling.grammar import Grammars
 from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
 
 if TYPE_CHECKING:
@@ -95,6 +96,9 @@ class EngineLike(Protocol):
 
     @property
     def block_size(self) -> int | None: ...  # DFlash block size; None without a draft
+
+    @property
+    def grammars(self) -> Grammars: ...  # structured outputs' compiler (made when first read)
 
     def info(self) -> dict[str, Any]: ...
 
@@ -320,6 +324,7 @@ def _run_job(
             copy.deepcopy(engine.tokenizer),  # used on the prefetch thread only
             engine.max_model_len,
             engine.vocab_size,
+            lambda: engine.grammars,
         )
         damaged = opened.out.prepare(opened.fingerprint, job.overwrite) if leads else []
         if damaged:

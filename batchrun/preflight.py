@@ -43,6 +43,7 @@ from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.models.safetensors_reader import file_header
 from batchrun.models.tokenizer import eos_token_ids, load_tokenizer, think_token_ids
+from batchrun.sampling.grammar import GrammarError, Grammars
 from batchrun.speculative.sliding_window import ring_pages
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     reasoning_split(job, tokenizer)  # qwen3's think tokens, where the job asks for the split
     if job.max_thinking_tokens is not None and think_token_ids(tokenizer) is None:
         raise JobError(THINKING_NEEDS_TOKENS)
+    _check_constraint(job, tokenizer, target.vocab_size)
     weights = check_checkpoints(config.target, target, config.draft, draft, dtype)
     footprint = batch_footprint(
         target, draft, dtype, weights, min(widths), job.tp, config.page_size
@@ -115,6 +117,21 @@ def _check_kv_pool(
     once the weights are loaded: a pool this finds too small, the engine's is too."""
     num_pages = config.num_pages or job_kv_pages(config, target, draft, dtype.itemsize, device)
     usable_context(config, target, num_pages, draft.block_size if draft else 1, device)
+
+
+def _check_constraint(job: JobSpec, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    """The job's structured output compiles (a row's own is that row's error)."""
+    constraint = job.constraint()
+    if constraint is None:
+        return
+    problem = constraint.problem()
+    if problem is None:
+        try:
+            Grammars(tokenizer, vocab_size, []).compile(constraint)
+        except GrammarError as exc:
+            problem = str(exc)
+    if problem is not None:
+        raise JobError(f"job key {constraint.kind!r}: {problem}")
 
 
 def _check_eos(

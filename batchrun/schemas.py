@@ -142,6 +142,26 @@ def job_schema() -> dict[str, Any]:
             "its end (\\n</think>\\n\\n) is forced and the answer follows. Needs <think> "
             "and </think> tokens; a per-row column max_thinking_tokens overrides it.",
         },
+        "json_schema": {
+            "type": ["string", "object"],
+            "description": "Every completion is JSON matching this JSON Schema (JSON text, or "
+            'a table), written compactly (", " and ": " between items); a row\'s '
+            "json_schema, regex or choice column replaces it. One of json_schema, regex and "
+            "choice.",
+        },
+        "regex": {
+            "type": "string",
+            "minLength": 1,
+            "description": "Every completion matches this regular expression (whole); a row's "
+            "json_schema, regex or choice column replaces it.",
+        },
+        "choice": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1},
+            "minItems": 1,
+            "description": "Every completion is one of these strings; a row's json_schema, "
+            "regex or choice column replaces it.",
+        },
         "ignore_eos": _flag(
             "Generate past end-of-sequence tokens (they are output) until max_tokens or a "
             "stop; a per-row column ignore_eos overrides it.",

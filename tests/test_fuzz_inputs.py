@@ -35,6 +35,7 @@ from batchrun.io.output_schema import (
     raw_bytes_type,
 )
 from batchrun.io.overrides import OVERRIDE_COLUMNS
+from batchrun.io.prompts import CONSTRAINT_COLUMNS
 
 CONTEXT = 32  # the tiny model's context: long prompts and huge max_tokens reach it at once
 
@@ -95,6 +96,9 @@ FITTING_TYPES = {
     "n": WIDE_INTS + [pa.int8(), pa.uint16()],
     "ignore_eos": [pa.bool_()],
     "max_thinking_tokens": WIDE_INTS + [pa.int16()],
+    "json_schema": STRING_TYPES,
+    "regex": STRING_TYPES,
+    "choice": [pa.list_(pa.string()), pa.large_list(pa.string())],
 }
 SANE: dict[str, list[Any]] = {
     "max_tokens": [1, 2, 3, 2**63, 2**64 - 1],
@@ -107,6 +111,9 @@ SANE: dict[str, list[Any]] = {
     "n": [1, 2, 3, MAX_SAMPLES + 1],
     "ignore_eos": [True, False],
     "max_thinking_tokens": [0, 1, 5],
+    "json_schema": [b'{"type": "boolean"}', b'{"type": ', b'{"enum": ["a", 1]}', b"[]"],
+    "regex": [b"[a-z]+", b"(x", b"a|b\\d", b""],
+    "choice": [[b"yes", b"no"], [], [b""], [b"\xff"]],
 }
 
 
@@ -232,6 +239,9 @@ def fuzzed_table(seed: int) -> pa.Table:
     for override in OVERRIDE_COLUMNS:
         if not hostile or rng.random() < 0.7:
             columns[override] = override_cells(rng, override, rows, hostile)
+    for constraint in CONSTRAINT_COLUMNS:  # fewer: a row with two of them is an error
+        if rng.random() < 0.4:
+            columns[constraint] = override_cells(rng, constraint, rows, hostile)
     columns["note"] = strings([rng.choice([*BYTES, None]) for _ in range(rows)], pa.string())
     columns["blob"] = pa.array([rng.choice(BYTES) for _ in range(rows)], pa.binary())
     columns["tags"] = random_cells(rng, pa.list_(pa.string()), rows)

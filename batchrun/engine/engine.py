@@ -15,6 +15,7 @@ finishes or a preemption drops runs once more in step N+1; that result is droppe
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -29,12 +30,13 @@ from batchrun.engine.device_state import to_host
 from batchrun.engine.heap import collect_everything, freeze_heap
 from batchrun.engine.instruments import Instruments, StepTimer
 from batchrun.engine.logprobs import (
+    PromptRows,
     ReadLogprobs,
     StepLogprobs,
     asked_logprobs,
     prompt_rows,
 )
-from batchrun.engine.model_runner import ModelRunner, RunnerSizes
+from batchrun.engine.model_runner import ModelRunner, RunnerSizes, TargetOutput
 from batchrun.engine.page_pool import PagePool
 from batchrun.engine.request import Request, sample_requests
 from batchrun.engine.scheduler import Scheduled, Scheduler
@@ -46,11 +48,13 @@ from batchrun.engine.startup import (
     load_models,
     size_memory,
 )
-from batchrun.engine.step_inputs import StepPlan, plan_step, rows_sampled
+from batchrun.engine.step_inputs import StepArgs, StepPlan, plan_step, rows_sampled
 from batchrun.engine.step_sampling import SampledRows, sample_tokens, score_tokens
 from batchrun.engine.stopping import Stopper
 from batchrun.errors import JobError
 from batchrun.parallel.group import TensorParallel
+from batchrun.sampling.grammar import Grammars
+from batchrun.sampling.grammar_masks import ConstrainedRows, StepMasks, build_masks
 from batchrun.speculative.acceptance import RoundTrace
 
 
@@ -67,6 +71,23 @@ class Launched:
     num_drafts: int  # drafts per decoding request copied back (0: not traced)
     seconds: float | None  # off a GPU the launch ran the step: its time
     logprobs: StepLogprobs | None = None  # when the job asks for them
+
+
+@dataclass
+class Forward:
+    """A step whose forward is launched and whose rows are not sampled yet."""
+
+    batch: list[Scheduled]
+    plan: StepPlan
+    sampled: SampledRows
+    epochs: list[int]
+    args: StepArgs
+    out: TargetOutput
+    drafts: torch.Tensor | None  # [D, W-1]
+    constrained: bool  # some row has a grammar: its masks come from the host
+    drafts_host: tuple[torch.Tensor, torch.cuda.Event | None] | None  # a constrained step's
+    prompt: PromptRows | None
+    started: float
 
 
 class Engine:
@@ -207,7 +228,14 @@ class Engine:
                 req.spec_capped = [0] * block
             if req.logprobs is None:
                 req.logprobs = asked_logprobs(self.config.logprobs, self.config.prompt_logprobs)
+            if req.params.constraint is not None and req.grammar is None:
+                req.grammar = self.grammars.matcher(req.params.constraint)
             self.scheduler.add(req)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The structured outputs' compiler, made for the first constrained request."""
+        return Grammars(self.tokenizer, self.vocab_size, self.stopper.eos_ids)
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its pages (benchmarks between points)."""
@@ -225,17 +253,26 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Launch the next step, then read back the one before it; returns the requests that
-        one finished."""
+        one finished. A step with constrained rows reads the one before it back between its
+        forward and its sampling: its masks start from the tokens that step commits."""
         scheduler = self.scheduler
         width = self.speculator.next_width(len(scheduler.running), scheduler.prefill_pending)
         batch = scheduler.schedule(width)
-        launched = self._launch(batch, width) if batch else None
-        finished = self._read_back(self._launched) if self._launched is not None else []
+        forward = self._forward(batch, width) if batch else None
+        previous, self._launched = self._launched, None
+        finished, masks = [], None
+        if forward is not None and forward.constrained:
+            finished = self._read_back(previous) if previous is not None else []
+            previous, masks = None, self._masks(forward)
+        launched = self._sample(forward, masks) if forward is not None else None
+        if previous is not None:
+            finished = self._read_back(previous)
         self._launched = launched
         return finished
 
     @torch.inference_mode()
-    def _launch(self, batch: list[Scheduled], width: int) -> Launched:
+    def _forward(self, batch: list[Scheduled], width: int) -> Forward:
+        """Launch the step's drafts and target forward."""
         runner, speculator = self.runner, self.speculator
         started = time.perf_counter()
         sampled = SampledRows(batch, [rows_sampled(it) for it in batch])
@@ -251,13 +288,48 @@ class Engine:
         self.step_kinds[plan.kind] += 1
         prompt = prompt_rows(batch) if self.config.prompt_logprobs else None
         self.scheduler.launched(batch)
+        epochs = [it.req.epoch for it in batch]
         self.instruments.timer.mark()
         args = runner.load(plan)
         drafts = speculator.propose(args, plan)
+        constrained = any(it.req.grammar is not None for it in batch)
+        # A constrained step's masks follow the drafts: they start for the host now.
+        drafts_host = _to_host(drafts) if constrained and drafts is not None else None
         self.instruments.timer.mark()
         out = runner.target_step(args, plan, drafts)
         speculator.observe(out.features)
-        tokens = sample_tokens(self.model, runner.state, out, sampled)
+        return Forward(
+            batch, plan, sampled, epochs, args, out, drafts, constrained, drafts_host, prompt,
+            started,
+        )  # fmt: skip
+
+    def _masks(self, forward: Forward) -> StepMasks:
+        """The next-token masks of the step's constrained rows, from the committed tokens and
+        the step's drafts (built while the GPU runs its forward)."""
+        drafts: list[list[int]] = []
+        if forward.drafts_host is not None:
+            host, ready = forward.drafts_host
+            if ready is not None:
+                ready.synchronize()
+            drafts = host.tolist()
+        requests, row, decoding = [], 0, 0
+        items = zip(forward.batch, forward.sampled.counts, forward.epochs, strict=True)
+        for it, k, epoch in items:
+            req = it.req
+            if req.grammar is not None and k and req.epoch == epoch:  # else its result drops
+                own = drafts[decoding] if it.decoding and drafts else []
+                requests.append(ConstrainedRows(req.grammar, row, k, own))
+            row += k
+            decoding += it.decoding
+        return build_masks(self.grammars, requests, self.device)
+
+    @torch.inference_mode()
+    def _sample(self, forward: Forward, masks: StepMasks | None) -> Launched:
+        """Launch the step's sampling, acceptance and commit, and the copy of its results."""
+        runner, speculator = self.runner, self.speculator
+        plan, args, out, drafts = forward.plan, forward.args, forward.out, forward.drafts
+        sampled, prompt, width = forward.sampled, forward.prompt, plan.width
+        tokens = sample_tokens(self.model, runner.state, out, sampled, masks)
         scores = None
         if self.config.logprobs is not None or (prompt is not None and prompt.rows):
             k = self.config.logprobs
@@ -275,10 +347,11 @@ class Engine:
         if traced and drafts is not None:
             parts.append(drafts.reshape(-1))
         host, ready = _to_host(torch.cat(parts))
-        seconds = None if ready is not None else time.perf_counter() - started
-        epochs = [it.req.epoch for it in batch]
+        seconds = None if ready is not None else time.perf_counter() - forward.started
         drafted = width - 1 if traced else 0
-        return Launched(batch, plan, sampled, epochs, host, ready, drafted, seconds, scores)
+        return Launched(
+            forward.batch, plan, sampled, forward.epochs, host, ready, drafted, seconds, scores
+        )
 
     def _read_back(self, launched: Launched) -> list[Request]:
         """Commit a launched step's tokens on the host: stop checks, outputs, finished ones."""
@@ -311,6 +384,9 @@ class Engine:
                 self.stopper.commit(req, post)
             if scores is not None:  # the rows of the tokens kept (stop rules cut the rest)
                 scores.commit(req, i, pos - k, len(req.output_ids) - before)
+            if req.grammar is not None:  # the grammar follows the committed output
+                for token in req.output_ids[before:]:
+                    req.grammar.accept_token(token)
             if req.finish_reason:
                 self.scheduler.finish(req)
                 finished.append(req)

@@ -7,10 +7,12 @@ import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from batchrun.engine.stop_scan import StopScan
+from batchrun.sampling.grammar import Constraint
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False  # an end-of-sequence token is output and generation goes on
     # Tokens a think block may take before its end is forced (None: no limit).
     max_thinking_tokens: int | None = None
+    constraint: Constraint | None = None  # structured output: what the output must match
 
     def problem(self) -> str | None:
         """Why these parameters cannot run, or None. The engine samples in float32, so the
@@ -52,7 +55,17 @@ class SamplingParams:
         budget = self.max_thinking_tokens
         if budget is not None and not (isinstance(budget, int) and budget >= 0):
             return f"max_thinking_tokens must be an integer >= 0, got {budget!r}"
+        if self.constraint is not None:
+            return self._constraint_problem(self.constraint)
         return None
+
+    def _constraint_problem(self, constraint: Constraint) -> str | None:
+        # Tokens the grammar did not choose would leave it behind the output.
+        if self.max_thinking_tokens is not None:
+            return f"{constraint.kind} and max_thinking_tokens do not go together"
+        if self.ignore_eos:
+            return f"{constraint.kind} and ignore_eos do not go together"
+        return constraint.problem()
 
 
 SEED_MIN, SEED_END = -(1 << 63), 1 << 64  # a seed's range; the engine uses it modulo 2^64
@@ -117,6 +130,7 @@ class Request:
     thinking: int | None = None  # tokens spent in an open think block (with a thinking budget)
     restart: bool = False  # the host forced tokens: the request resumes from its tokens
     logprobs: Logprobs | None = None  # set by the engine when the job asks for them
+    grammar: Any = None  # a constrained request's matcher, at its committed output
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """tokens[start:end] without building the whole list."""

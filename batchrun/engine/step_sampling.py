@@ -14,6 +14,7 @@ from batchrun.engine.model_runner import TargetOutput
 from batchrun.engine.request import SamplingParams
 from batchrun.engine.scheduler import Scheduled
 from batchrun.models.qwen3 import Qwen3ForCausalLM
+from batchrun.sampling.grammar_masks import StepMasks
 from batchrun.sampling.sampler import sample
 
 
@@ -38,13 +39,24 @@ class SampledRows:
 
 
 def sample_tokens(
-    model: Qwen3ForCausalLM, state: DeviceState, out: TargetOutput, rows: SampledRows
+    model: Qwen3ForCausalLM,
+    state: DeviceState,
+    out: TargetOutput,
+    rows: SampledRows,
+    masks: StepMasks | None = None,
 ) -> torch.Tensor:
-    """The token of every sampled row: argmax when every row is greedy."""
-    if all(p.temperature == 0 for p in rows.params()):
+    """The token of every sampled row: argmax when every row is greedy. Constrained rows'
+    masks go into the logits in place, so their log-probabilities are scored from them too."""
+    greedy = all(p.temperature == 0 for p in rows.params())
+    if greedy and masks is None:
         return model.argmax(out.logits)
+    logits = model.full_logits(out.logits)
+    if masks is not None:
+        masks.apply(logits)
+    if greedy:
+        return logits.argmax(dim=-1)
     params = state.sampling(out.row_slot, out.row_step)
-    return sample(model.full_logits(out.logits), params, any_filtered=rows.any_filtered())
+    return sample(logits, params, any_filtered=rows.any_filtered())
 
 
 def score_tokens(

@@ -58,6 +58,9 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
         fingerprint["sampling"]["ignore_eos"] = True
     if job.max_thinking_tokens is not None:  # likewise
         fingerprint["sampling"]["max_thinking_tokens"] = job.max_thinking_tokens
+    constraint = job.constraint()
+    if constraint is not None:  # likewise
+        fingerprint["sampling"][constraint.kind] = constraint.value
     if job.logprobs is not None or job.prompt_logprobs:  # columns of their own; unset: none
         fingerprint["logprobs"] = {"logprobs": job.logprobs, "prompt": job.prompt_logprobs}
     if job.chat_kwargs():  # the chat template's arguments; unset: no key, as before they existed

@@ -59,27 +59,27 @@ def convert_override(name: str, value: Any) -> Any:
     if name in _INT_OVERRIDES:
         number = _as_int(value)
         if number is None:
-            raise BadOverride(f"{name} must be an integer, got {_show(value)}")
+            raise BadOverride(f"{name} must be an integer, got {show_value(value)}")
         return number
     if name in _FLOAT_OVERRIDES:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise BadOverride(f"{name} must be a number, got {_show(value)}")
+        raise BadOverride(f"{name} must be a number, got {show_value(value)}")
     if name == "ignore_eos":
         if isinstance(value, bool):
             return value
-        raise BadOverride(f"ignore_eos must be true or false, got {_show(value)}")
+        raise BadOverride(f"ignore_eos must be true or false, got {show_value(value)}")
     if name == "stop":
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return tuple(value)
-        raise BadOverride(f"stop must be a list of strings, got {_show(value)}")
+        raise BadOverride(f"stop must be a list of strings, got {show_value(value)}")
     ids = [_as_int(token) for token in value] if isinstance(value, list) else [None]
     if any(token is None for token in ids):
-        raise BadOverride(f"stop_token_ids must be a list of integers, got {_show(value)}")
+        raise BadOverride(f"stop_token_ids must be a list of integers, got {show_value(value)}")
     return tuple(ids)
 
 
-def _show(value: Any, limit: int = 100) -> str:
+def show_value(value: Any, limit: int = 100) -> str:
     """repr for an error message, cut short: a cell can be megabytes."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -11,7 +11,7 @@ import dataclasses
 import enum
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,9 +26,11 @@ from batchrun.io.overrides import (
     convert_override,
     for_engine,
     output_rows,
+    show_value,
 )
 from batchrun.io.prompt_bound import longest_token_chars, min_tokens
 from batchrun.models.tokenizer import think_token_ids
+from batchrun.sampling.grammar import KINDS, Constraint, GrammarError, Grammars
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -43,6 +45,7 @@ class PromptKind(enum.Enum):
 
 
 CHAT_KWARGS_COLUMN = "chat_template_kwargs"  # a messages row's own template arguments
+CONSTRAINT_COLUMNS = KINDS  # a row's structured output: json_schema, regex or choice
 THINKING_NEEDS_TOKENS = "max_thinking_tokens needs <think> and </think> tokens in the tokenizer"
 THINKING_WITH_LOGPROBS = (
     "max_thinking_tokens and logprobs do not go together: forced tokens have no probabilities"
@@ -163,7 +166,10 @@ class RequestBuilder:
         tokenizer: PreTrainedTokenizerBase,
         max_model_len: int,
         vocab_size: int,
+        grammars: Callable[[], Grammars] | None = None,
     ) -> None:
+        """grammars: the engine's structured-output compiler (made when first called), which
+        checks that a row's constraint compiles; its cache then serves the engine."""
         if prompt.kind is PromptKind.MESSAGES and not getattr(tokenizer, "chat_template", None):
             raise JobError(
                 f"prompt column {prompt.name!r} holds chat messages, "
@@ -172,6 +178,8 @@ class RequestBuilder:
         self.job = job
         self.prompt = prompt
         self.overrides = tuple(name for name in OVERRIDE_COLUMNS if name in schema.names)
+        self.constraints = tuple(name for name in CONSTRAINT_COLUMNS if name in schema.names)
+        self.grammars = grammars
         self.chat_kwargs = job.chat_kwargs()
         # A messages row's own template arguments, over the job's.
         self.kwargs_column = (
@@ -187,7 +195,8 @@ class RequestBuilder:
     @property
     def columns(self) -> list[str]:
         """The input columns `build` reads."""
-        extra = [*self.overrides, *([self.kwargs_column] if self.kwargs_column else [])]
+        extra = [*self.overrides, *self.constraints]
+        extra += [self.kwargs_column] if self.kwargs_column else []
         return [self.prompt.name, *(c for c in extra if c != self.prompt.name)]
 
     def build_batch(
@@ -240,15 +249,52 @@ class RequestBuilder:
                 for name in self.overrides
                 if values[name] is not None
             }
+            constraint = self._row_constraint(values)
         except BadOverride as exc:
             return str(exc)
+        if constraint is not None:
+            changes["constraint"] = constraint
         params = dataclasses.replace(self.job.default_params(row_index), **changes)
         if params.max_thinking_tokens is not None:
             if self.think is None:
                 return THINKING_NEEDS_TOKENS
             if self.job.logprobs is not None:
                 return THINKING_WITH_LOGPROBS
-        return params.problem() or for_engine(params, self.vocab_size)
+        problem = params.problem()
+        if problem is None and params.constraint is not None:
+            problem = self._compile_problem(params.constraint)
+        return problem or for_engine(params, self.vocab_size)
+
+    def _row_constraint(self, values: Mapping[str, Any]) -> Constraint | None:
+        """The row's own structured output (None: the job's); BadOverride when its cells are
+        of the wrong type or more than one is set."""
+        cells = {name: values[name] for name in self.constraints if values[name] is not None}
+        if len(cells) > 1:
+            first, second = list(cells)[:2]
+            raise BadOverride(f"{first} and {second} are both set; a row takes one of them")
+        if not cells:
+            return None
+        ((kind, cell),) = cells.items()
+        if isinstance(cell, BadCell):
+            raise BadOverride(f"{kind} {cell.reason}")
+        if kind == "choice":
+            if isinstance(cell, list) and all(isinstance(c, str) for c in cell):
+                return Constraint(kind, tuple(cell))
+            raise BadOverride(f"choice must be a list of strings, got {show_value(cell)}")
+        if kind == "json_schema" and isinstance(cell, dict):  # a struct or map column
+            return Constraint(kind, json.dumps(cell, sort_keys=True))
+        if isinstance(cell, str):
+            return Constraint(kind, cell)
+        raise BadOverride(f"{kind} must be a string, got {show_value(cell)}")
+
+    def _compile_problem(self, constraint: Constraint) -> str | None:
+        if self.grammars is None:
+            return "structured outputs are not available here"
+        try:
+            self.grammars().compile(constraint)
+        except GrammarError as exc:
+            return str(exc)
+        return None
 
     def _prompt_ids(self, value: Any, row: Mapping[str, Any]) -> list[int] | str:
         name = self.prompt.name

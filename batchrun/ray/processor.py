@@ -157,6 +157,7 @@ class BatchrunProcessor:
                 self.engine.tokenizer,
                 self.engine.max_model_len,
                 self.engine.vocab_size,
+                lambda: self.engine.grammars,
             )
         return self.builders[schema]
 
