@@ -164,11 +164,10 @@ def job_schema() -> dict[str, Any]:
                 {"type": "boolean"},
                 {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
             ],
-            "default": False,
             "description": "true or K (true is 0): adds prompt_logprobs, each prompt token's "
             "log-probability under the target given the tokens before it, and when K is above "
             "0, prompt_top_logprobs: that many most probable tokens per position. Prompts are "
-            "then computed in full (no prefix caching). false: off.",
+            "then computed in full (no prefix caching). false or unset: off.",
         },
         "dtype": _choice(
             "Model weight and activation dtype.", ["auto", "float32", "bfloat16", "float16"]
