@@ -434,6 +434,13 @@ def test_logprobs_are_part_of_the_job(tmp_path: Path, target: Path) -> None:
     run_job(make_job(tmp_path, target, max_tokens=2))
     with pytest.raises(JobError, match="logprobs"):
         run_job(make_job(tmp_path, target, max_tokens=2, logprobs=1))
+    # prompt_logprobs = true is K = 0, the same job as before K existed; K > 0 is another.
+    (tmp_path / "prompt").mkdir()
+    write_input(tmp_path / "prompt" / "in")
+    run_job(make_job(tmp_path / "prompt", target, max_tokens=2, prompt_logprobs=True))
+    run_job(make_job(tmp_path / "prompt", target, max_tokens=2, prompt_logprobs=0))
+    with pytest.raises(JobError, match="logprobs"):
+        run_job(make_job(tmp_path / "prompt", target, max_tokens=2, prompt_logprobs=2))
 
 
 def test_flags_and_bounds(tmp_path: Path, target: Path) -> None:
