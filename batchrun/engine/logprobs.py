@@ -191,18 +191,18 @@ class ReadLogprobs:
     def __init__(self, step: StepLogprobs) -> None:
         values, n, k = step.values.tolist(), step.num_sampled, step.k
         ids = step.top_ids.tolist()
-        self.k, self.prompt_k = k, step.prompt_k
-        self.chosen = values[:n]
-        self.top_values = values[n : n + n * k]
-        self.top_ids = ids[: n * k]
-        m = (len(values) - n - n * k) // (1 + step.prompt_k)  # prompt rows
-        self.prompt = values[n + n * k : n + n * k + m]
-        self.prompt_top_values = values[n + n * k + m :]
-        self.prompt_top_ids = ids[n * k :]
         self.prompt_spans = step.prompt_spans
         self.prompt_at = [0]  # where each item's prompt values start
         for _, count in step.prompt_spans:
             self.prompt_at.append(self.prompt_at[-1] + count)
+        m = self.prompt_at[-1]
+        self.k, self.prompt_k = k, step.prompt_k
+        self.chosen = values[:n]
+        self.top_values = values[n : n + n * k]
+        self.top_ids = ids[: n * k]
+        self.prompt = values[n + n * k : n + n * k + m]
+        self.prompt_top_values = values[n + n * k + m :]
+        self.prompt_top_ids = ids[n * k :]
 
     def commit(self, req: Request, item: int, row: int, kept: int) -> None:
         """The request (batch item `item`) kept the tokens of sampled rows row .. row+kept-1."""
