@@ -26,6 +26,7 @@ from batchrun.io.prompts import (
 )
 from batchrun.job import JobSpec, load_job
 from batchrun.pipeline import OpenedJob, open_job, run_job, summary_line
+from batchrun.schemas import MAX_LOGPROBS
 from batchrun.shard_env import apply_env_shard
 
 if TYPE_CHECKING:
@@ -126,13 +127,24 @@ _RUN_OPTIONS = [
         "--logprobs",
         type=int,
         metavar="K",
-        help="Write each completion token's log-probability, and with K > 0 its K (up to 20) "
-        "most probable tokens.",
+        help=f"Write each completion token's log-probability, and with K > 0 its K (up to "
+        f"{MAX_LOGPROBS}) most probable tokens.",
     ),
     click.option(
-        "--prompt-logprobs/--no-prompt-logprobs",
+        "--prompt-logprobs",
+        type=int,
+        is_flag=False,
+        flag_value=0,
+        metavar="[K]",
+        help=f"Write each prompt token's log-probability, and with K > 0 its K (up to "
+        f"{MAX_LOGPROBS}) most probable tokens (turns prefix caching off); alone: K = 0. Write "
+        "it after JOB_FILE.",
+    ),
+    click.option(
+        "--no-prompt-logprobs",
+        is_flag=True,
         default=None,
-        help="Write each prompt token's log-probability (turns prefix caching off).",
+        help="No prompt log-probabilities (turns off a job file's prompt_logprobs).",
     ),
     click.option(
         "--chat-template-kwargs",
@@ -221,6 +233,7 @@ _UNSET_MEANS = {
     "token_ids_column": f"{DEFAULT_PROMPT_COLUMNS[PromptKind.TOKEN_IDS]}, if the input has it",
     "id_column": "none; rows are named by row_index",
     "logprobs": "off",
+    "prompt_logprobs": "off",
     "chat_template_kwargs": "none",
     "thinking": "the chat template's default",
     "reasoning_parser": "none",
@@ -279,6 +292,11 @@ def _job(job_file: Path | None, flags: dict[str, Any]) -> JobSpec:
     overrides = {
         key: (value or None) if isinstance(value, tuple) else value for key, value in flags.items()
     }
+    # --prompt-logprobs takes an optional K, so its off switch is an option of its own.
+    if overrides.pop("no_prompt_logprobs"):
+        if overrides["prompt_logprobs"] is not None:
+            raise click.UsageError("--prompt-logprobs and --no-prompt-logprobs contradict")
+        overrides["prompt_logprobs"] = False
     return apply_env_shard(load_job(job_file, overrides), os.environ)
 
 

@@ -52,7 +52,8 @@ class JobSpec:
     choice: tuple[str, ...] | None = None
     max_thinking_tokens: int | None = None  # a think block's budget; then its end is forced
     logprobs: int | None = None  # None: off; k: each token's log-probability and its top k
-    prompt_logprobs: bool = False
+    # None: off; K: each prompt token's log-probability and its top K (true is 0, false None)
+    prompt_logprobs: int | None = None
     # Arguments to the chat template of `messages` rows (Qwen3: enable_thinking); a row's
     # chat_template_kwargs cell adds to them. thinking: enable_thinking, a shorthand.
     chat_template_kwargs: dict[str, Any] | None = None
@@ -83,6 +84,8 @@ class JobSpec:
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         validate_job_dict(self.to_dict())
+        if isinstance(self.prompt_logprobs, bool):
+            object.__setattr__(self, "prompt_logprobs", 0 if self.prompt_logprobs else None)
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "part_seconds", float(self.part_seconds))

@@ -17,6 +17,7 @@ from batchrun.engine.request import MAX_SAMPLES, SEED_END, SEED_MIN
 from batchrun.io.output_schema import (
     COMPLETION_LOGPROB_FIELDS,
     PROMPT_LOGPROBS_FIELD,
+    PROMPT_TOP_LOGPROBS_FIELD,
     REASONING_FIELDS,
     TOP_LOGPROBS_FIELD,
     output_fields,
@@ -33,6 +34,8 @@ _PATH_NOTE = "Relative paths in a job file resolve against the job file's direct
 # residual stream of such a forward alone is 128 GiB.
 MAX_BATCH_SIZE = 1 << 16
 MAX_BATCHED_TOKENS = 1 << 24
+# Most probable tokens listed per position (logprobs = k, prompt_logprobs = K), vLLM's default.
+MAX_LOGPROBS = 20
 
 
 def _string(description: str) -> dict[str, Any]:
@@ -170,17 +173,22 @@ def job_schema() -> dict[str, Any]:
         "logprobs": {
             "type": "integer",
             "minimum": 0,
-            "maximum": 20,
+            "maximum": MAX_LOGPROBS,
             "description": "Adds completion_logprobs and completion_logprob_sum (each completion "
             "token's log-probability under the distribution it was sampled from, after "
             "temperature, top_k and top_p) and, when above 0, top_logprobs: that many most "
             "probable tokens per position. Unset: off.",
         },
-        "prompt_logprobs": _flag(
-            "Adds prompt_logprobs: each prompt token's log-probability under the target given "
-            "the tokens before it. Prompts are then computed in full (no prefix caching).",
-            False,
-        ),
+        "prompt_logprobs": {
+            "anyOf": [
+                {"type": "boolean"},
+                {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+            ],
+            "description": "true or K (true is 0): adds prompt_logprobs, each prompt token's "
+            "log-probability under the target given the tokens before it, and when K is above "
+            "0, prompt_top_logprobs: that many most probable tokens per position. Prompts are "
+            "then computed in full (no prefix caching). false or unset: off.",
+        },
         "dtype": _choice(
             "Model weight and activation dtype.", ["auto", "float32", "bfloat16", "float16"]
         ),
@@ -294,7 +302,8 @@ def _type_name(arrow_type: pa.DataType) -> str:
 _ONLY_WHEN = {
     **{field.name: "logprobs is set" for field in COMPLETION_LOGPROB_FIELDS},
     TOP_LOGPROBS_FIELD.name: "logprobs is above 0",
-    PROMPT_LOGPROBS_FIELD.name: "prompt_logprobs is true",
+    PROMPT_LOGPROBS_FIELD.name: "prompt_logprobs is true or a number",
+    PROMPT_TOP_LOGPROBS_FIELD.name: "prompt_logprobs is above 0",
     **{field.name: "reasoning_parser is set" for field in REASONING_FIELDS},
 }
 
@@ -310,7 +319,7 @@ def output_schema_json() -> list[dict[str, Any]]:
             **({"only_when": _ONLY_WHEN[field.name]} if field.name in _ONLY_WHEN else {}),
             "description": field.metadata[b"description"].decode(),
         }
-        for field in output_fields(logprobs=1, prompt_logprobs=True, reasoning=True)
+        for field in output_fields(logprobs=1, prompt_logprobs=1, reasoning=True)
     ]
 
 

@@ -341,7 +341,8 @@ def test_run_help_states_every_default(tmp_path: Path) -> None:
     for param in cli.commands["run"].params:
         if not isinstance(param, click.Option) or param.name == "help":
             continue
-        if param.name in ("ray_address", "replicas"):  # flags of `run` only, not job keys
+        # Flags of `run` only, and the off switch of prompt_logprobs, not job keys.
+        if param.name in ("ray_address", "replicas", "no_prompt_logprobs"):
             assert param.help
             continue
         assert param.help and ("[default: " in param.help or "[required" in param.help), param.name

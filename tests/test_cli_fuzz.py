@@ -22,6 +22,7 @@ HOSTILE = [
 ]  # fmt: skip
 FLAGS = [
     "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--n", "--logprobs",
+    "--prompt-logprobs",
     "--max-batch-size", "--max-batched-tokens", "--schedule-window", "--gpu-memory-fraction",
     "--rows-per-part", "--part-seconds", "--verify-width", "--dtype", "--device",
     "--attention-backend", "--shard", "--tp", "--stop", "--stop-token-ids", "--output",

@@ -252,14 +252,33 @@ def test_stop_rules_keep_the_logprobs_aligned(target: Path, draft: Path, with_dr
         assert len(top) == n
 
 
-def check_prompt_logprobs(target: Path, jobs: list[Job], finished: list[Request]) -> None:
+def check_prompt_logprobs(
+    target: Path, jobs: list[Job], finished: list[Request], k: int = K
+) -> None:
+    """Each prompt token's value, and its k most probable tokens: torch.topk of transformers'
+    log_softmax at the position before it (ids where no near-tie makes them ambiguous)."""
     for row, ((prompt, _), req) in enumerate(zip(jobs, finished, strict=True)):
-        assert req.logprobs is not None and req.logprobs.prompt is not None
-        got = req.logprobs.prompt
+        lp = req.logprobs
+        assert lp is not None and lp.prompt is not None
+        got = lp.prompt
         assert len(got) == len(prompt) and got[0] is None, f"row {row}"
         expected = hf_forward_logits(target, prompt).log_softmax(dim=-1)
         want = [float(expected[j - 1, prompt[j]]) for j in range(1, len(prompt))]
         assert got[1:] == pytest.approx(want, abs=TOLERANCE), f"row {row}"
+        if not k:
+            assert lp.prompt_top is None
+            continue
+        assert lp.prompt_top is not None and len(lp.prompt_top) == len(prompt), f"row {row}"
+        assert lp.prompt_top[0] is None, f"row {row}"
+        for j in range(1, len(prompt)):
+            top, where = lp.prompt_top[j], f"row {row} prompt token {j}"
+            assert top is not None and len(top) == k, where
+            values, ids = expected[j - 1].topk(k)
+            assert [v for _, v in top] == pytest.approx(values.tolist(), abs=TOLERANCE), where
+            for i, (token_id, _) in enumerate(top):
+                gaps = [abs(float(values[i] - values[m])) for m in range(k) if m != i]
+                if min(gaps, default=1.0) > 10 * TOLERANCE:
+                    assert token_id == int(ids[i]), where
 
 
 def test_prompt_logprobs_are_a_transformers_forward(
@@ -272,18 +291,37 @@ def test_prompt_logprobs_are_a_transformers_forward(
     three_rows = 3 * logprobs_module.PROMPT_BYTES_PER_LOGIT * TARGET_SHAPE["vocab_size"]
     monkeypatch.setattr(logprobs_module, "PROMPT_CHUNK_BYTES", three_rows)
     engine, finished = run(
-        target, draft, jobs, max_batched_tokens=7, logprobs=None, prompt_logprobs=True
+        target, draft, jobs, max_batched_tokens=7, logprobs=None, prompt_logprobs=K
     )
     assert not engine.pool.prefix_caching and engine.config.prefix_caching
     check_prompt_logprobs(target, jobs, finished)
     assert all(r.logprobs is not None and r.logprobs.tokens is None for r in finished)
 
 
+def test_prompt_top_logprobs_are_the_same_in_one_chunk(target: Path) -> None:
+    """K = 0 scores each prompt token as it always did, K > 0 the same values and its top K;
+    a prompt prefilled over several steps scores as one prefilled at once."""
+    jobs = [(p, SamplingParams(max_tokens=2)) for p in prompts()]
+    _, alone = run(target, None, jobs, max_batched_tokens=512, logprobs=None, prompt_logprobs=0)
+    _, whole = run(target, None, jobs, max_batched_tokens=512, logprobs=None, prompt_logprobs=K)
+    _, chunked = run(target, None, jobs, max_batched_tokens=7, logprobs=None, prompt_logprobs=K)
+    for row, (a, b, c) in enumerate(zip(alone, whole, chunked, strict=True)):
+        assert a.logprobs is not None and b.logprobs is not None and c.logprobs is not None
+        assert a.logprobs.prompt_top is None
+        assert a.logprobs.prompt == b.logprobs.prompt, f"row {row}"
+        assert c.logprobs.prompt[1:] == pytest.approx(b.logprobs.prompt[1:], abs=TOLERANCE)
+        assert b.logprobs.prompt_top is not None and c.logprobs.prompt_top is not None
+        for x, y in zip(b.logprobs.prompt_top[1:], c.logprobs.prompt_top[1:], strict=True):
+            assert x is not None and y is not None
+            assert [v for _, v in y] == pytest.approx([v for _, v in x], abs=TOLERANCE), row
+    check_prompt_logprobs(target, jobs, chunked)
+
+
 def test_every_sample_scores_its_prompt(target: Path) -> None:
     """A row's samples share its prompt's pages, except when prompt log-probabilities are
     asked for: then each computes (and scores) the whole prompt."""
     jobs = [(p, SamplingParams(max_tokens=4, n=3)) for p in prompts(4)]
-    _, finished = run(target, None, jobs, logprobs=None, prompt_logprobs=True)
+    _, finished = run(target, None, jobs, logprobs=None, prompt_logprobs=K)
     check_prompt_logprobs(target, [job for job in jobs for _ in range(3)], finished)
 
 
@@ -295,7 +333,7 @@ def test_preemption_neither_loses_nor_repeats_logprobs(
     recomputed rows score nothing twice."""
     jobs = sampled_jobs()
     d = draft if with_draft else None
-    config = {"prompt_logprobs": True, "max_batched_tokens": 24}
+    config = {"prompt_logprobs": K, "max_batched_tokens": 24}
     engine, small = run(target, d, jobs, num_pages=20, **config)
     assert engine.num_preemptions > 0
     _, roomy = run(target, d, jobs, **config)
@@ -330,19 +368,18 @@ def make_job(tmp_path: Path, target: Path, **keys: Any) -> JobSpec:
 
 def test_a_job_writes_the_columns_polars_reads(tmp_path: Path, target: Path) -> None:
     write_input(tmp_path / "in")
-    job = make_job(tmp_path, target, logprobs=3, prompt_logprobs=True, dtype="float32")
+    job = make_job(tmp_path, target, logprobs=3, prompt_logprobs=2, dtype="float32")
     run_job(job)
     parts = sorted((tmp_path / "out").glob("part-*.parquet"))
     assert pq.read_schema(parts[0]).equals(
-        output_schema(pq.read_schema(tmp_path / "in" / "in.parquet"), 3, True),
+        output_schema(pq.read_schema(tmp_path / "in" / "in.parquet"), 3, 2),
         check_metadata=False,
     )
     df = pl.read_parquet(parts).sort("row_index")
     assert df.schema["completion_logprobs"] == pl.List(pl.Float32)
     assert df.schema["completion_logprob_sum"] == pl.Float64
-    assert df.schema["top_logprobs"] == pl.List(
-        pl.List(pl.Struct({"token_id": pl.Int32, "logprob": pl.Float32}))
-    )
+    top_type = pl.List(pl.List(pl.Struct({"token_id": pl.Int32, "logprob": pl.Float32})))
+    assert df.schema["top_logprobs"] == df.schema["prompt_top_logprobs"] == top_type
     assert df.schema["prompt_logprobs"] == pl.List(pl.Float32)
     ok = df.filter(pl.col("error").is_null())
     assert ok.height == 3
@@ -355,6 +392,11 @@ def test_a_job_writes_the_columns_polars_reads(tmp_path: Path, target: Path) -> 
         assert len(row["prompt_logprobs"]) == row["prompt_tokens"]
         assert row["prompt_logprobs"][0] is None
         assert all(v is not None and v <= 0 for v in row["prompt_logprobs"][1:])
+        assert len(row["prompt_top_logprobs"]) == row["prompt_tokens"]
+        assert row["prompt_top_logprobs"][0] is None
+        pairs = zip(row["prompt_logprobs"][1:], row["prompt_top_logprobs"][1:], strict=True)
+        for value, top in pairs:  # the most probable is at least as probable as the token
+            assert len(top) == 2 and value - 1e-6 <= top[0]["logprob"] >= top[1]["logprob"]
     # The greedy row's values are generate()'s.
     greedy = ok.filter(pl.col("row_index") == 0).row(0, named=True)
     prompt_ids = AutoTokenizer.from_pretrained(str(target)).encode("def f(x):")
@@ -366,7 +408,7 @@ def test_a_job_writes_the_columns_polars_reads(tmp_path: Path, target: Path) -> 
     error = df.filter(pl.col("error").is_not_null()).row(0, named=True)
     for name in ("completion_logprobs", "completion_logprob_sum", "top_logprobs"):
         assert error[name] is None
-    assert error["prompt_logprobs"] is None
+    assert error["prompt_logprobs"] is None and error["prompt_top_logprobs"] is None
 
 
 def test_without_logprobs_the_schema_is_unchanged(tmp_path: Path, target: Path) -> None:
@@ -375,9 +417,15 @@ def test_without_logprobs_the_schema_is_unchanged(tmp_path: Path, target: Path) 
     schema = pq.read_schema(next((tmp_path / "out").glob("part-*.parquet")))
     added = schema.names[schema.get_field_index("row_index") :]
     assert added == [f.name for f in OUTPUT_FIELDS]
-    # k = 0: the token's values without top_logprobs; prompt logprobs alone.
+    # k = 0: the token's values without top_logprobs; prompt logprobs alone, with K = 0 as
+    # they always were, with K > 0 their top K beside them.
     assert "top_logprobs" not in output_schema(pa.schema([]), 0).names
-    assert output_schema(pa.schema([]), None, True).names[-2:] == ["prompt_logprobs", "error"]
+    assert output_schema(pa.schema([]), None, 0).names[-2:] == ["prompt_logprobs", "error"]
+    assert output_schema(pa.schema([]), None, 1).names[-3:] == [
+        "prompt_logprobs",
+        "prompt_top_logprobs",
+        "error",
+    ]
 
 
 def test_logprobs_are_part_of_the_job(tmp_path: Path, target: Path) -> None:
@@ -386,6 +434,13 @@ def test_logprobs_are_part_of_the_job(tmp_path: Path, target: Path) -> None:
     run_job(make_job(tmp_path, target, max_tokens=2))
     with pytest.raises(JobError, match="logprobs"):
         run_job(make_job(tmp_path, target, max_tokens=2, logprobs=1))
+    # prompt_logprobs = true is K = 0, the same job as before K existed; K > 0 is another.
+    (tmp_path / "prompt").mkdir()
+    write_input(tmp_path / "prompt" / "in")
+    run_job(make_job(tmp_path / "prompt", target, max_tokens=2, prompt_logprobs=True))
+    run_job(make_job(tmp_path / "prompt", target, max_tokens=2, prompt_logprobs=0))
+    with pytest.raises(JobError, match="logprobs"):
+        run_job(make_job(tmp_path / "prompt", target, max_tokens=2, prompt_logprobs=2))
 
 
 def test_flags_and_bounds(tmp_path: Path, target: Path) -> None:
@@ -398,27 +453,59 @@ def test_flags_and_bounds(tmp_path: Path, target: Path) -> None:
     assert result.exit_code == 0, result.output
     schema = pq.read_schema(next((tmp_path / "a").glob("part-*.parquet")))
     assert {"completion_logprobs", "top_logprobs", "prompt_logprobs"} <= set(schema.names)
-    for bad in ("21", "-1"):
+    assert "prompt_top_logprobs" not in schema.names  # a bare --prompt-logprobs is K = 0
+    # --prompt-logprobs K, and --no-prompt-logprobs over a job file's K.
+    job_file = tmp_path / "job.toml"
+    job_file.write_text("prompt_logprobs = 2\nmax_tokens = 2\nquiet = true\n")
+    for flags, out, columns in [
+        (["--prompt-logprobs", "3"], "c", {"prompt_logprobs", "prompt_top_logprobs"}),
+        ([], "d", {"prompt_logprobs", "prompt_top_logprobs"}),
+        (["--no-prompt-logprobs"], "e", set()),
+    ]:
         result = CliRunner().invoke(
-            cli, ["validate", *args, "--output", str(tmp_path / "b"), "--logprobs", bad]
+            cli, ["run", str(job_file), *args, "--output", str(tmp_path / out), *flags]
         )
-        assert result.exit_code == 2 and "logprobs" in result.output
+        assert result.exit_code == 0, result.output
+        schema = pq.read_schema(next((tmp_path / out).glob("part-*.parquet")))
+        assert {n for n in schema.names if "_logprobs" in n} == columns, flags
+    for flags, message in [
+        (["--logprobs", "21"], "job key 'logprobs'"),
+        (["--logprobs", "-1"], "job key 'logprobs'"),
+        (["--prompt-logprobs", "21"], "job key 'prompt_logprobs': 21 is greater than"),
+        # K is optional: click takes a value that looks like an option for one.
+        (["--prompt-logprobs", "-1"], "No such option '-1'"),
+        (["--prompt-logprobs", "many"], "'many' is not a valid integer"),
+        (["--prompt-logprobs", "--no-prompt-logprobs"], "contradict"),
+    ]:
+        result = CliRunner().invoke(
+            cli, ["validate", *args, "--output", str(tmp_path / "b"), *flags]
+        )
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert len(result.output.splitlines()) == 1, result.output
     with pytest.raises(JobError, match="logprobs"):
         JobSpec(input="i", output="o", target="t", logprobs=True)  # type: ignore[arg-type]
+    keys = {"input": "i", "output": "o", "target": "t"}
+    with pytest.raises(JobError, match="job key 'prompt_logprobs': -1 is less than"):
+        JobSpec(**keys, prompt_logprobs=-1)
+    with pytest.raises(JobError, match="job key 'prompt_logprobs'"):
+        JobSpec(**keys, prompt_logprobs="2")  # type: ignore[arg-type]
+    assert JobSpec(**keys, prompt_logprobs=True).prompt_logprobs == 0
+    assert JobSpec(**keys, prompt_logprobs=False).prompt_logprobs is None
 
 
 def test_the_ray_processor_writes_the_same_columns(tmp_path: Path, target: Path) -> None:
     write_input(tmp_path / "in")
-    job = make_job(tmp_path, target, logprobs=2, prompt_logprobs=True)
+    job = make_job(tmp_path, target, logprobs=2, prompt_logprobs=2)
     run_job(job)
     local = pl.read_parquet(sorted((tmp_path / "out").glob("part-*.parquet"))).sort("row_index")
     processor = BatchrunProcessor(
         target=str(target), max_tokens=6, max_batch_size=3, device="cpu", logprobs=2,
-        prompt_logprobs=True,
+        prompt_logprobs=2,
     )  # fmt: skip
     table = pq.read_table(tmp_path / "in" / "in.parquet")
     got = pl.from_arrow(processor(table))
     assert isinstance(got, pl.DataFrame)
     assert got.schema == local.schema
-    for name in ("completion_token_ids", "completion_logprobs", "top_logprobs", "prompt_logprobs"):
+    for name in ("completion_token_ids", "completion_logprobs", "top_logprobs", "prompt_logprobs",
+                 "prompt_top_logprobs"):  # fmt: skip
         assert got[name].to_list() == local[name].to_list(), name

@@ -153,6 +153,10 @@ def chat_without_template(tmp_path: Path, target: Path, _: pytest.MonkeyPatch) -
 BAD_JOBS: dict[str, tuple[Breaker, str]] = {
     "temperature-nan": (flags("--temperature", "nan"), "temperature must be a finite number"),
     "temperature-inf": (flags("--temperature", "inf"), "temperature must be a finite number"),
+    "prompt-logprobs-k": (
+        flags("--prompt-logprobs", "21"),
+        "job key 'prompt_logprobs': 21 is greater than the maximum of 20",
+    ),
     "no-cuda": (no_cuda, "no CUDA device"),
     "attention-backend": (
         flags("--attention-backend", "flashinfer"),

@@ -76,16 +76,18 @@ def test_output_schema_file_lists_the_output_columns_in_order() -> None:
         "completion_logprob_sum",
         "top_logprobs",
         "prompt_logprobs",
+        "prompt_top_logprobs",
         "error",
     ]
     assert [c["type"] for c in listed][:4] == ["int64", "int32", "string", "list<int32>"]
     types = {c["name"]: c["type"] for c in listed}
     assert types["acceptance_length"] == "float32"
     assert types["top_logprobs"] == "list<list<struct<token_id int32, logprob float32>>>"
+    assert types["prompt_top_logprobs"] == types["top_logprobs"]
     assert all(c["description"] for c in listed)
     only_some_jobs = {c["name"] for c in listed if "only_when" in c}
     assert only_some_jobs == {c["name"] for c in listed} - {f.name for f in OUTPUT_FIELDS}
-    every_column = output_fields(logprobs=1, prompt_logprobs=True, reasoning=True)
+    every_column = output_fields(logprobs=1, prompt_logprobs=1, reasoning=True)
     assert {f.name for f in dataclasses.fields(OutputRow)} == {f.name for f in every_column}
 
 

@@ -182,7 +182,7 @@ REPO = Path(__file__).resolve().parent.parent
 ONE_THREAD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 JOB_ROWS = 10
 LOGPROB_COLUMNS = ("completion_logprobs", "completion_logprob_sum", "top_logprobs",
-                   "prompt_logprobs")  # fmt: skip
+                   "prompt_logprobs", "prompt_top_logprobs")  # fmt: skip
 
 
 def write_tp_job(
@@ -256,7 +256,7 @@ STATS_COMPARED = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_
         # Greedy: every step takes the ranks' argmax (first_best), with or without log-probabilities
         # (they are scored from the gathered logits beside it), so one run checks both; the plain
         # greedy job is test_tp_job_resumes_the_rows_not_committed's.
-        {"logprobs": 2, "prompt_logprobs": True},
+        {"logprobs": 2, "prompt_logprobs": 3},
         {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7, "n": 2},
     ],
     ids=["greedy-logprobs", "seeded-top-p-top-k"],

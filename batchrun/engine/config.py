@@ -26,7 +26,8 @@ class EngineConfig:
     verify_width: int | str = "auto"  # rows verified per request and step: auto, full, 1 .. B
     prefix_caching: bool = True  # reuse the K/V of full pages whose tokens a request shares
     logprobs: int | None = None  # score each output token and its k most probable; None: off
-    prompt_logprobs: bool = False  # score the prompt tokens (turns prefix caching off)
+    # Score each prompt token and its K most probable (turns prefix caching off); None: off.
+    prompt_logprobs: int | None = None
 
 
 def verify_widths(verify_width: int | str, block_size: int | None) -> tuple[int, ...]:

@@ -129,7 +129,7 @@ class Engine:
             self.capture_graphs()
             clock.lap("capture_graphs")
         # A cached prefix has no logits: prompt log-probabilities need every prompt computed.
-        self.prefix_caching = config.prefix_caching and not config.prompt_logprobs
+        self.prefix_caching = config.prefix_caching and config.prompt_logprobs is None
         self.built_batch_size = config.max_batch_size  # graphs and slots exist up to it
         self.stopper = Stopper(models.tokenizer, set(models.eos), self.max_model_len)
         self.instruments = Instruments(StepTimer(self.device))
@@ -158,7 +158,8 @@ class Engine:
         self.pool = PagePool(self.num_pages, config.page_size, self.prefix_caching)
         # Prompt tokens a request computes even when a cached prefix or a sibling sample's
         # pages hold them: all of them for their log-probabilities.
-        tail = self.max_model_len if config.prompt_logprobs else speculator.recompute_tail
+        scored = config.prompt_logprobs is not None
+        tail = self.max_model_len if scored else speculator.recompute_tail
         self.scheduler = Scheduler(
             self.pool,
             config.max_batch_size,
@@ -286,7 +287,8 @@ class Engine:
             batch, sampled.counts, width, self.pool.page_size, runner.state.num_slots, pad_to
         )
         self.step_kinds[plan.kind] += 1
-        prompt = prompt_rows(batch) if self.config.prompt_logprobs else None
+        prompt_k = self.config.prompt_logprobs
+        prompt = prompt_rows(batch, prompt_k) if prompt_k is not None else None
         self.scheduler.launched(batch)
         epochs = [it.req.epoch for it in batch]
         self.instruments.timer.mark()

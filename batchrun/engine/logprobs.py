@@ -7,7 +7,8 @@ A sampled token's log-probability is the one under the distribution the sampler 
 plain log_softmax(logits). A verify row's logits are the target's at that position, so a
 committed token's values are the same with and without a draft. A prompt token's
 log-probability is the plain log_softmax of the target's logits at the position before it
-(a prompt is not sampled); the first prompt token has none.
+(a prompt is not sampled); the first prompt token has none. With prompt_logprobs = K > 0 each
+prompt token also gets the K most probable tokens of that distribution.
 
 Rows are scored in chunks, so the vocabulary-sized temporaries stay bounded: the sampled rows'
 under the sampler's budget, the prompt rows' (whose logits exist only here) under
@@ -77,30 +78,38 @@ def prompt_token_logprobs(
     targets: torch.Tensor,
     logits: Callable[[torch.Tensor], torch.Tensor],
     vocab: int,
-) -> torch.Tensor:
-    """[M] float32: log_softmax(logits(hidden[rows[i]]))[targets[i]], a chunk of rows at a
-    time (logits: the target's float32 logits [*, vocab] of hidden rows)."""
-    out = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log_softmax(logits(hidden[rows[i]])) at targets[i], [M] float32, and its k most
+    probable tokens, (values [M, k] float32 descending, ids [M, k] int64), a chunk of rows at
+    a time (logits: the target's float32 logits [*, vocab] of hidden rows)."""
+    num_rows, device = rows.shape[0], hidden.device
+    chosen = torch.empty(num_rows, dtype=torch.float32, device=device)
+    top_values = torch.empty(num_rows, k, dtype=torch.float32, device=device)
+    top_ids = torch.empty(num_rows, k, dtype=torch.int64, device=device)
     size = max(1, PROMPT_CHUNK_BYTES // (PROMPT_BYTES_PER_LOGIT * vocab))
-    for start in range(0, rows.shape[0], size):
+    for start in range(0, num_rows, size):
         chunk = slice(start, start + size)
         scores = logits(hidden[rows[chunk]]).log_softmax(dim=-1)
-        out[chunk] = scores.gather(1, targets[chunk, None]).squeeze(1)
-    return out
+        chosen[chunk] = scores.gather(1, targets[chunk, None]).squeeze(1)
+        if k:
+            top_values[chunk], top_ids[chunk] = scores.topk(k, dim=-1)
+    return chosen, top_values, top_ids
 
 
 @dataclass(frozen=True)
 class PromptRows:
     """The step's rows that score prompt tokens: a prefill row at position i scores prompt
     token i + 1. Per batch item, (first prompt position scored, how many); their rows and
-    tokens in item order."""
+    tokens in item order; k: the most probable tokens each lists (the job's prompt_logprobs)."""
 
     spans: list[tuple[int, int]]
     rows: list[int]
     targets: list[int]
+    k: int
 
 
-def prompt_rows(batch: list[Scheduled]) -> PromptRows:
+def prompt_rows(batch: list[Scheduled], k: int) -> PromptRows:
     """Built at launch, before the prefill chunks advance num_cached. Positions a request has
     scored already are left out: recomputed after a preemption, which drops the results of its
     steps still in flight, and readmits it in a later pass, once they have been read back."""
@@ -121,19 +130,22 @@ def prompt_rows(batch: list[Scheduled]) -> PromptRows:
                 targets.extend(req.prompt_ids[first:end])
         spans.append(span)
         row += it.num_new
-    return PromptRows(spans, rows, targets)
+    return PromptRows(spans, rows, targets, k)
 
 
 @dataclass(frozen=True)
 class StepLogprobs:
     """A step's log-probabilities, on their way to the host: `values` holds the sampled
-    rows' chosen tokens' [N], their top-k values [N * k], then the prompt rows' [M]."""
+    rows' chosen tokens' [N], their top-k values [N * k], then the prompt rows' [M] and their
+    top-K values [M * K]; `top_ids` the sampled rows' top-k ids [N * k], then the prompt rows'
+    [M * K]."""
 
     values: torch.Tensor  # float32
-    top_ids: torch.Tensor  # int64 [N * k]
+    top_ids: torch.Tensor  # int64
     num_sampled: int  # N (0: sampled tokens are not scored)
     k: int
     prompt_spans: list[tuple[int, int]]  # per batch item, PromptRows.spans
+    prompt_k: int  # K
 
 
 def score_step(
@@ -149,22 +161,27 @@ def score_step(
     """Scores the step's N sampled rows (logits [>= N, V], tokens [N]; k None: not asked) and
     its prompt rows, and starts their copies to the host."""
     device = logits.device
-    parts, top_ids, num_sampled = [], torch.zeros(0, dtype=torch.int64, device=device), 0
+    parts, id_parts, num_sampled = [], [], 0
     if k is not None:
         num_sampled = tokens.shape[0]
         chosen, top_values, ids = token_logprobs(
             logits[:num_sampled], batch, tokens, k, any_filtered
         )
         parts += [chosen, top_values.view(-1)]
-        top_ids = ids.view(-1)
+        id_parts.append(ids.view(-1))
     if prompt is not None and prompt.rows:
         assert hidden is not None, "a step with prefill chunks runs eagerly"
         rows = to_device(torch.tensor(prompt.rows, dtype=torch.int64), device)
         targets = to_device(torch.tensor(prompt.targets, dtype=torch.int64), device)
-        parts.append(prompt_token_logprobs(hidden, rows, targets, model_logits, logits.shape[1]))
+        chosen, top_values, ids = prompt_token_logprobs(
+            hidden, rows, targets, model_logits, logits.shape[1], prompt.k
+        )
+        parts += [chosen, top_values.view(-1)]
+        id_parts.append(ids.view(-1))
     values = torch.cat(parts) if parts else torch.zeros(0, device=device)
-    spans = prompt.spans if prompt is not None else []
-    return StepLogprobs(to_host(values), to_host(top_ids), num_sampled, k or 0, spans)
+    top_ids = torch.cat(id_parts) if id_parts else torch.zeros(0, dtype=torch.int64, device=device)
+    spans, prompt_k = (prompt.spans, prompt.k) if prompt is not None else ([], 0)
+    return StepLogprobs(to_host(values), to_host(top_ids), num_sampled, k or 0, spans, prompt_k)
 
 
 class ReadLogprobs:
@@ -173,15 +190,19 @@ class ReadLogprobs:
 
     def __init__(self, step: StepLogprobs) -> None:
         values, n, k = step.values.tolist(), step.num_sampled, step.k
-        self.k = k
-        self.chosen = values[:n]
-        self.top_values = values[n : n + n * k]
-        self.top_ids = step.top_ids.tolist()
-        self.prompt = values[n + n * k :]
+        ids = step.top_ids.tolist()
         self.prompt_spans = step.prompt_spans
         self.prompt_at = [0]  # where each item's prompt values start
         for _, count in step.prompt_spans:
             self.prompt_at.append(self.prompt_at[-1] + count)
+        m = self.prompt_at[-1]
+        self.k, self.prompt_k = k, step.prompt_k
+        self.chosen = values[:n]
+        self.top_values = values[n : n + n * k]
+        self.top_ids = ids[: n * k]
+        self.prompt = values[n + n * k : n + n * k + m]
+        self.prompt_top_values = values[n + n * k + m :]
+        self.prompt_top_ids = ids[n * k :]
 
     def commit(self, req: Request, item: int, row: int, kept: int) -> None:
         """The request (batch item `item`) kept the tokens of sampled rows row .. row+kept-1."""
@@ -191,24 +212,33 @@ class ReadLogprobs:
         if scored.tokens is not None:
             scored.tokens.extend(self.chosen[row : row + kept])
         if scored.top is not None:
-            k = self.k
             for r in range(row, row + kept):
-                cut = slice(r * k, (r + 1) * k)
-                pairs = zip(self.top_ids[cut], self.top_values[cut], strict=True)
                 # Tokens the filter dropped are no part of the distribution.
+                pairs = _top(self.top_ids, self.top_values, r, self.k)
                 scored.top.append([(i, v) for i, v in pairs if v > -math.inf])
         if scored.prompt is not None and item < len(self.prompt_spans):
             first, count = self.prompt_spans[item]
             assert not count or first == len(scored.prompt), "prompt positions come in order"
-            scored.prompt.extend(self.prompt[self.prompt_at[item] : self.prompt_at[item] + count])
+            at = self.prompt_at[item]
+            scored.prompt.extend(self.prompt[at : at + count])
+            if scored.prompt_top is not None:
+                ids, values, k = self.prompt_top_ids, self.prompt_top_values, self.prompt_k
+                scored.prompt_top.extend(_top(ids, values, r, k) for r in range(at, at + count))
 
 
-def asked_logprobs(k: int | None, prompt: bool) -> Logprobs | None:
-    """What a request records for a job's logprobs = k (None: off) and prompt_logprobs."""
-    if k is None and not prompt:
+def _top(ids: list[int], values: list[float], row: int, k: int) -> list[tuple[int, float]]:
+    """Row `row`'s k (token id, logprob) pairs of flat [rows * k] lists."""
+    cut = slice(row * k, (row + 1) * k)
+    return list(zip(ids[cut], values[cut], strict=True))
+
+
+def asked_logprobs(k: int | None, prompt_k: int | None) -> Logprobs | None:
+    """What a request records for a job's logprobs = k and prompt_logprobs = K (None: off)."""
+    if k is None and prompt_k is None:
         return None
     return Logprobs(
         tokens=[] if k is not None else None,
         top=[] if k else None,
-        prompt=[None] if prompt else None,
+        prompt=[None] if prompt_k is not None else None,
+        prompt_top=[None] if prompt_k else None,
     )

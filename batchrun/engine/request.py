@@ -93,6 +93,8 @@ class Logprobs:
     tokens: list[float] | None  # one per output token
     top: list[list[tuple[int, float]]] | None  # per output token: (token id, logprob), best first
     prompt: list[float | None] | None  # per prompt token; the first has none
+    # per prompt token: (token id, logprob) of the K most probable, best first; the first: None
+    prompt_top: list[list[tuple[int, float]] | None] | None
 
 
 class Status(enum.Enum):

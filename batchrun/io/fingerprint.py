@@ -61,8 +61,11 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
     constraint = job.constraint()
     if constraint is not None:  # likewise
         fingerprint["sampling"][constraint.kind] = constraint.value
-    if job.logprobs is not None or job.prompt_logprobs:  # columns of their own; unset: none
-        fingerprint["logprobs"] = {"logprobs": job.logprobs, "prompt": job.prompt_logprobs}
+    top_k = job.prompt_logprobs
+    if job.logprobs is not None or top_k is not None:  # columns of their own; unset: none
+        fingerprint["logprobs"] = {"logprobs": job.logprobs, "prompt": top_k is not None}
+        if top_k:  # K; 0: no key, as before K existed
+            fingerprint["logprobs"]["prompt_top"] = top_k
     if job.chat_kwargs():  # the chat template's arguments; unset: no key, as before they existed
         fingerprint["chat_template_kwargs"] = job.chat_kwargs()
     if job.reasoning_parser is not None:  # its columns; unset: none

@@ -141,6 +141,14 @@ PROMPT_LOGPROBS_FIELD = _field(
     "tokens before it, log_softmax(logits), whatever the sampling; prompt_tokens entries, the "
     "first null (nothing predicts it). Null on error.",
 )
+PROMPT_TOP_LOGPROBS_FIELD = _field(
+    "prompt_top_logprobs",
+    _TOP_LOGPROBS,
+    True,
+    "With prompt_logprobs = K > 0: per prompt token, the K most probable tokens of the same "
+    "distribution as prompt_logprobs, by logprob descending; aligned with prompt_logprobs, the "
+    "first null. Null on error.",
+)
 
 
 REASONING_FIELDS: tuple[pa.Field, ...] = (
@@ -162,21 +170,23 @@ REASONING_FIELDS: tuple[pa.Field, ...] = (
 
 
 def output_fields(
-    logprobs: int | None = None, prompt_logprobs: bool = False, reasoning: bool = False
+    logprobs: int | None = None, prompt_logprobs: int | None = None, reasoning: bool = False
 ) -> list[pa.Field]:
     """The columns a job appends after the input's: OUTPUT_FIELDS with the reasoning and
-    log-probability columns it asks for (logprobs = k, None: off) before `error`."""
+    log-probability columns it asks for (logprobs = k, prompt_logprobs = K; None: off) before
+    `error`."""
     extra = list(REASONING_FIELDS) if reasoning else []
     extra += list(COMPLETION_LOGPROB_FIELDS) if logprobs is not None else []
     extra += [TOP_LOGPROBS_FIELD] if logprobs else []
-    extra += [PROMPT_LOGPROBS_FIELD] if prompt_logprobs else []
+    extra += [PROMPT_LOGPROBS_FIELD] if prompt_logprobs is not None else []
+    extra += [PROMPT_TOP_LOGPROBS_FIELD] if prompt_logprobs else []
     return [*OUTPUT_FIELDS[:-1], *extra, OUTPUT_FIELDS[-1]]
 
 
 def output_schema(
     input_schema: pa.Schema,
     logprobs: int | None = None,
-    prompt_logprobs: bool = False,
+    prompt_logprobs: int | None = None,
     reasoning: bool = False,
 ) -> pa.Schema:
     """Every input column unchanged, in input order, then output_fields(...). (A part whose
@@ -222,6 +232,7 @@ class OutputRow:
     completion_logprob_sum: float | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 def finished_row(request: Request, reasoning: ReasoningSplit | None = None) -> OutputRow:
@@ -256,6 +267,7 @@ def finished_row(request: Request, reasoning: ReasoningSplit | None = None) -> O
         completion_logprob_sum=sum(tokens) if tokens is not None else None,
         top_logprobs=scored.top if scored is not None else None,
         prompt_logprobs=scored.prompt if scored is not None else None,
+        prompt_top_logprobs=scored.prompt_top if scored is not None else None,
     )
 
 
