@@ -248,7 +248,11 @@ class RequestBuilder:
                 return THINKING_NEEDS_TOKENS
             if self.job.logprobs is not None:
                 return THINKING_WITH_LOGPROBS
-        return params.problem() or for_engine(params, self.vocab_size)
+        return (
+            params.problem()
+            or params.vocab_problem(self.vocab_size)
+            or for_engine(params, self.vocab_size)
+        )
 
     def _prompt_ids(self, value: Any, row: Mapping[str, Any]) -> list[int] | str:
         name = self.prompt.name
