@@ -208,8 +208,9 @@ def job_schema() -> dict[str, Any]:
             "maximum": 20,
             "description": "Adds completion_logprobs and completion_logprob_sum (each completion "
             "token's log-probability under the distribution it was sampled from: after "
-            "logit_bias, min_tokens, the penalties, temperature, min_p, top_k and top_p) and, when above 0, top_logprobs: that many most "
-            "probable tokens per position. Unset: off.",
+            "logit_bias, min_tokens, the penalties, temperature, min_p, top_k and top_p) "
+            "and, when above 0, top_logprobs: that many most probable tokens per position. "
+            "Unset: off.",
         },
         "prompt_logprobs": _flag(
             "Adds prompt_logprobs: each prompt token's log-probability under the target given "

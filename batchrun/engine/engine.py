@@ -25,7 +25,6 @@ from transformers import PreTrainedTokenizerBase
 
 from batchrun.device import resolve_device
 from batchrun.engine.config import EngineConfig, check_batch_budget
-from batchrun.engine.device_state import to_host
 from batchrun.engine.heap import collect_everything, freeze_heap
 from batchrun.engine.instruments import Instruments, StepTimer
 from batchrun.engine.logprobs import (
@@ -47,8 +46,14 @@ from batchrun.engine.startup import (
     size_memory,
 )
 from batchrun.engine.step_inputs import StepPlan, plan_step, rows_sampled
-from batchrun.engine.step_sampling import SampledRows, sample_tokens, score_tokens
+from batchrun.engine.step_sampling import (
+    SampledRows,
+    controlled_logits,
+    sample_tokens,
+    score_tokens,
+)
 from batchrun.engine.stopping import Stopper
+from batchrun.engine.transfers import to_host
 from batchrun.errors import JobError
 from batchrun.parallel.group import TensorParallel
 from batchrun.speculative.acceptance import RoundTrace
@@ -111,6 +116,7 @@ class Engine:
         self.prefix_caching = config.prefix_caching and not config.prompt_logprobs
         self.built_batch_size = config.max_batch_size  # graphs and slots exist up to it
         self.stopper = Stopper(models.tokenizer, set(models.eos), self.max_model_len)
+        self.runner.state.controls.eos_ids = frozenset(models.eos)  # min_tokens masks them
         self.instruments = Instruments(StepTimer(self.device))
         self._start_job()
         freeze_heap()  # what exists now lives as long as the job: no collection need walk it
@@ -257,13 +263,15 @@ class Engine:
         self.instruments.timer.mark()
         out = runner.target_step(args, plan, drafts)
         speculator.observe(out.features)
-        tokens = sample_tokens(self.model, runner.state, out, sampled)
+        state, d = runner.state, plan.num_decoding
+        logits = controlled_logits(self.model, state, out, sampled, drafts, d)
+        tokens = sample_tokens(self.model, state, out, sampled, logits)
         scores = None
         if self.config.logprobs is not None or (prompt is not None and prompt.rows):
             k = self.config.logprobs
-            scores = score_tokens(self.model, runner.state, out, sampled, tokens, k, prompt)
+            scores = score_tokens(self.model, state, out, sampled, tokens, k, prompt, logits)
         accepted = speculator.accept(drafts, tokens, plan)
-        live, d = plan.num_live, plan.num_decoding
+        live = plan.num_live
         slots = args.slot[:live]
         q_lens, counts = args.q_len[:live], args.sampled[:live]
         runner.state.commit(slots, q_lens, counts, tokens, accepted, d, width)
