@@ -4,6 +4,7 @@ them, and the engine: lossless with a draft, after preemption, and against gener
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 import torch
 from dflash_train import trained_draft_beside, training_prompts
 from engine_runs import cpu_engine, requests_of, run_to_end
-from test_sampler import N, REJECT_P, chi_square_p_value, distinct
+from test_sampler import REJECT_P, N, chi_square_p_value, distinct
 from transformers import Qwen3ForCausalLM
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
@@ -21,6 +22,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
+from batchrun.bench.oracle import AcceptanceOracle
 from batchrun.engine.control_state import ControlState
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.sampling.penalties import apply_controls
@@ -200,7 +202,8 @@ def test_sampled_rows_follow_the_processed_distribution(params: SamplingParams) 
 ENGINE_CONTROLS = {
     "repetition": {"repetition_penalty": 1.8},
     "presence-frequency": {"presence_penalty": 1.2, "frequency_penalty": 0.8},
-    "min-tokens": {"min_tokens": 12},
+    # The end-of-sequence id pushed up, so that rows stop early unless min_tokens holds them.
+    "min-tokens": {"min_tokens": 12, "logit_bias": ((EOS, 100.0),)},
     "logit-bias": {"logit_bias": ((9, 4.0), (EOS, -100.0))},
     "all": {
         "repetition_penalty": 1.3,
@@ -212,11 +215,28 @@ ENGINE_CONTROLS = {
 
 
 def run(
-    target: Path, draft: Path | None, jobs: list[tuple[list[int], SamplingParams]], **config: Any
+    target: Path,
+    draft: Path | None,
+    jobs: list[tuple[list[int], SamplingParams]],
+    truth: list[Request] | None = None,
+    **config: Any,
 ) -> list[Request]:
+    """The finished requests. truth: the outputs of a run without a draft, which an acceptance
+    oracle then drafts (most of each block right, the rest wrong), so that verify rows past the
+    first sample with drafts among their counts; the outputs must not change."""
     engine = cpu_engine(target, draft, **config)
     engine.instruments.rounds = []
-    return run_to_end(engine, requests_of(jobs))
+    if truth is not None:
+        block = engine.block_size
+        assert block is not None
+        continuations = {r.row_index: r.output_ids for r in truth}
+        engine.speculator.oracle = AcceptanceOracle(
+            continuations, 0.8 * block, block, len(jobs), engine.vocab_size, engine.device
+        )
+    done = run_to_end(engine, requests_of(jobs))
+    if truth is not None:
+        assert sum(len(t.committed) > 2 for t in engine.instruments.rounds) >= len(jobs) // 2
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -237,19 +257,19 @@ def test_greedy_with_a_draft_is_lossless_and_controls_change_it(
 ) -> None:
     jobs = jobs_with(ENGINE_CONTROLS[name])
     plain = run(target, None, jobs)
-    spec = run(target, trained, jobs)
+    spec = run(target, trained, jobs, truth=plain)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
-    off = run(target, None, jobs_with({}))
+    without = {k: v for k, v in ENGINE_CONTROLS[name].items() if k == "logit_bias"}
+    off = run(target, None, jobs_with(without if name == "min-tokens" else {}))
     assert [r.output_ids for r in plain] != [r.output_ids for r in off]
 
 
 def test_sampled_with_a_draft_is_lossless(target: Path, trained: Path) -> None:
     controls = {"temperature": 0.1, "repetition_penalty": 1.4, "presence_penalty": 0.5,
                 "min_p": 0.1, "min_tokens": 4}  # fmt: skip
-    jobs = [(p, SamplingParams(seed=7 + i, **ps.__dict__ | controls)) for i, (p, ps) in
-            enumerate(jobs_with({}))]  # fmt: skip
+    jobs = [(p, replace(ps, seed=7 + i, **controls)) for i, (p, ps) in enumerate(jobs_with({}))]
     plain = run(target, None, jobs)
-    spec = run(target, trained, jobs)
+    spec = run(target, trained, jobs, truth=plain)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
 
 
