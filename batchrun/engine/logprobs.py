@@ -2,9 +2,10 @@
 from the step's logits when the job asks, and brought back with the step's results.
 
 A sampled token's log-probability is the one under the distribution the sampler draws from
-(vLLM's processed logprobs): log_softmax(logits / T) with the tokens that top-k/top-p drop at
+(vLLM's processed logprobs): log_softmax(logits / T) of the logits after the logit controls
+(sampling/penalties.py; the caller passes them), with the tokens that min-p/top-k/top-p drop at
 -inf (sampler.filter_candidates, the sampler's own filter), and for a greedy row (T = 0) the
-plain log_softmax(logits). A verify row's logits are the target's at that position, so a
+log_softmax of the controlled logits. A verify row's logits are the target's at that position, so a
 committed token's values are the same with and without a draft. A prompt token's
 log-probability is the plain log_softmax of the target's logits at the position before it
 (a prompt is not sampled); the first prompt token has none.
