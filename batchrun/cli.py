@@ -122,6 +122,33 @@ _RUN_OPTIONS = [
         default=None,
         help="Generate past end-of-sequence tokens until max_tokens or a stop.",
     ),
+    click.option(
+        "--presence-penalty",
+        type=float,
+        help="Subtracted from the logit of each token the output holds, in [-2, 2].",
+    ),
+    click.option(
+        "--frequency-penalty",
+        type=float,
+        help="Subtracted per occurrence in the output from a token's logit, in [-2, 2].",
+    ),
+    click.option(
+        "--repetition-penalty",
+        type=float,
+        help="Divides positive (multiplies negative) logits of tokens in the prompt or output; "
+        "1 = off.",
+    ),
+    click.option(
+        "--min-tokens",
+        type=int,
+        help="Tokens generated before an end-of-sequence token, stop id or stop string may end "
+        "a row.",
+    ),
+    click.option(
+        "--min-p",
+        type=float,
+        help="Drop tokens less probable than min_p x the most probable one; 0 = off.",
+    ),
     click.option("--n", type=int, help="Samples per row (n output rows, sample_index 0 .. n-1)."),
     click.option(
         "--logprobs",

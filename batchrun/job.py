@@ -19,10 +19,12 @@ from batchrun.engine.config import EngineConfig
 from batchrun.engine.request import SamplingParams, row_seed
 from batchrun.errors import JobError
 from batchrun.io.output_schema import output_schema
+from batchrun.io.overrides import BadOverride, logit_bias
 from batchrun.io.prompts import CONSTRAINT_COLUMNS, THINKING_WITH_LOGPROBS, chat_kwargs_problem
 from batchrun.sampling.grammar import Constraint
 from batchrun.schemas import job_schema
 
+_FLOAT_CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 # Keys holding paths: relative ones in a job file resolve against the job file's directory.
 _PATH_KEYS = ("input", "output", "target", "draft")
 
@@ -51,6 +53,12 @@ class JobSpec:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     max_thinking_tokens: int | None = None  # a think block's budget; then its end is forced
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias
+    min_p: float = 0.0
     logprobs: int | None = None  # None: off; k: each token's log-probability and its top k
     # None: off; K: each prompt token's log-probability and its top K (true is 0, false None)
     prompt_logprobs: int | None = None
@@ -87,7 +95,8 @@ class JobSpec:
         if isinstance(self.prompt_logprobs, bool):
             object.__setattr__(self, "prompt_logprobs", 0 if self.prompt_logprobs else None)
         object.__setattr__(self, "temperature", float(self.temperature))
-        object.__setattr__(self, "top_p", float(self.top_p))
+        for name in ("top_p", *_FLOAT_CONTROLS):
+            object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "part_seconds", float(self.part_seconds))
         object.__setattr__(self, "gpu_memory_fraction", float(self.gpu_memory_fraction))
         if self.shard is not None:
@@ -101,7 +110,11 @@ class JobSpec:
         if problem is not None:
             raise JobError(f"job key 'chat_template_kwargs': {problem}")
         # The schema lets NaN and inf through; hold the defaults to the check every row gets.
-        problem = self.default_params().problem()
+        try:
+            params = self.default_params()
+        except BadOverride as exc:
+            raise JobError(f"job key 'logit_bias': {exc}") from None
+        problem = params.problem()
         if problem is not None:
             raise JobError(f"job sampling default: {problem}")
 
@@ -163,6 +176,12 @@ class JobSpec:
             n=self.n,
             ignore_eos=self.ignore_eos,
             max_thinking_tokens=self.max_thinking_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            logit_bias=logit_bias(self.logit_bias or {}),
+            min_p=self.min_p,
             constraint=self.constraint(),
         )
 

@@ -95,6 +95,9 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     reasoning_split(job, tokenizer)  # qwen3's think tokens, where the job asks for the split
     if job.max_thinking_tokens is not None and think_token_ids(tokenizer) is None:
         raise JobError(THINKING_NEEDS_TOKENS)
+    outside = job.default_params().vocab_problem(target.vocab_size)
+    if outside is not None:
+        raise JobError(f"job key 'logit_bias': {outside}")
     _check_constraint(job, tokenizer, target.vocab_size)
     weights = check_checkpoints(config.target, target, config.draft, draft, dtype)
     footprint = batch_footprint(

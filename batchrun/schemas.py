@@ -50,6 +50,16 @@ def _choice(description: str, choices: list[str]) -> dict[str, Any]:
     return {"type": "string", "enum": choices, "default": "auto", "description": description}
 
 
+def _number(description: str, default: float, minimum: float, maximum: float) -> dict[str, Any]:
+    return {
+        "type": "number",
+        "minimum": minimum,
+        "maximum": maximum,
+        "default": default,
+        "description": description,
+    }
+
+
 def _flag(description: str, default: bool) -> dict[str, Any]:
     return {"type": "boolean", "default": default, "description": description}
 
@@ -170,14 +180,60 @@ def job_schema() -> dict[str, Any]:
             "stop; a per-row column ignore_eos overrides it.",
             False,
         ),
+        "presence_penalty": _number(
+            "Subtracted from the logit of each token the output holds so far (vLLM's); a "
+            "per-row column presence_penalty overrides it.",
+            0.0,
+            -2,
+            2,
+        ),
+        "frequency_penalty": _number(
+            "Subtracted from a token's logit once per occurrence in the output so far (vLLM's); "
+            "a per-row column frequency_penalty overrides it.",
+            0.0,
+            -2,
+            2,
+        ),
+        "repetition_penalty": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "default": 1.0,
+            "description": "Divides the positive logits, and multiplies the negative ones, of "
+            "tokens in the prompt or the output so far (transformers' and vLLM's); 1 is off. A "
+            "per-row column repetition_penalty overrides it.",
+        },
+        "min_tokens": _integer(
+            "Tokens generated before an end-of-sequence token, a stop token id or a stop string "
+            "may end a row (the ids are masked until then); at most max_tokens. A per-row "
+            "column min_tokens overrides it.",
+            0,
+            0,
+        ),
+        "logit_bias": {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "description": "Token id -> bias added to its logit before sampling, e.g. "
+            '{"151645" = -100}; ids must be in the target\'s vocabulary. A per-row column '
+            "logit_bias (a JSON object string, or a struct) replaces it.",
+        },
+        "min_p": _number(
+            "After temperature, drop tokens whose probability is below min_p times the most "
+            "probable token's (greedy rows are unaffected); 0 is off. A per-row column min_p "
+            "overrides it.",
+            0.0,
+            0,
+            1,
+        ),
         "logprobs": {
             "type": "integer",
             "minimum": 0,
             "maximum": MAX_LOGPROBS,
             "description": "Adds completion_logprobs and completion_logprob_sum (each completion "
-            "token's log-probability under the distribution it was sampled from, after "
-            "temperature, top_k and top_p) and, when above 0, top_logprobs: that many most "
-            "probable tokens per position. Unset: off.",
+            "token's log-probability under the distribution it was sampled from: after "
+            "logit_bias, min_tokens, the penalties, temperature, min_p, top_k and top_p) "
+            "and, when above 0, top_logprobs: that many most probable tokens per position. "
+            "Unset: off.",
         },
         "prompt_logprobs": {
             "anyOf": [

@@ -89,3 +89,17 @@ def test_backends_side_by_side() -> None:
         {"mode": "target_only", "batch": 8, "context": 1024, "width": 1, "triton_ms": 5.0,
          "flashinfer_ms": 5.5},
     ]  # fmt: skip
+
+
+def test_bench_times_the_penalties(tmp_path: Path) -> None:
+    """The CPU path of `bench --shape S --penalties` (the GPU run measures their cost)."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "--shape", "qwen3-8b", "--penalties", "--device", "cpu"]
+    args += ["--num-layers", "4", "--hidden-size", "256", "--intermediate-size", "512"]
+    args += ["--vocab-size", "1024", "--batch-sizes", "1,4", "--contexts", "16", "--steps", "2"]
+    result = CliRunner().invoke(cli, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [p["batch"] for p in data["points"]] == [1, 4]
+    assert all(p["ratio"] > 0 for p in data["points"])
+    assert set(data["ratios"]) == {"batch_1_penalties_vs_plain", "batch_4_penalties_vs_plain"}

@@ -406,3 +406,67 @@ def test_ignore_eos_generates_past_the_end(tmp_path: Path, tiny_model: Path) -> 
     assert read_output(tmp_path / "bad").column("error").to_pylist() == [
         "ignore_eos must be true or false, got 'yes'"
     ]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (["--presence-penalty", "2.5"], "job key 'presence_penalty': 2.5 is greater than"),
+        (["--frequency-penalty", "nan"], "frequency_penalty must be a number in [-2, 2]"),
+        (["--repetition-penalty", "0"], "job key 'repetition_penalty'"),
+        (["--min-tokens", "7"], "min_tokens must be an integer in [0, max_tokens], got 7"),
+        (["--min-p", "1.5"], "job key 'min_p': 1.5 is greater than"),
+        ('logit_bias = {"x" = 1}\n', "job key 'logit_bias': 'x' does not match"),
+        ('logit_bias = {"3" = 101}\n', "job key 'logit_bias': 101 is greater than"),
+        ('logit_bias = {"3" = 1, "03" = 2}\n', "logit_bias names token id 3 twice"),
+        ('logit_bias = {"99999" = 1}\n', "logit_bias token id 99999 is outside the vocabulary"),
+    ],
+)
+def test_a_bad_control_refuses_the_job_in_one_line(
+    tmp_path: Path, tiny_model: Path, settings: list[str] | str, message: str
+) -> None:
+    write_prompts(tmp_path / "in", PROMPTS[:2])
+    extra = settings if isinstance(settings, str) else ""
+    flags = settings if isinstance(settings, list) else []
+    job = str(write_job(tmp_path, tiny_model, extra))
+    for command in ("validate", "run"):
+        assert_one_line_error(invoke(command, job, *flags), message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_control_cells_run_or_are_their_rows_errors(tmp_path: Path, tiny_model: Path) -> None:
+    """Valid cells change their rows as the job's keys would; a bad cell is its row's error."""
+    cells = {
+        "presence_penalty": [1.5, None, 3.0, None, None, None, None, None],
+        "frequency_penalty": [None] * 8,
+        "repetition_penalty": [None, 2.0, None, -1.0, None, None, None, None],
+        "min_tokens": [None, None, None, None, 99, None, None, None],
+        "logit_bias": [None, None, None, None, None, '{"5": 50}', '{"5": "x"}', "[1]"],
+        "min_p": [None, None, None, None, None, None, None, 0.5],
+    }
+    prompts = [PROMPTS[0]] * 8
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"prompt": prompts, **cells}), tmp_path / "in" / "0.parquet")
+    job = str(write_job(tmp_path, tiny_model))
+    assert invoke("run", job).exit_code == 0
+    rows = read_output(tmp_path / "out").to_pylist()
+    assert [r["error"] for r in rows] == [
+        None,
+        None,
+        "presence_penalty must be a number in [-2, 2], got 3.0",
+        "repetition_penalty must be a finite number > 0, got -1.0",
+        "min_tokens must be an integer in [0, max_tokens], got 99",
+        None,
+        "logit_bias values must be numbers, got 'x'",
+        "logit_bias must be a JSON object, got [1]",
+    ]
+    for row, job_keys in ((0, ["--presence-penalty", "1.5"]), (1, ["--repetition-penalty", "2"])):
+        out = str(tmp_path / f"job-{row}")
+        plain_in = tmp_path / f"in-{row}"
+        write_prompts(plain_in, PROMPTS[:1])
+        assert (
+            invoke("run", job, *job_keys, "--input", str(plain_in), "--output", out).exit_code == 0
+        )
+        by_job = read_output(Path(out)).column("completion_token_ids").to_pylist()[0]
+        assert rows[row]["completion_token_ids"] == by_job
+    assert rows[5]["completion_token_ids"] == [5] * 6

@@ -96,6 +96,12 @@ FITTING_TYPES = {
     "n": WIDE_INTS + [pa.int8(), pa.uint16()],
     "ignore_eos": [pa.bool_()],
     "max_thinking_tokens": WIDE_INTS + [pa.int16()],
+    "presence_penalty": FLOAT_TYPES + [pa.float64(), pa.int64()],
+    "frequency_penalty": FLOAT_TYPES + [pa.float64(), pa.int8()],
+    "repetition_penalty": FLOAT_TYPES + [pa.float64()],
+    "min_tokens": WIDE_INTS + [pa.int16()],
+    "logit_bias": [pa.string(), pa.large_string()],
+    "min_p": FLOAT_TYPES + [pa.float64()],
     "json_schema": STRING_TYPES,
     "regex": STRING_TYPES,
     "choice": [pa.list_(pa.string()), pa.large_list(pa.string())],
@@ -111,6 +117,12 @@ SANE: dict[str, list[Any]] = {
     "n": [1, 2, 3, MAX_SAMPLES + 1],
     "ignore_eos": [True, False],
     "max_thinking_tokens": [0, 1, 5],
+    "presence_penalty": [0.0, 1.5, -2.0, 2.0],
+    "frequency_penalty": [0.0, 0.5, -1.0],
+    "repetition_penalty": [1.0, 1.3, 0.5, 1e-30],
+    "min_tokens": [0, 1, 3],
+    "logit_bias": [b"{}", b'{"3": 5}', b'{"0": -100, "7": 100.0}', b'{"99999999": 1}'],
+    "min_p": [0.0, 0.1, 1.0],
     "json_schema": [b'{"type": "boolean"}', b'{"type": ', b'{"enum": ["a", 1]}', b"[]"],
     "regex": [b"[a-z]+", b"(x", b"a|b\\d", b""],
     "choice": [[b"yes", b"no"], [], [b""], [b"\xff"]],
@@ -159,7 +171,8 @@ def random_cells(
             values = doubles.astype(arrow_type.to_pandas_dtype())
         return pa.array(values, arrow_type, mask=~np.array(present))
     if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
-        return strings([rng.choice(BYTES) if p else None for p in present], arrow_type)
+        fit_bytes = [v for v in sane if isinstance(v, bytes)]
+        return strings([pick(rng, fit_bytes, BYTES) if p else None for p in present], arrow_type)
     item = arrow_type.value_type
     raw = pa.binary() if pa.types.is_string(item) or pa.types.is_large_string(item) else item
     fit_lists = [v for v in sane if isinstance(v, list)]

@@ -166,6 +166,7 @@ def random_batch(n: int, seed: int) -> tuple[torch.Tensor, SamplingBatch]:
         top_k=torch.randint(0, 12, (n,), generator=g),
         seed=torch.randint(0, 2**62, (n,), generator=g),
         step=torch.randint(0, 5000, (n,), generator=g),
+        min_p=torch.where(torch.rand(n, generator=g) < 0.3, torch.rand(n, generator=g) * 0.3, 0.0),
     )
 
 
@@ -176,6 +177,7 @@ def pick(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
         top_k=batch.top_k[rows],
         seed=batch.seed[rows],
         step=batch.step[rows],
+        min_p=batch.min_p[rows] if batch.min_p is not None else None,
     )
 
 

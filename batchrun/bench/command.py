@@ -94,6 +94,12 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
 )
 @click.option("--no-draft", is_flag=True, help="--shape: target-only points only.")
 @click.option(
+    "--penalties",
+    is_flag=True,
+    help="--shape: time decode steps with and without presence, frequency and repetition "
+    "penalties on every row (at the first context), and their ratio.",
+)
+@click.option(
     "--profile-batches",
     default="",
     help="Batch sizes to profile steady decode at (a kernel table each), e.g. 1,128.",
@@ -189,7 +195,12 @@ def bench(out: Path | None, **opts: Any) -> None:
         raise click.UsageError("--tp is for --shape (a job runs tensor parallel with run --tp)")
     if opts["tp"] > 1 and "RANK" not in os.environ:
         sys.exit(_relaunch(opts["tp"]))
-    result, leads = _sweep(opts, write) if opts["shape"] else (_end_to_end(opts), True)
+    if opts["penalties"]:
+        if not opts["shape"] or opts["tp"] > 1:
+            raise click.UsageError("--penalties needs --shape (and no --tp)")
+        result, leads = _penalties(opts), True
+    else:
+        result, leads = _sweep(opts, write) if opts["shape"] else (_end_to_end(opts), True)
     if not leads:
         return  # a tensor-parallel rank other than 0: rank 0 reports for the group
     write(result)
@@ -274,6 +285,36 @@ def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:
         shared_prefix=opts["shared_prefix"],
         n=opts["n"],
         profile_batches=_ints(opts["profile_batches"]),
+    )
+
+
+def _penalties(opts: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from batchrun.bench.penalties import bench_penalties
+    from batchrun.bench.shapes import shape_from_flags
+
+    device = torch.device("cuda" if opts["device"] == "auto" else opts["device"])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--shape runs on a CUDA device; none is available")
+    shape = shape_from_flags(
+        opts["shape"],
+        num_layers=opts["num_layers"],
+        hidden_size=opts["hidden_size"],
+        intermediate_size=opts["intermediate_size"],
+        vocab_size=opts["vocab_size"],
+    )
+    half = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    return bench_penalties(
+        opts["shape"],
+        shape,
+        _ints(opts["batch_sizes"]),
+        _ints(opts["contexts"])[0],
+        opts["steps"],
+        dtype.get(opts["dtype"], half),
+        device,
+        opts["cuda_graphs"],
     )
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from batchrun.bench.sweep import geometric_acceptance
-from batchrun.engine.device_state import to_device
 from batchrun.engine.request import Request
+from batchrun.engine.transfers import to_device
 
 
 class AcceptanceOracle:

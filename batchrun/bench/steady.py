@@ -3,6 +3,8 @@ profile of some of its steps."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from batchrun.bench.prompts import random_prompts
@@ -16,12 +18,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def start_decoding(engine: Engine, batch: int, context: int) -> list[Request]:
+def start_decoding(engine: Engine, batch: int, context: int, **sampling: Any) -> list[Request]:
     """`batch` requests prefilled and two steps into decoding (at the pinned verify width, if
-    any): the steady state to time."""
+    any): the steady state to time. sampling: more SamplingParams for every request."""
     prompts = random_prompts(engine.vocab_size, batch, context)
-    budget = engine.max_model_len - context - 1
-    reqs = [Request(i, p, SamplingParams(max_tokens=budget)) for i, p in enumerate(prompts)]
+    params = SamplingParams(max_tokens=engine.max_model_len - context - 1, **sampling)
+    reqs = [Request(i, p, params) for i, p in enumerate(prompts)]
     for req in reqs:
         engine.add(req)
     while any(not r.output_ids for r in reqs):  # prefill, in chunks

@@ -68,13 +68,13 @@ def measure_point(engine: Engine, batch: int, context: int, steps: int) -> list[
         speculator.pinned_width = width
         reqs = start_decoding(engine, batch, context)
         point = {"batch": batch, "context": context, "width": width}
-        points.append(point | _time_steps(engine, reqs, steps))
+        points.append(point | time_steps(engine, reqs, steps))
         engine.abort_all()
     speculator.pinned_width = None
     return points
 
 
-def _time_steps(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
+def time_steps(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
     engine.instruments.timer.reset(enabled=True)
     graphed = engine.runner.replays.total()
     before = sum(len(r.output_ids) for r in reqs)

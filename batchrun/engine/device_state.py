@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from batchrun.engine.control_state import ControlState
 from batchrun.engine.request import Request
+from batchrun.engine.transfers import put
 from batchrun.sampling.sampler import SamplingBatch
 
 
@@ -44,6 +46,8 @@ class DeviceState:
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.top_k = zeros(n)
         self.seed = zeros(n)
+        self.min_p = zeros(n, dtype=torch.float32)
+        self.controls = ControlState(num_slots, vocab_size, device)  # penalties, bias, min_tokens
 
     # -- host -> device -----------------------------------------------------------------------
 
@@ -51,18 +55,20 @@ class DeviceState:
         """Fill the slots of requests that just took one (admitted, or resumed after a
         preemption: their KV is recomputed from the start, or from a cached prefix); returns
         those slots, on the device."""
-        slots = _put([r.slot for r in reqs], torch.int64, self.device)
+        slots = put([r.slot for r in reqs], torch.int64, self.device)
         p = [r.params for r in reqs]
-        self.seq_len[slots] = _put([r.num_cached for r in reqs], torch.int64, self.device)
-        self.out_len[slots] = _put([len(r.output_ids) for r in reqs], torch.int64, self.device)
+        self.seq_len[slots] = put([r.num_cached for r in reqs], torch.int64, self.device)
+        self.out_len[slots] = put([len(r.output_ids) for r in reqs], torch.int64, self.device)
         last = [r.output_ids[-1] if r.output_ids else 0 for r in reqs]
-        self.last_token[slots] = _put(last, torch.int64, self.device)
-        self.temperature[slots] = _put([x.temperature for x in p], torch.float32, self.device)
-        self.top_p[slots] = _put([x.top_p for x in p], torch.float32, self.device)
+        self.last_token[slots] = put(last, torch.int64, self.device)
+        self.temperature[slots] = put([x.temperature for x in p], torch.float32, self.device)
+        self.top_p[slots] = put([x.top_p for x in p], torch.float32, self.device)
         # A top_k of the vocabulary or more keeps every token, as 0 does.
         top_k = [x.top_k if x.top_k < self.vocab_size else 0 for x in p]
-        self.top_k[slots] = _put(top_k, torch.int64, self.device)
-        self.seed[slots] = _put([as_int64(x.seed) for x in p], torch.int64, self.device)
+        self.top_k[slots] = put(top_k, torch.int64, self.device)
+        self.seed[slots] = put([as_int64(x.seed) for x in p], torch.int64, self.device)
+        self.min_p[slots] = put([x.min_p for x in p], torch.float32, self.device)
+        self.controls.admit(reqs, slots)
         return slots
 
     def add_pages(self, updates: torch.Tensor) -> None:
@@ -80,6 +86,7 @@ class DeviceState:
             top_k=self.top_k[slots],
             seed=self.seed[slots],
             step=steps,
+            min_p=self.min_p[slots],
         )
 
     # -- the step's commit, on the device -----------------------------------------------------
@@ -103,40 +110,16 @@ class DeviceState:
         new_tokens = sampled.clone()
         new_tokens[:d] = keep
         last = self.last_token[slots]
+        post = tokens[: d * width].view(d, width)
         if d:
-            post = tokens[: d * width].view(d, width)
             last[:d] = post.gather(1, accepted.view(-1, 1)).view(-1)
         # A completing chunk's token: the j-th sampled chunk samples tokens[d * width + j].
         chunk_sampled = sampled > 0
         chunk_sampled[:d] = False
         index = (d * width + chunk_sampled.cumsum(0) - 1).clamp(0, max(tokens.shape[0] - 1, 0))
-        if tokens.shape[0]:
-            last = torch.where(chunk_sampled, tokens[index], last)
+        chunk_token = tokens[index] if tokens.shape[0] else last
+        last = torch.where(chunk_sampled, chunk_token, last)
+        self.controls.commit(slots, post, accepted, chunk_token, chunk_sampled)
         self.seq_len.index_add_(0, slots, kv_rows)
         self.out_len.index_add_(0, slots, new_tokens)
         self.last_token.index_copy_(0, slots, last)
-
-
-def _put(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(values, dtype=dtype), device)
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on the device: through pinned memory and asynchronous on a GPU."""
-    return staged(host, device).to(device, non_blocking=True)
-
-
-def to_host(values: torch.Tensor) -> torch.Tensor:
-    """A device tensor's copy on the host: on a GPU an asynchronous copy into pinned memory,
-    complete once an event recorded after it has passed."""
-    if values.device.type != "cuda":
-        return values
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    return host
-
-
-def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The tensor to copy to `device` from: pinned on a GPU (the caching host allocator keeps
-    the block until the asynchronous copy has run)."""
-    return host.pin_memory() if device.type == "cuda" else host

@@ -26,7 +26,6 @@ from transformers import PreTrainedTokenizerBase
 
 from batchrun.device import resolve_device
 from batchrun.engine.config import EngineConfig, check_batch_budget
-from batchrun.engine.device_state import to_host
 from batchrun.engine.heap import collect_everything, freeze_heap
 from batchrun.engine.instruments import Instruments, StepTimer
 from batchrun.engine.logprobs import (
@@ -49,8 +48,14 @@ from batchrun.engine.startup import (
     size_memory,
 )
 from batchrun.engine.step_inputs import StepArgs, StepPlan, plan_step, rows_sampled
-from batchrun.engine.step_sampling import SampledRows, sample_tokens, score_tokens
+from batchrun.engine.step_sampling import (
+    SampledRows,
+    processed_logits,
+    sample_tokens,
+    score_tokens,
+)
 from batchrun.engine.stopping import Stopper
+from batchrun.engine.transfers import to_host
 from batchrun.errors import JobError
 from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.grammar import Grammars
@@ -132,6 +137,7 @@ class Engine:
         self.prefix_caching = config.prefix_caching and config.prompt_logprobs is None
         self.built_batch_size = config.max_batch_size  # graphs and slots exist up to it
         self.stopper = Stopper(models.tokenizer, set(models.eos), self.max_model_len)
+        self.runner.state.controls.eos_ids = frozenset(models.eos)  # min_tokens masks them
         self.instruments = Instruments(StepTimer(self.device))
         self._start_job()
         freeze_heap()  # what exists now lives as long as the job: no collection need walk it
@@ -331,13 +337,15 @@ class Engine:
         runner, speculator = self.runner, self.speculator
         plan, args, out, drafts = forward.plan, forward.args, forward.out, forward.drafts
         sampled, prompt, width = forward.sampled, forward.prompt, plan.width
-        tokens = sample_tokens(self.model, runner.state, out, sampled, masks)
+        state, d = runner.state, plan.num_decoding
+        logits = processed_logits(self.model, state, out, sampled, drafts, d, masks)
+        tokens = sample_tokens(self.model, state, out, sampled, logits)
         scores = None
         if self.config.logprobs is not None or (prompt is not None and prompt.rows):
             k = self.config.logprobs
-            scores = score_tokens(self.model, runner.state, out, sampled, tokens, k, prompt)
+            scores = score_tokens(self.model, state, out, sampled, tokens, k, prompt, logits)
         accepted = speculator.accept(drafts, tokens, plan)
-        live, d = plan.num_live, plan.num_decoding
+        live = plan.num_live
         slots = args.slot[:live]
         q_lens, counts = args.q_len[:live], args.sampled[:live]
         runner.state.commit(slots, q_lens, counts, tokens, accepted, d, width)

@@ -2,9 +2,10 @@
 from the step's logits when the job asks, and brought back with the step's results.
 
 A sampled token's log-probability is the one under the distribution the sampler draws from
-(vLLM's processed logprobs): log_softmax(logits / T) with the tokens that top-k/top-p drop at
+(vLLM's processed logprobs): log_softmax(logits / T) of the logits after the logit controls
+(sampling/penalties.py; the caller passes them), with the tokens that min-p/top-k/top-p drop at
 -inf (sampler.filter_candidates, the sampler's own filter), and for a greedy row (T = 0) the
-plain log_softmax(logits). A verify row's logits are the target's at that position, so a
+log_softmax of the controlled logits. A verify row's logits are the target's at that position, so a
 committed token's values are the same with and without a draft. A prompt token's
 log-probability is the plain log_softmax of the target's logits at the position before it
 (a prompt is not sampled); the first prompt token has none. With prompt_logprobs = K > 0 each
@@ -25,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.engine.device_state import to_device, to_host
 from batchrun.engine.request import Logprobs, Request
 from batchrun.engine.scheduler import Scheduled
+from batchrun.engine.transfers import to_device, to_host
 from batchrun.sampling.sampler import SamplingBatch, filter_candidates, rows_per_chunk
 
 PROMPT_CHUNK_BYTES = 64 << 20
@@ -61,12 +62,13 @@ def _processed(
 ) -> torch.Tensor:
     """log_softmax of the distribution each of the rows samples from (the module docstring)."""
     t, top_k, top_p = batch.temperature[rows], batch.top_k[rows], batch.top_p[rows]
+    min_p = batch.min_p[rows] if batch.min_p is not None else torch.zeros_like(top_p)
     scale = torch.where(t > 0, t, 1.0)[:, None]  # x / 1 is exact
     scaled = logits.to(torch.float32, copy=True).div_(scale)  # the sampler's logits stay
     if any_filtered:
-        index = ((t > 0) & ((top_k > 0) | (top_p < 1))).nonzero().squeeze(1)
+        index = ((t > 0) & ((top_k > 0) | (top_p < 1) | (min_p > 0))).nonzero().squeeze(1)
         if index.numel():
-            values, ids = filter_candidates(scaled[index], top_k[index], top_p[index])
+            values, ids = filter_candidates(scaled[index], top_k[index], top_p[index], min_p[index])
             kept = torch.full((index.numel(), scaled.shape[1]), float("-inf"), device=ids.device)
             scaled[index] = kept.scatter_(1, ids, values)
     return scaled.log_softmax(dim=-1)

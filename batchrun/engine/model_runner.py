@@ -25,7 +25,7 @@ from batchrun.attention.base import AttentionBackend, GraphShape, HostPlanned
 from batchrun.attention.meta import AttentionMeta, allocate_kv
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.cuda_graphs import GraphSet, graph_rows, graph_sizes
-from batchrun.engine.device_state import DeviceState, staged
+from batchrun.engine.device_state import DeviceState
 from batchrun.engine.page_pool import pages_for
 from batchrun.engine.speculator import Speculator
 from batchrun.engine.step_inputs import (
@@ -35,6 +35,7 @@ from batchrun.engine.step_inputs import (
     step_args,
     target_inputs,
 )
+from batchrun.engine.transfers import staged
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 
 IN_FLIGHT_STEPS = 2  # a request's pages cover the step being read back and the one launched

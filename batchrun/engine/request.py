@@ -26,6 +26,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1  # samples of the row, each with its own seed (sample_seed)
     ignore_eos: bool = False  # an end-of-sequence token is output and generation goes on
+    # Logit controls, as vLLM defines them (batchrun/sampling/penalties.py applies them).
+    presence_penalty: float = 0.0  # [-2, 2], over output tokens
+    frequency_penalty: float = 0.0  # [-2, 2], per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0, 1 = off; over prompt and output tokens
+    min_tokens: int = 0  # no end-of-sequence, stop id or stop string before this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    min_p: float = 0.0  # [0, 1]: drop tokens below min_p x the top probability
     # Tokens a think block may take before its end is forced (None: no limit).
     max_thinking_tokens: int | None = None
     constraint: Constraint | None = None  # structured output: what the output must match
@@ -52,6 +59,9 @@ class SamplingParams:
             return f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}"
         if not isinstance(self.ignore_eos, bool):
             return f"ignore_eos must be true or false, got {_show(self.ignore_eos)}"
+        problem = self._controls_problem()
+        if problem is not None:
+            return problem
         budget = self.max_thinking_tokens
         if budget is not None and not (isinstance(budget, int) and budget >= 0):
             return f"max_thinking_tokens must be an integer >= 0, got {budget!r}"
@@ -65,7 +75,47 @@ class SamplingParams:
             return f"{constraint.kind} and max_thinking_tokens do not go together"
         if self.ignore_eos:
             return f"{constraint.kind} and ignore_eos do not go together"
+        if self.min_tokens:  # its end-of-sequence mask could forbid all the grammar allows
+            return f"{constraint.kind} and min_tokens do not go together"
         return constraint.problem()
+
+    def _controls_problem(self) -> str | None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _within(value, -2, 2):
+                return f"{name} must be a number in [-2, 2], got {_show(value)}"
+        penalty = self.repetition_penalty
+        if not (_within(penalty, 0, math.inf) and 0 < _float32(penalty) < math.inf):
+            return f"repetition_penalty must be a finite number > 0, got {_show(penalty)}"
+        if not (_integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
+            return f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}"
+        for token, bias in self.logit_bias:
+            if not (_integer(token) and token >= 0):
+                return f"logit_bias keys must be token ids (integers >= 0), got {token!r}"
+            if not _within(bias, -100, 100):
+                return f"logit_bias values must be numbers in [-100, 100], got {_show(bias)}"
+        if not _within(self.min_p, 0, 1):
+            return f"min_p must be a number in [0, 1], got {_show(self.min_p)}"
+        return None
+
+    def vocab_problem(self, vocab_size: int) -> str | None:
+        """Why valid parameters cannot run on a target of this vocabulary, or None."""
+        outside = [token for token, _ in self.logit_bias if token >= vocab_size]
+        if outside:
+            return f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
+        return None
+
+    @property
+    def penalized(self) -> bool:
+        """Presence, frequency or repetition penalties: the row needs its token counts."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1
+        )
+
+    @property
+    def controlled(self) -> bool:
+        """Some control changes the row's logits (min_p filters them, as top-p does)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
 
 SEED_MIN, SEED_END = -(1 << 63), 1 << 64  # a seed's range; the engine uses it modulo 2^64
@@ -75,6 +125,17 @@ MAX_SAMPLES = 1024  # n per row: a bad cell must not fill memory with requests
 def _float32(value: float) -> float:
     with np.errstate(over="ignore"):
         return float(np.float32(value))
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _within(value: object, low: float, high: float) -> bool:
+    """A finite number (not a bool) in [low, high]."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    # Compared before isfinite, which cannot take an integer beyond float range.
+    return number and low <= value <= high and math.isfinite(value)  # type: ignore[operator, arg-type]
 
 
 def _show(value: float) -> str:

@@ -54,7 +54,8 @@ class Stopper:
         p = req.params
         req.output_ids.append(token)
         eos = token in self.eos_ids and not p.ignore_eos
-        if eos or token in p.stop_token_ids or self._stop_string(req, token):
+        stops = eos or token in p.stop_token_ids or self._stop_string(req, token)
+        if stops and len(req.output_ids) >= p.min_tokens:  # before min_tokens nothing stops
             req.finish_reason = "stop"
         elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             req.finish_reason = "length"

@@ -34,6 +34,17 @@ MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".jinja", ".txt", ".model", ".ti
 _MISSING = object()  # a key one fingerprint has and the other lacks
 
 
+# Sampling controls recorded only when set, so that a job without them keeps its fingerprint.
+_CONTROLS_UNSET: dict[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "logit_bias": (),
+    "min_p": 0.0,
+}
+
+
 def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> dict[str, Any]:
     """What makes two runs the same job, as JSON data (the form _progress/job.json holds)."""
     fingerprint: dict[str, Any] = {
@@ -58,6 +69,10 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
         fingerprint["sampling"]["ignore_eos"] = True
     if job.max_thinking_tokens is not None:  # likewise
         fingerprint["sampling"]["max_thinking_tokens"] = job.max_thinking_tokens
+    controls = job.default_params()
+    for name, unset in _CONTROLS_UNSET.items():  # likewise
+        if getattr(controls, name) != unset:
+            fingerprint["sampling"][name] = getattr(job, name)
     constraint = job.constraint()
     if constraint is not None:  # likewise
         fingerprint["sampling"][constraint.kind] = constraint.value

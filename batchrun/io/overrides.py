@@ -8,6 +8,7 @@ the vocabulary off, a temperature below GREEDY_BELOW greedy.
 from __future__ import annotations
 
 import dataclasses
+import json
 from decimal import Decimal
 from typing import Any
 
@@ -17,10 +18,13 @@ from batchrun.io.cells import BadCell
 # Optional input columns whose non-null cells override the job's sampling defaults.
 OVERRIDE_COLUMNS = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
-    "ignore_eos", "max_thinking_tokens",
+    "ignore_eos", "max_thinking_tokens", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "logit_bias", "min_p",
 )  # fmt: skip
-_INT_OVERRIDES = ("max_tokens", "top_k", "seed", "n", "max_thinking_tokens")
-_FLOAT_OVERRIDES = ("temperature", "top_p")
+_INT_OVERRIDES = ("max_tokens", "top_k", "seed", "n", "max_thinking_tokens", "min_tokens")
+_FLOAT_OVERRIDES = (
+    "temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+)  # fmt: skip
 # As in vLLM: below this, 1/T overflows float32 logits (or T is 0 or subnormal in float32).
 GREEDY_BELOW = 1e-5
 
@@ -69,6 +73,8 @@ def convert_override(name: str, value: Any) -> Any:
         if isinstance(value, bool):
             return value
         raise BadOverride(f"ignore_eos must be true or false, got {show_value(value)}")
+    if name == "logit_bias":
+        return logit_bias(value)
     if name == "stop":
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return tuple(value)
@@ -77,6 +83,31 @@ def convert_override(name: str, value: Any) -> Any:
     if any(token is None for token in ids):
         raise BadOverride(f"stop_token_ids must be a list of integers, got {show_value(value)}")
     return tuple(ids)
+
+
+def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """A logit_bias cell, a JSON object string of token id (a decimal string) -> number, or a
+    struct (its fields null in this row left out), as sorted (id, bias) pairs; the range of
+    each is SamplingParams.problem's."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise BadOverride(f"logit_bias is not JSON: {value[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise BadOverride(f"logit_bias must be a JSON object, got {show_value(value)}")
+    pairs: dict[int, float] = {}
+    for key, bias in value.items():
+        if bias is None:
+            continue
+        if not (isinstance(key, str) and key.isascii() and key.isdecimal()):
+            raise BadOverride(f"logit_bias keys must be token ids, got {show_value(key)}")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool):
+            raise BadOverride(f"logit_bias values must be numbers, got {show_value(bias)}")
+        if int(key) in pairs:
+            raise BadOverride(f"logit_bias names token id {int(key)} twice")
+        pairs[int(key)] = bias  # its range is checked with the row's other parameters
+    return tuple(sorted(pairs.items()))
 
 
 def show_value(value: Any, limit: int = 100) -> str:

@@ -260,7 +260,7 @@ class RequestBuilder:
                 return THINKING_NEEDS_TOKENS
             if self.job.logprobs is not None:
                 return THINKING_WITH_LOGPROBS
-        problem = params.problem()
+        problem = params.problem() or params.vocab_problem(self.vocab_size)
         if problem is None and params.constraint is not None:
             problem = self._compile_problem(params.constraint)
         return problem or for_engine(params, self.vocab_size)

@@ -40,6 +40,12 @@ class SamplingBatch:
     top_k: torch.Tensor  # [N] int64; 0 = off
     seed: torch.Tensor  # [N] int64: the 64-bit seed in two's complement
     step: torch.Tensor  # [N] int64: index of the output token this row samples
+    min_p: torch.Tensor | None = None  # [N] float32; 0 (or None: every row) = off
+
+    def filtered(self) -> torch.Tensor:
+        """[N] bool: the rows that filter their candidates (top-k, top-p or min-p)."""
+        rows = (self.top_k > 0) | (self.top_p < 1)
+        return rows if self.min_p is None else rows | (self.min_p > 0)
 
 
 def rows_per_chunk(num_rows: int, vocab: int) -> int:
@@ -57,9 +63,9 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, token_ids: torch.Tensor
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, any_filtered: bool = True) -> torch.Tensor:
     """logits [N, V] -> token ids [N] (int64). any_filtered=False: the caller knows no row
-    has top-k or top-p, which spares the search for them (a device-to-host sync)."""
+    has top-k, top-p or min-p, which spares the search for them (a device-to-host sync)."""
     sampled = batch.temperature > 0
-    filtered = (batch.top_k > 0) | (batch.top_p < 1)
+    filtered = batch.filtered()
     kernel = _plain_kernel(logits)
     draws: list[tuple[torch.Tensor, Draw]]
     if kernel is not None:
@@ -113,21 +119,29 @@ def _draw_plain(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) 
 
 def _draw_filtered(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
     """Draws among each row's candidates (filter_candidates)."""
+    min_p = batch.min_p[rows] if batch.min_p is not None else None
     values, ids = filter_candidates(
-        _scaled(logits, batch, rows), batch.top_k[rows], batch.top_p[rows]
+        _scaled(logits, batch, rows), batch.top_k[rows], batch.top_p[rows], min_p
     )
     choice = values.add_(gumbel_noise(batch.seed[rows], batch.step[rows], ids)).argmax(dim=-1)
     return ids.gather(1, choice[:, None]).squeeze(1)
 
 
 def filter_candidates(
-    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    scaled: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens a row of temperature-scaled logits [N, V] keeps: its top-k, then the
-    smallest most probable set whose renormalised mass reaches top_p (at least one token).
+    """The tokens a row of temperature-scaled logits [N, V] keeps: those at least min_p times
+    as probable as its most probable one, of them its top-k, then the smallest most probable
+    set whose renormalised mass reaches top_p (at least one token).
     Returns (values, ids) [N, M], most probable first, M the most any row keeps; the values of
     tokens a row drops are -inf. Takes `scaled` over (it may be freed)."""
     vocab = scaled.shape[-1]
+    if min_p is not None:  # p < min_p x p_max, in logits: below max + log(min_p)
+        floor = scaled.amax(dim=-1, keepdim=True) + min_p[:, None].log()
+        scaled.masked_fill_(scaled < floor, float("-inf"))
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     widest = int(k.max())
     if widest < vocab:
