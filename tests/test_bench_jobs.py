@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import polars as pl
 import pytest
 from click.testing import CliRunner
 
@@ -54,6 +55,27 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
         # Lossless: every mode wrote the same completions (float32).
         written = {run: outputs(tmp_path / "out" / name / run.replace(" ", "-")) for run in runs}
         assert all(o == written["none"] for o in written.values()), name
+
+
+def test_a_json_schema_workload_runs_constrained_beside_unconstrained(tmp_path: Path) -> None:
+    plan = JobsPlan(
+        shape_name="tiny", shape=TINY, workloads=(WORKLOADS["j1"].scaled(0.1),), taus=(6.5,),
+        widths=("auto",), scratch=tmp_path, dtype="float32", device="cpu",
+    )  # fmt: skip
+    entry = run_jobs(plan, lambda _: None)["workloads"]["j1"]
+    runs = entry["runs"]
+    assert set(runs) == {"none", "json", "json useless auto", "json oracle tau 6.5 auto"}
+    assert "json / none" in entry["ratios"]
+    assert runs["json oracle tau 6.5 auto"]["acceptance_length"] > 3  # drafts the grammar allows
+    completions = {
+        run: pl.read_parquet(tmp_path / "out" / "j1" / run.replace(" ", "-") / "*.parquet")
+        .sort("row_index")["completion"]
+        .to_list()
+        for run in runs
+    }
+    assert all(text.startswith('{"items": [{"name": "') for text in completions["json"])
+    assert not any(text.startswith('{"items"') for text in completions["none"])
+    assert all(c == completions["json"] for r, c in completions.items() if r.startswith("json"))
 
 
 @pytest.mark.parametrize(

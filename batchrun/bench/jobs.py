@@ -116,13 +116,17 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
     return result
 
 
-def _write_inputs(plan: JobsPlan, w: Workload) -> tuple[Path, Path]:
-    """The workload's Parquet, and a warm-up's of the same shape on other prompts (a batch of
-    rows, outputs capped at 32 tokens)."""
+def _write_inputs(plan: JobsPlan, w: Workload) -> tuple[Path, Path, Path]:
+    """The workload's Parquet without its json_schema column and with it (the same file
+    twice for an unconstrained workload), and a warm-up's of the same shape on other prompts
+    (a batch of rows, outputs capped at 32 tokens)."""
     folder, vocab = plan.scratch / "inputs", plan.shape.vocab_size
     warm = replace(w, rows=min(w.rows, w.batch), max_tokens=_capped(w.max_tokens, 32))
+    rows = w.write(folder / f"{w.name}.parquet", vocab, 0)
+    free = rows if w.json_schema is None else folder / f"{w.name}-free.parquet"
     return (
-        w.write(folder / f"{w.name}.parquet", vocab, 0),
+        w.write(free, vocab, 0, constrained=False) if free != rows else rows,
+        rows,
         warm.write(folder / f"{w.name}-warm.parquet", vocab, 1),
     )
 
@@ -137,7 +141,7 @@ class _Mode:
         mode: str,
         target: Path,
         draft: Path | None,
-        inputs: dict[str, tuple[Path, Path]],
+        inputs: dict[str, tuple[Path, Path, Path]],
         result: dict[str, Any],
     ) -> None:
         self.plan, self.mode, self.target, self.draft = plan, mode, target, draft
@@ -157,11 +161,12 @@ class _Mode:
         progress: Callable[[dict[str, Any]], None],
     ) -> None:
         for w in self.plan.workloads:
-            for i, (name, tau) in enumerate(_runs(self.mode, self.plan.taus)):
+            constrained = w.json_schema is not None
+            for i, (name, tau) in enumerate(_runs(self.mode, self.plan.taus, constrained)):
                 job = _job(self.plan, self.target, self.draft, self.mode, w, self.inputs, name)
                 if i == 0:
                     warm = replace(
-                        job, input=str(self.inputs[w.name][1]), output=job.output + "-warm"
+                        job, input=str(self.inputs[w.name][2]), output=job.output + "-warm"
                     )
                     _run(self.engine, warm, w.batch, None)
                 oracle = None
@@ -174,7 +179,7 @@ class _Mode:
                     )
                 else:
                     stats = _run(self.engine, job, w.batch, oracle)
-                if self.mode == "none":
+                if self.mode == "none":  # a constrained workload's oracle replays "json"
                     continuations[w.name] = outputs(Path(job.output))
                 run = _figures(stats, entry.get("bound"))
                 if tau is not None:
@@ -196,11 +201,15 @@ def _capped(span: tuple[int, int], most: int) -> tuple[int, int]:
     return (min(span[0], most), min(span[1], most))
 
 
-def _runs(mode: str, taus: tuple[float, ...]) -> list[tuple[str, float | None]]:
-    """(run name, oracle tau or None) of an engine mode."""
+def _runs(mode: str, taus: tuple[float, ...], constrained: bool) -> list[tuple[str, float | None]]:
+    """(run name, oracle tau or None) of an engine mode. A constrained workload's runs are
+    "json ..." (its rows' schemas) after an unconstrained "none" of the same rows."""
     if mode == "none":
-        return [("none", None)]
-    return [(f"useless {mode}", None)] + [(f"oracle tau {t:g} {mode}", t) for t in taus]
+        return [("none", None), *([("json", None)] if constrained else [])]
+    runs: list[tuple[str, float | None]] = [(f"useless {mode}", None)] + [
+        (f"oracle tau {t:g} {mode}", t) for t in taus
+    ]
+    return [(f"json {name}" if constrained else name, tau) for name, tau in runs]
 
 
 def _job(
@@ -209,12 +218,12 @@ def _job(
     draft: Path | None,
     mode: str,
     w: Workload,
-    inputs: dict[str, tuple[Path, Path]],
+    inputs: dict[str, tuple[Path, Path, Path]],
     name: str,
 ) -> JobSpec:
     return load_job(
         overrides={
-            "input": str(inputs[w.name][0]),
+            "input": str(inputs[w.name][1 if name.startswith("json") else 0]),
             "output": str(plan.scratch / "out" / w.name / name.replace(" ", "-")),
             "target": str(target),
             "draft": str(draft) if draft is not None else None,

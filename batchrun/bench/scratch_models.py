@@ -2,8 +2,9 @@
 whole jobs (`batchrun run --target DIR --draft DIR`) run on them exactly as on a real model.
 
 The target is a Hugging Face Qwen3 directory (safetensors shards of at most 5 GB with
-transformers' index, config.json, generation_config.json) and a word-level tokenizer covering
-its whole vocabulary ("t0" .. "t{V-1}"); the draft is a DFlash draft in z-lab's layout. Weights
+transformers' index, config.json, generation_config.json) and a byte-level tokenizer covering
+its whole vocabulary (the 256 bytes, then "t256" .. "t{V-1}"); the draft is a DFlash draft in
+z-lab's layout. Weights
 are drawn on `device` in `dtype` (the 8B's 16 GB take seconds on a GPU) and copied to the host
 one shard at a time; tiny shapes on the CPU serve the tests.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config
 
 from batchrun.bench.shapes import DRAFT_BLOCK, DRAFT_LAYERS, _randomize
@@ -42,7 +43,7 @@ def eos_id(vocab_size: int) -> int:
 
 def mask_id(vocab_size: int) -> int:
     """The draft's mask token: the last id, or the one before it where that is the eos. Every
-    row of the word-level vocabulary is a token, so there is no unused row to take (real Qwen3
+    row of the vocabulary is a token, so there is no unused row to take (real Qwen3
     drafts use the padded row 151669); the mask only needs to differ from the eos."""
     last = vocab_size - 1
     return last if last != eos_id(vocab_size) else last - 1
@@ -88,7 +89,7 @@ def write_target(
     )  # fmt: skip
     config.save_pretrained(str(out))
     GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(out))
-    write_word_tokenizer(out, shape.vocab_size, eos)
+    write_tokenizer(out, shape.vocab_size, eos)
     return out
 
 
@@ -109,14 +110,17 @@ def _echo(model: Qwen3ForCausalLM) -> None:
         embed.mul_(ECHO_SCALE)
 
 
-def write_word_tokenizer(out_dir: Path | str, vocab_size: int, eos_id: int) -> None:
-    """A tokenizer whose token i is the word f"t{i}": text is ids written out ("t5 t17"), so
-    decode and encode round-trip every id. Unknown words encode as t0 rather than fail."""
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    # No decoder: the tokenizers library then joins tokens with single spaces.
-    eos = f"t{eos_id}"
+def write_tokenizer(out_dir: Path | str, vocab_size: int, eos_id: int) -> None:
+    """A byte-level tokenizer covering the vocabulary: ids 0 .. 255 are the 256 bytes, so any
+    text encodes (byte by byte) and a grammar (structured outputs) can spell anything, as with
+    a real model's tokenizer; every other id i decodes to the text f"t{i}"."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())[:vocab_size]
+    vocab = {char: i for i, char in enumerate(alphabet)}
+    vocab |= {f"t{i}": i for i in range(len(alphabet), vocab_size)}
+    backend = Tokenizer(models.BPE(vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    eos = f"t{eos_id}" if eos_id >= len(alphabet) else alphabet[eos_id]
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token=eos, pad_token=eos, clean_up_tokenization_spaces=False
     )
@@ -171,7 +175,10 @@ def write_scratch_models(
     same shape and settings is reused as it is; any other is deleted and written afresh."""
     root = Path(root)
     target_dir, draft_dir = root / "target", root / "draft"
-    target_key = {"shape": asdict(shape), "dtype": _dtype_name(dtype), "seed": 0, "echo": echo}
+    target_key = {
+        "shape": asdict(shape), "dtype": _dtype_name(dtype), "seed": 0, "echo": echo,
+        "tokenizer": "bytes",  # a directory with the earlier word-level tokenizer is rewritten
+    }  # fmt: skip
     _reuse_or_write(
         target_dir, target_key, lambda: write_target(target_dir, shape, dtype, device, echo=echo)
     )

@@ -1,9 +1,11 @@
 """The job benchmark's workloads: Parquet inputs of random token ids, shaped as the jobs users
-run (equal prompts in waves, ragged prompts and budgets, long generations, one row at a time).
+run (equal prompts in waves, ragged prompts and budgets, long generations, one row at a time,
+JSON-schema rows).
 `scale` shrinks rows and lengths alike, for a small model (the CPU test)."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ class Workload:
     prompt_len: tuple[int, int]  # a range: equal ends are one length, else log-uniform in it
     max_tokens: tuple[int, int]  # likewise, per row
     batch: int  # --max-batch-size
+    json_schema: str | None = None  # every row's json_schema cell (a structured-output job)
 
     def scaled(self, scale: float) -> Workload:
         def size(n: int) -> int:
@@ -34,6 +37,7 @@ class Workload:
             span(self.prompt_len),
             span(self.max_tokens),
             max(1, min(self.batch, size(self.rows))),
+            self.json_schema,
         )
 
     @property
@@ -51,11 +55,14 @@ class Workload:
             budgets.append(_log_uniform(rng, *self.max_tokens))
         return prompts, budgets
 
-    def write(self, path: Path, vocab: int, seed: int) -> Path:
+    def write(self, path: Path, vocab: int, seed: int, constrained: bool = True) -> Path:
+        """Its rows as Parquet; constrained=False leaves the json_schema column out."""
         prompts, budgets = self.rows_of(vocab, seed)
         columns = {"prompt_token_ids": pa.array(prompts, pa.list_(pa.int64()))}
         if self.ragged:
             columns["max_tokens"] = pa.array(budgets, pa.int64())
+        if self.json_schema is not None and constrained:
+            columns["json_schema"] = pa.array([self.json_schema] * self.rows, pa.string())
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.table(columns), path)
         return path
@@ -67,6 +74,29 @@ def _log_uniform(rng: random.Random, low: int, high: int) -> int:
     return min(high, int(math.exp(rng.uniform(math.log(low), math.log(high + 1)))))
 
 
+# An extraction job's schema: a list of records that 256 tokens never finish, so a constrained
+# row generates as many tokens as the unconstrained one it is measured against.
+RECORDS_SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"items": {
+        "type": "array",
+        "minItems": 100,
+        "items": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 24},
+                "price": {"type": "number"},
+                "in_stock": {"type": "boolean"},
+                "tags": {"type": "array", "items": {"enum": ["new", "sale"]}, "maxItems": 3},
+            },
+            "required": ["name", "price", "in_stock", "tags"],
+            "additionalProperties": False,
+        },
+    }},
+    "required": ["items"],
+    "additionalProperties": False,
+})  # fmt: skip
+
 WORKLOADS = {
     w.name: w
     for w in (
@@ -75,5 +105,7 @@ WORKLOADS = {
         Workload("w3", 1000, (32, 4096), (16, 1024), 256),
         Workload("w4", 128, (128, 128), (2048, 2048), 128),
         Workload("b1", 4, (512, 512), (256, 256), 1),
+        # Structured output: runs "json" (every row constrained) beside "none" (unconstrained).
+        Workload("j1", 64, (512, 512), (256, 256), 64, RECORDS_SCHEMA),
     )
 }
