@@ -84,8 +84,8 @@ RECORDS_SCHEMA = json.dumps({
         "items": {
             "type": "object",
             "properties": {
-                "name": {"type": "string", "maxLength": 24},
-                "price": {"type": "number"},
+                "name": {"type": "string", "minLength": 8, "maxLength": 24},
+                "price": {"type": "integer", "minimum": 0, "maximum": 9999},
                 "in_stock": {"type": "boolean"},
                 "tags": {"type": "array", "items": {"enum": ["new", "sale"]}, "maxItems": 3},
             },
