@@ -47,3 +47,20 @@ def test_demo_pair_fits_the_package_budget() -> None:
     config = json.loads((demo.DRAFT / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"]["mask_token_id"] >= 4096  # a padded row, no real token
+
+
+def test_demo_json_job_writes_valid_json_with_and_without_the_drafter(tmp_path: Path) -> None:
+    import jsonschema
+
+    frames = {}
+    for name, extra in (("spec", ["--verify-width", "full"]), ("plain", ["--draft", "none"])):
+        out = tmp_path / name
+        args = ["run", str(JOBS / "demo_json.toml"), "--output", str(out), "--quiet", *extra]
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, result.output
+        frames[name] = pl.read_parquet(out / "*.parquet").sort("row_index")
+    spec, plain = frames["spec"], frames["plain"]
+    assert spec["completion_token_ids"].to_list() == plain["completion_token_ids"].to_list()
+    for row in plain.to_dicts():
+        assert row["finish_reason"] == "stop" and row["error"] is None
+        jsonschema.validate(json.loads(row["completion"]), json.loads(row["json_schema"]))
