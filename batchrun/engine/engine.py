@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,15 +27,14 @@ from transformers import PreTrainedTokenizerBase
 from batchrun.device import resolve_device
 from batchrun.engine.config import EngineConfig, check_batch_budget
 from batchrun.engine.heap import collect_everything, freeze_heap
+from batchrun.engine.in_flight import Forward, Launched, copy_to_host
 from batchrun.engine.instruments import Instruments, StepTimer
 from batchrun.engine.logprobs import (
-    PromptRows,
     ReadLogprobs,
-    StepLogprobs,
     asked_logprobs,
     prompt_rows,
 )
-from batchrun.engine.model_runner import ModelRunner, RunnerSizes, TargetOutput
+from batchrun.engine.model_runner import ModelRunner, RunnerSizes
 from batchrun.engine.page_pool import PagePool
 from batchrun.engine.request import Request, sample_requests
 from batchrun.engine.scheduler import Scheduled, Scheduler
@@ -47,7 +46,7 @@ from batchrun.engine.startup import (
     load_models,
     size_memory,
 )
-from batchrun.engine.step_inputs import StepArgs, StepPlan, plan_step, rows_sampled
+from batchrun.engine.step_inputs import plan_step, rows_sampled
 from batchrun.engine.step_sampling import (
     SampledRows,
     processed_logits,
@@ -55,44 +54,11 @@ from batchrun.engine.step_sampling import (
     score_tokens,
 )
 from batchrun.engine.stopping import Stopper
-from batchrun.engine.transfers import to_host
 from batchrun.errors import JobError
 from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.grammar import Grammars
-from batchrun.sampling.grammar_masks import ConstrainedRows, StepMasks, build_masks
+from batchrun.sampling.grammar_masks import StepMasks, build_masks
 from batchrun.speculative.acceptance import RoundTrace
-
-
-@dataclass
-class Launched:
-    """A step on the GPU whose tokens the host has not read yet."""
-
-    batch: list[Scheduled]
-    plan: StepPlan
-    sampled: SampledRows  # the rows each item samples
-    epochs: list[int]  # each request's epoch at launch: a later one drops the result
-    host: torch.Tensor  # sampled tokens, accepted counts (and drafts when traced), on their way
-    ready: torch.cuda.Event | None
-    num_drafts: int  # drafts per decoding request copied back (0: not traced)
-    seconds: float | None  # off a GPU the launch ran the step: its time
-    logprobs: StepLogprobs | None = None  # when the job asks for them
-
-
-@dataclass
-class Forward:
-    """A step whose forward is launched and whose rows are not sampled yet."""
-
-    batch: list[Scheduled]
-    plan: StepPlan
-    sampled: SampledRows
-    epochs: list[int]
-    args: StepArgs
-    out: TargetOutput
-    drafts: torch.Tensor | None  # [D, W-1]
-    constrained: bool  # some row has a grammar: its masks come from the host
-    drafts_host: tuple[torch.Tensor, torch.cuda.Event | None] | None  # a constrained step's
-    prompt: PromptRows | None
-    started: float
 
 
 class Engine:
@@ -270,7 +236,8 @@ class Engine:
         finished, masks = [], None
         if forward is not None and forward.constrained:
             finished = self._read_back(previous) if previous is not None else []
-            previous, masks = None, self._masks(forward)
+            previous = None
+            masks = build_masks(self.grammars, forward.constrained_rows(), self.device)
         launched = self._sample(forward, masks) if forward is not None else None
         if previous is not None:
             finished = self._read_back(previous)
@@ -302,7 +269,7 @@ class Engine:
         drafts = speculator.propose(args, plan)
         constrained = any(it.req.grammar is not None for it in batch)
         # A constrained step's masks follow the drafts: they start for the host now.
-        drafts_host = _to_host(drafts) if constrained and drafts is not None else None
+        drafts_host = copy_to_host(drafts) if constrained and drafts is not None else None
         self.instruments.timer.mark()
         out = runner.target_step(args, plan, drafts)
         speculator.observe(out.features)
@@ -310,26 +277,6 @@ class Engine:
             batch, plan, sampled, epochs, args, out, drafts, constrained, drafts_host, prompt,
             started,
         )  # fmt: skip
-
-    def _masks(self, forward: Forward) -> StepMasks:
-        """The next-token masks of the step's constrained rows, from the committed tokens and
-        the step's drafts (built while the GPU runs its forward)."""
-        drafts: list[list[int]] = []
-        if forward.drafts_host is not None:
-            host, ready = forward.drafts_host
-            if ready is not None:
-                ready.synchronize()
-            drafts = host.tolist()
-        requests, row, decoding = [], 0, 0
-        items = zip(forward.batch, forward.sampled.counts, forward.epochs, strict=True)
-        for it, k, epoch in items:
-            req = it.req
-            if req.grammar is not None and k and req.epoch == epoch:  # else its result drops
-                own = drafts[decoding] if it.decoding and drafts else []
-                requests.append(ConstrainedRows(req.grammar, row, k, own))
-            row += k
-            decoding += it.decoding
-        return build_masks(self.grammars, requests, self.device)
 
     @torch.inference_mode()
     def _sample(self, forward: Forward, masks: StepMasks | None) -> Launched:
@@ -356,7 +303,7 @@ class Engine:
         traced = self.instruments.rounds is not None and drafts is not None
         if traced and drafts is not None:
             parts.append(drafts.reshape(-1))
-        host, ready = _to_host(torch.cat(parts))
+        host, ready = copy_to_host(torch.cat(parts))
         seconds = None if ready is not None else time.perf_counter() - forward.started
         drafted = width - 1 if traced else 0
         return Launched(
@@ -438,14 +385,3 @@ class Engine:
                 self.instruments.rounds.append(
                     RoundTrace(req.row_index, p, anchor, drafts, committed)
                 )
-
-
-def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """An asynchronous copy into pinned memory on a GPU, and the event that marks it (and
-    every copy issued before it) done."""
-    host = to_host(values)
-    if values.device.type != "cuda":
-        return host, None
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready

@@ -1,0 +1,80 @@
+"""A step between its launch and its read back: its forward launched (`Forward`), then the whole
+step (`Launched`), and the one asynchronous copy that brings its results to the host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchrun.engine.logprobs import PromptRows, StepLogprobs
+from batchrun.engine.model_runner import TargetOutput
+from batchrun.engine.scheduler import Scheduled
+from batchrun.engine.step_inputs import StepArgs, StepPlan
+from batchrun.engine.step_sampling import SampledRows
+from batchrun.engine.transfers import to_host
+from batchrun.sampling.grammar_masks import ConstrainedRows
+
+HostCopy = tuple[torch.Tensor, torch.cuda.Event | None]  # values on their way, and when done
+
+
+@dataclass
+class Forward:
+    """A step whose forward is launched and whose rows are not sampled yet."""
+
+    batch: list[Scheduled]
+    plan: StepPlan
+    sampled: SampledRows
+    epochs: list[int]  # each request's epoch at launch: a later one drops the result
+    args: StepArgs
+    out: TargetOutput
+    drafts: torch.Tensor | None  # [D, W-1]
+    constrained: bool  # some row has a grammar: its masks come from the host
+    drafts_host: HostCopy | None  # a constrained step's drafts, for its masks
+    prompt: PromptRows | None
+    started: float
+
+    def constrained_rows(self) -> list[ConstrainedRows]:
+        """Each constrained request's rows and the drafts they take as input (once the host
+        has read the step before: the matchers are at the committed output)."""
+        drafts: list[list[int]] = []
+        if self.drafts_host is not None:
+            host, ready = self.drafts_host
+            if ready is not None:
+                ready.synchronize()  # the draft forward only: the target's runs on
+            drafts = host.tolist()
+        requests, row, decoding = [], 0, 0
+        for it, k, epoch in zip(self.batch, self.sampled.counts, self.epochs, strict=True):
+            req = it.req
+            if req.grammar is not None and k and req.epoch == epoch:  # else its result drops
+                own = drafts[decoding] if it.decoding and drafts else []
+                requests.append(ConstrainedRows(req.grammar, row, k, own))
+            row += k
+            decoding += it.decoding
+        return requests
+
+
+@dataclass
+class Launched:
+    """A step on the GPU whose tokens the host has not read yet."""
+
+    batch: list[Scheduled]
+    plan: StepPlan
+    sampled: SampledRows  # the rows each item samples
+    epochs: list[int]  # each request's epoch at launch: a later one drops the result
+    host: torch.Tensor  # sampled tokens, accepted counts (and drafts when traced), on their way
+    ready: torch.cuda.Event | None
+    num_drafts: int  # drafts per decoding request copied back (0: not traced)
+    seconds: float | None  # off a GPU the launch ran the step: its time
+    logprobs: StepLogprobs | None = None  # when the job asks for them
+
+
+def copy_to_host(values: torch.Tensor) -> HostCopy:
+    """An asynchronous copy into pinned memory on a GPU, and the event that marks it (and
+    every copy issued before it) done."""
+    host = to_host(values)
+    if values.device.type != "cuda":
+        return host, None
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
