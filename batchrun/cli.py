@@ -424,9 +424,13 @@ def _model_lines(job: JobSpec, found: Preflight) -> list[str]:
         template += " that thinks by default" if thinks else " that does not think by default"
         if job.thinking is not None:
             template += f"; this job: thinking {'on' if job.thinking else 'off'}"
+    context = f"context {t.max_position_embeddings}"
+    if t.yarn is not None:
+        yarn = t.yarn
+        context += f" (YaRN: {yarn.factor:g} x {yarn.original_max_position_embeddings})"
     return [
         f"target: {job.target} ({t.num_layers} layers, hidden size {t.hidden_size}, "
-        f"vocab {t.vocab_size}, context {t.max_position_embeddings}; "
+        f"vocab {t.vocab_size}, {context}; "
         f"tokenizer: {len(found.tokenizer)} tokens, {template})",
         _draft_line(job.draft, draft) if draft is not None else "draft: none",
         f"device: {found.device}, dtype: {str(found.dtype).removeprefix('torch.')}, "

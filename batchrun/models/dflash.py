@@ -76,7 +76,7 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(h, shape.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(shape) for _ in range(shape.num_layers))
         self.norm = RMSNorm(h, shape.rms_norm_eps)
-        self.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta)
+        self.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta, shape.yarn)
         self.context_kv: torch.Tensor | None = None  # set by pack_context_kv() once loaded
         self.lm_head: nn.Linear | None = None
         if draft_vocab_size is not None:

@@ -178,7 +178,9 @@ def load_dflash(
     draft.to_empty(device=device)
     load_weights(draft, iter_safetensors(draft_dir, device), "draft", skip=set(spec.not_loaded))
     release_staging(device)
-    draft.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta).to(device)
+    draft.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta, shape.yarn).to(
+        device
+    )
     draft.draft_to_target = (
         _draft_to_target(draft_dir, spec.head_rows, target.shape.vocab_size).to(device)
         if spec.vocab_map and spec.head_rows is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from batchrun.errors import JobError
-from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.layers.rotary import RotaryEmbedding, Yarn
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.models.qwen3_sharding import TensorParallelQwen3, shard_checkpoint
@@ -34,21 +35,46 @@ def read_config(model_dir: Path, what: str = "model") -> dict[str, Any]:
 
 
 def rope_theta(config: dict[str, Any], what: str) -> float:
-    """rope_theta from either config style; anything but plain RoPE is refused."""
+    """rope_theta from either config style (rope_parameters, or rope_theta beside rope_scaling)."""
     params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise JobError(f"{what}: rope type {kind!r} is not supported (only plain RoPE)")
     theta = config.get("rope_theta", params.get("rope_theta"))
     if theta is None:
         raise JobError(f"{what}: config.json has no rope_theta")
     return float(theta)
 
 
+def rope_yarn(config: dict[str, Any], what: str) -> Yarn | None:
+    """The YaRN scaling of either config style (None: plain RoPE); other types are refused."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise JobError(f"{what}: rope type {kind!r} is not supported (plain RoPE or yarn)")
+    original = params.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original < 1:
+        raise JobError(f"{what}: yarn needs original_max_position_embeddings, got {original!r}")
+    factor = params.get("factor") or config.get("max_position_embeddings", original) / original
+    optional = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+    try:
+        yarn = Yarn(
+            factor=float(factor),
+            original_max_position_embeddings=original,
+            truncate=bool(params.get("truncate", True)),
+            **{k: float(params[k]) for k in optional if params.get(k) is not None},
+        )
+    except (TypeError, ValueError):
+        raise JobError(f"{what}: yarn parameters are not numbers: {params}") from None
+    if not (math.isfinite(yarn.factor) and yarn.factor >= 1):
+        raise JobError(f"{what}: yarn factor must be a number >= 1, got {factor!r}")
+    return yarn
+
+
 def qwen3_shape(config: dict[str, Any], what: str = "target") -> Qwen3Shape:
     if config.get("model_type") != "qwen3":
         raise JobError(f"{what}: model_type is {config.get('model_type')!r}; batchrun runs qwen3")
+    yarn = rope_yarn(config, what)
+    positions = int(config.get("max_position_embeddings", 40960))
     try:
         heads = int(config["num_attention_heads"])
         return Qwen3Shape(
@@ -61,8 +87,10 @@ def qwen3_shape(config: dict[str, Any], what: str = "target") -> Qwen3Shape:
             head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta(config, what),
-            max_position_embeddings=int(config.get("max_position_embeddings", 40960)),
+            # With YaRN the context is factor x original (as vLLM derives it).
+            max_position_embeddings=max(positions, yarn.context if yarn else 0),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            yarn=yarn,
         )
     except KeyError as e:
         raise JobError(f"{what}: config.json lacks {e.args[0]!r}") from None
@@ -200,6 +228,6 @@ def load_qwen3(
     release_staging(device)
     # Buffers are not in the checkpoint: build the RoPE table for real, in float32.
     model.rope = RotaryEmbedding(
-        shape.head_dim, shape.max_position_embeddings + rope_headroom, shape.rope_theta
+        shape.head_dim, shape.max_position_embeddings + rope_headroom, shape.rope_theta, shape.yarn
     ).to(device)
     return model.eval(), config

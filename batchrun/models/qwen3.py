@@ -15,7 +15,7 @@ from batchrun.attention.base import AttentionBackend
 from batchrun.layers.attention import PagedAttention
 from batchrun.layers.mlp import SwiGLU
 from batchrun.layers.norm import RMSNorm
-from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.layers.rotary import RotaryEmbedding, Yarn
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,9 @@ class Qwen3Shape:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    max_position_embeddings: int
+    max_position_embeddings: int  # the positions it addresses (with YaRN: factor x original)
     tie_word_embeddings: bool
+    yarn: Yarn | None = None
 
 
 class LayerWeights(nn.Module):
@@ -84,7 +85,9 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = RotaryEmbedding(shape.head_dim, shape.max_position_embeddings, shape.rope_theta)
+        self.rope = RotaryEmbedding(
+            shape.head_dim, shape.max_position_embeddings, shape.rope_theta, shape.yarn
+        )
 
     def forward(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
@@ -45,12 +46,14 @@ def make_tiny_model(
     tokenizer_dir: Path | str | None = None,
     tokenizer_vocab_size: int = 1024,
     initializer_range: float = DECISIVE_INIT,
+    rope_parameters: dict[str, Any] | None = None,
 ) -> Path:
     """Save a random Qwen3 and its tokenizer to out_dir and return out_dir.
 
     vocab_size is the model's embedding rows (None: the tokenizer's length; larger pads, as
     real Qwen checkpoints do). The tokenizer is copied from tokenizer_dir, or trained with
     tokenizer_vocab_size tokens. num_shards is the exact number of safetensors files.
+    rope_parameters: transformers' (e.g. YaRN's); None: plain RoPE.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,6 +84,8 @@ def make_tiny_model(
         pad_token_id=pad_id,
         dtype="float32",
     )
+    if rope_parameters is not None:
+        config.rope_parameters = rope_parameters
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).eval()
     _randomize_norms(model)
