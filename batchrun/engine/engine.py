@@ -96,7 +96,9 @@ class Engine:
         self.runner = ModelRunner(self.model, backend, sizes, self.device)
         self.speculator = make_speculator(draft, self.runner, choice, config, tp)
         clock.lap("build_runner")
-        if config.cuda_graphs and backend.graphable and self.device.type == "cuda":
+        # A MoE target's experts run eagerly (layers/moe.py reads its routing on the host).
+        graphable = backend.graphable and not self.model.shape.num_experts
+        if config.cuda_graphs and graphable and self.device.type == "cuda":
             self.capture_graphs()
             clock.lap("capture_graphs")
         # A cached prefix has no logits: prompt log-probabilities need every prompt computed.

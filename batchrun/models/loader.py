@@ -71,8 +71,14 @@ def rope_yarn(config: dict[str, Any], what: str) -> Yarn | None:
 
 
 def qwen3_shape(config: dict[str, Any], what: str = "target") -> Qwen3Shape:
-    if config.get("model_type") != "qwen3":
-        raise JobError(f"{what}: model_type is {config.get('model_type')!r}; batchrun runs qwen3")
+    if config.get("model_type") not in ("qwen3", "qwen3_moe"):
+        raise JobError(
+            f"{what}: model_type is {config.get('model_type')!r}; batchrun runs qwen3 and qwen3_moe"
+        )
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise JobError(f"{what}: quantized checkpoints ({method}) are not supported yet")
     yarn = rope_yarn(config, what)
     positions = int(config.get("max_position_embeddings", 40960))
     try:
@@ -91,9 +97,30 @@ def qwen3_shape(config: dict[str, Any], what: str = "target") -> Qwen3Shape:
             max_position_embeddings=max(positions, yarn.context if yarn else 0),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             yarn=yarn,
+            **_moe_fields(config, what),
         )
     except KeyError as e:
         raise JobError(f"{what}: config.json lacks {e.args[0]!r}") from None
+
+
+def _moe_fields(config: dict[str, Any], what: str) -> dict[str, Any]:
+    """Qwen3-MoE's keys as Qwen3Shape's fields (none for a dense model)."""
+    if config.get("model_type") != "qwen3_moe":
+        return {}
+    key = "num_experts" if "num_experts" in config else "num_local_experts"
+    experts, top_k = int(config[key]), int(config["num_experts_per_tok"])
+    if not 1 <= top_k <= experts:
+        raise JobError(
+            f"{what}: num_experts_per_tok must be in [1, num_experts = {experts}], got {top_k}"
+        )
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(config["moe_intermediate_size"]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+        "decoder_sparse_step": int(config.get("decoder_sparse_step", 1)),
+        "mlp_only_layers": tuple(int(i) for i in config.get("mlp_only_layers") or ()),
+    }
 
 
 def resolve_dtype(name: str, config: dict[str, Any], device: torch.device) -> torch.dtype:

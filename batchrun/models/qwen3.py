@@ -2,6 +2,7 @@
 
 Module names mirror the Hugging Face checkpoint ("model.layers.0.self_attn.o_proj", ...), except
 that q/k/v and gate/up are packed into one matmul each (`PACKED` says how the loader fills them).
+Qwen3-MoE is the same model with a sparse block of experts in place of some layers' MLP.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from batchrun.attention.base import AttentionBackend
 from batchrun.layers.attention import PagedAttention
 from batchrun.layers.mlp import SwiGLU
+from batchrun.layers.moe import SparseMoe
 from batchrun.layers.norm import RMSNorm
 from batchrun.layers.rotary import RotaryEmbedding, Yarn
 
@@ -32,20 +34,46 @@ class Qwen3Shape:
     max_position_embeddings: int  # the positions it addresses (with YaRN: factor x original)
     tie_word_embeddings: bool
     yarn: Yarn | None = None
+    # Qwen3-MoE: experts of moe_intermediate_size, top num_experts_per_tok of num_experts per
+    # token, in layers i with (i + 1) % decoder_sparse_step == 0 outside mlp_only_layers.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer` has experts (transformers' rule)."""
+        return (
+            self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+            and layer not in self.mlp_only_layers
+        )
 
 
 class LayerWeights(nn.Module):
     """The weights of one Qwen3 decoder layer, under the checkpoint's names (also the DFlash
     draft's layers, which differ only in what they attend to)."""
 
-    def __init__(self, s: Qwen3Shape) -> None:
+    def __init__(self, s: Qwen3Shape, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.self_attn = PagedAttention(
             s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
         )
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.mlp = SwiGLU(s.hidden_size, s.intermediate_size)
+        self.mlp: nn.Module = (
+            SparseMoe(
+                s.hidden_size,
+                s.moe_intermediate_size,
+                s.num_experts,
+                s.num_experts_per_tok,
+                s.norm_topk_prob,
+            )  # fmt: skip
+            if s.sparse(index)
+            else SwiGLU(s.hidden_size, s.intermediate_size)
+        )
 
 
 class DecoderLayer(LayerWeights):
@@ -73,7 +101,7 @@ class Qwen3Body(nn.Module):
     def __init__(self, s: Qwen3Shape) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
 

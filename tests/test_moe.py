@@ -1,0 +1,105 @@
+"""Qwen3-MoE targets (model_type qwen3_moe) on the CPU: a tiny random checkpoint written by
+transformers (4 experts, top 2, one dense layer among sparse ones) loads, and greedy outputs equal
+transformers' generate(), with and without a DFlash draft."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from engine_runs import cpu_engine, run_to_end
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from batchrun.engine.request import Request, SamplingParams
+from batchrun.errors import JobError
+from batchrun.layers.moe import SparseMoe
+from batchrun.models.loader import qwen3_shape, read_config
+from batchrun.tools.tiny_draft import make_tiny_draft
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def moe_target(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("moe")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    vocab = tokenizer.get_vocab()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
+        norm_topk_prob=True, max_position_embeddings=512, initializer_range=0.2,
+        eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"],
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 900, (n,), generator=gen).tolist() for n in (5, 17, 40, 9)]
+
+
+def test_the_shape_reads_the_experts(moe_target: Path) -> None:
+    shape = qwen3_shape(read_config(moe_target, "target"))
+    assert (shape.num_experts, shape.num_experts_per_tok, shape.moe_intermediate_size) == (
+        4, 2, 32,
+    )  # fmt: skip
+    assert [shape.sparse(i) for i in range(3)] == [True, False, True]
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_greedy_outputs_are_transformers(
+    moe_target: Path, tmp_path: Path, with_draft: bool
+) -> None:
+    draft = make_tiny_draft(tmp_path / "draft", moe_target, num_layers=1) if with_draft else None
+    engine = cpu_engine(moe_target, draft, max_batch_size=3, verify_width="full")
+    layers = engine.model.model.layers
+    assert [isinstance(layer.mlp, SparseMoe) for layer in layers] == [True, False, True]
+    requests = [
+        Request(i, p, SamplingParams(max_tokens=MAX_TOKENS)) for i, p in enumerate(prompts())
+    ]
+    done = sorted(run_to_end(engine, requests), key=lambda r: r.row_index)
+    hf = AutoModelForCausalLM.from_pretrained(moe_target, dtype=torch.float32).eval()
+    for req in done:
+        ids = torch.tensor([req.prompt_ids])
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        assert req.output_ids == out[0, ids.shape[1] :].tolist()[: len(req.output_ids)]
+        assert len(req.output_ids) == MAX_TOKENS or req.finish_reason == "stop"
+
+
+def test_a_bad_expert_count_is_one_line(moe_target: Path) -> None:
+    config = {**read_config(moe_target, "target"), "num_experts_per_tok": 5}
+    with pytest.raises(
+        JobError, match=r"^target: num_experts_per_tok must be in \[1, num_experts = 4\], got 5$"
+    ):
+        qwen3_shape(config)
+
+
+def test_validate_reports_the_experts(moe_target: Path, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from batchrun.cli import cli
+
+    pq.write_table(pa.table({"prompt": ["hello"]}), tmp_path / "in.parquet")
+    args = ["validate", "--input", str(tmp_path / "in.parquet"), "--target", str(moe_target)]
+    result = CliRunner().invoke(cli, [*args, "--output", str(tmp_path / "out"), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "MoE: 4 experts, top 2, context 512" in result.output
+
+
+def test_a_quantized_checkpoint_is_refused_in_one_line(moe_target: Path) -> None:
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config = {**read_config(moe_target, "target"), "quantization_config": fp8}
+    with pytest.raises(JobError, match=r"^target: quantized checkpoints \(fp8\) are not supported"):
+        qwen3_shape(config)
