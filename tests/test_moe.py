@@ -103,3 +103,27 @@ def test_a_quantized_checkpoint_is_refused_in_one_line(moe_target: Path) -> None
     config = {**read_config(moe_target, "target"), "quantization_config": fp8}
     with pytest.raises(JobError, match=r"^target: quantized checkpoints \(fp8\) are not supported"):
         qwen3_shape(config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fused_experts_under_cuda_graphs_give_transformers_outputs(moe_target: Path) -> None:
+    """On a GPU in float32: the fused expert kernel, captured in the steps' CUDA graphs."""
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+
+    config = EngineConfig(
+        target=moe_target, device="cuda", dtype="float32", max_batch_size=4, cuda_graphs=True
+    )
+    engine = Engine(config)
+    assert engine.runner.target_graphs  # the MoE layers did not keep the graphs off
+    requests = [
+        Request(i, p, SamplingParams(max_tokens=MAX_TOKENS)) for i, p in enumerate(prompts())
+    ]
+    done = sorted(run_to_end(engine, requests), key=lambda r: r.row_index)
+    hf = AutoModelForCausalLM.from_pretrained(moe_target, dtype=torch.float32).cuda().eval()
+    for req in done:
+        ids = torch.tensor([req.prompt_ids], device="cuda")
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        assert req.output_ids == out[0, ids.shape[1] :].tolist()[: len(req.output_ids)]

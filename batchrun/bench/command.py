@@ -56,7 +56,7 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
 @click.option("--draft", type=click.Path(path_type=Path), help="DFlash draft (also run).")
 @click.option(
     "--shape",
-    type=click.Choice(["qwen3-4b", "qwen3-8b", "qwen3-32b"]),
+    type=click.Choice(["qwen3-4b", "qwen3-8b", "qwen3-32b", "qwen3-30b-a3b"]),
     help="Sweep steady-state steps at this shape, random weights on the GPU (no checkpoint).",
 )
 # At least 4 layers: the draft reads target layers 1 .. L-3.

@@ -47,13 +47,30 @@ def measure_ceilings(dtype: torch.dtype, device: torch.device) -> Ceilings:
     )
 
 
-def weight_bytes(shape: Qwen3Shape, element: int, layers: int | None = None) -> int:
-    """Bytes of the weights one forward reads (the embedding: only its rows, so not counted)."""
+def weight_bytes(
+    shape: Qwen3Shape, element: int, layers: int | None = None, experts: float | None = None
+) -> int:
+    """Bytes of the weights one forward reads (the embedding: only its rows, so not counted).
+    A MoE layer reads its router and `experts` of its experts (None: all of them)."""
     s = shape
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    per_layer = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
-    per_layer += 3 * s.hidden_size * s.intermediate_size
-    return element * ((layers or s.num_layers) * per_layer + s.vocab_size * s.hidden_size)
+    attention = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
+    total = 0.0
+    for i in range(layers or s.num_layers):
+        if s.sparse(i):
+            read = s.num_experts if experts is None else experts
+            mlp = s.hidden_size * s.num_experts + read * 3 * s.hidden_size * s.moe_intermediate_size
+        else:
+            mlp = 3 * s.hidden_size * s.intermediate_size
+        total += attention + mlp
+    return int(element * (total + s.vocab_size * s.hidden_size))
+
+
+def experts_read(shape: Qwen3Shape, tokens: int) -> float:
+    """The distinct experts `tokens` tokens route to, expected under uniform routing:
+    E (1 - (1 - k/E)^tokens)."""
+    e, k = shape.num_experts, shape.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** tokens) if e else 0.0
 
 
 def step_floor_ms(
@@ -64,12 +81,15 @@ def step_floor_ms(
     rows_per_request: int,
     ceilings: Ceilings,
 ) -> dict[str, float]:
-    """The least time a target step can take: all weights and the batch's KV read once, or its
-    matmuls at the measured rate, whichever is longer."""
+    """The least time a target step can take: the weights it reads (a MoE layer: the experts
+    its tokens route to) and the batch's KV read once, or its matmuls at the measured rate,
+    whichever is longer."""
     s = shape
+    tokens = batch * rows_per_request
     kv_bytes = batch * context * s.num_layers * 2 * s.num_kv_heads * s.head_dim * element
-    moved = weight_bytes(s, element) + kv_bytes
-    flops = 2 * (weight_bytes(s, 1)) * batch * rows_per_request
+    moved = weight_bytes(s, element, experts=experts_read(s, tokens)) + kv_bytes
+    # Each token's matmuls: its own top-k experts (a dense model's whole MLP).
+    flops = 2 * weight_bytes(s, 1, experts=s.num_experts_per_tok) * tokens
     memory_ms = moved / ceilings.copy_bytes_per_s * 1e3
     compute_ms = flops / ceilings.matmul_flops_per_s * 1e3
     return {

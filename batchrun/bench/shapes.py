@@ -33,6 +33,11 @@ SHAPES = {
         hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
         tie_word_embeddings=False, **_QWEN3,  # type: ignore[arg-type]
     ),
+    "qwen3-30b-a3b": Qwen3Shape(
+        hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+        tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, **{**_QWEN3, "num_kv_heads": 4},  # type: ignore[arg-type]
+    ),
 }  # fmt: skip
 DRAFT_LAYERS = 5  # z-lab's Qwen3 DFlash drafts: 5 layers, block 16
 DRAFT_BLOCK = 16
@@ -61,13 +66,19 @@ def random_target(
 ) -> Qwen3ForCausalLM:
     """With tp, only this rank's share is built (its own random weights)."""
     s = shape
-    with torch.device(device):
+    with shapes_only():  # allocated once, in dtype: a float32 build of a 30B model would not fit
         model = Qwen3ForCausalLM(shape) if tp is None else TensorParallelQwen3(shape, tp)
         model = model.to(dtype)
+    model.to_empty(device=device)
+    if shape.tie_word_embeddings:  # to_empty unties them
+        model.lm_head.weight = model.model.embed_tokens.weight
     _randomize(model, seed=0 if tp is None else tp.rank)
+    model.pack_experts()
     # The RoPE table is built on the host (layers/rotary.py) and .to(dtype) rounded it: build it
     # again on the device, in float32, as the loader does.
-    model.rope = RotaryEmbedding(s.head_dim, s.max_position_embeddings, s.rope_theta).to(device)
+    model.rope = RotaryEmbedding(s.head_dim, s.max_position_embeddings, s.rope_theta, s.yarn).to(
+        device
+    )
     return model.eval()
 
 
@@ -75,7 +86,9 @@ def random_draft(target: Qwen3ForCausalLM, shape: Qwen3Shape, max_positions: int
     """shape: the target's whole shape (a tensor-parallel rank's model holds a share of its
     heads); the draft is whole, the same on every rank."""
     s = shape
-    draft_shape = replace(s, num_layers=DRAFT_LAYERS)
+    draft_shape = replace(  # dense, as z-lab's drafts of MoE targets
+        s, num_layers=DRAFT_LAYERS, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0
+    )
     layer_ids = default_target_layer_ids(DRAFT_LAYERS, s.num_layers)
     device = target.lm_head.weight.device
     with torch.device(device):

@@ -55,6 +55,7 @@ from batchrun.engine.step_sampling import (
 )
 from batchrun.engine.stopping import Stopper
 from batchrun.errors import JobError
+from batchrun.layers.moe import fused_kernel
 from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.grammar import Grammars
 from batchrun.sampling.grammar_masks import StepMasks, build_masks
@@ -96,8 +97,8 @@ class Engine:
         self.runner = ModelRunner(self.model, backend, sizes, self.device)
         self.speculator = make_speculator(draft, self.runner, choice, config, tp)
         clock.lap("build_runner")
-        # A MoE target's experts run eagerly (layers/moe.py reads its routing on the host).
-        graphable = backend.graphable and not self.model.shape.num_experts
+        # A MoE target's experts are graphed only fused (the reference reads routing on the host).
+        graphable = backend.graphable and (not self.model.shape.num_experts or fused_kernel())
         if config.cuda_graphs and graphable and self.device.type == "cuda":
             self.capture_graphs()
             clock.lap("capture_graphs")

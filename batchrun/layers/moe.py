@@ -2,18 +2,24 @@
 all experts in float32, the top k renormalised when norm_topk_prob), and the token's output is
 their SwiGLU outputs weighted by those probabilities, as transformers computes it.
 
-The experts are SwiGLU modules under the checkpoint's names (mlp.experts.E.gate_proj, ...). This
-is the reference path: it runs the experts that some token chose, one after another, so it reads
-the routing on the host and cannot be captured in a CUDA graph (an engine with a MoE target runs
-eagerly).
+The experts are SwiGLU modules under the checkpoint's names (mlp.experts.E.gate_proj, ...);
+once loaded, `pack` stacks their weights into one tensor per projection, the experts keeping
+views of it. On CUDA, when triton imports, the packed experts run fused
+(kernels/triton_moe.py: no host synchronisation, so under CUDA graphs); elsewhere the reference
+path runs the experts some token chose one after another, reading the routing on the host.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from batchrun.layers.mlp import SwiGLU
+
+FusedExperts = Callable[..., torch.Tensor]
 
 
 class SparseMoe(nn.Module):
@@ -23,7 +29,19 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(SwiGLU(hidden, intermediate) for _ in range(num_experts))
+        self.swiglus: list[SwiGLU] = list(self.experts)  # type: ignore[arg-type]
         self.top_k, self.norm_topk = top_k, norm_topk
+        self.w13: torch.Tensor | None = None  # [E, 2I, H], set by pack()
+        self.w2: torch.Tensor | None = None  # [E, H, I]
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Stack the loaded experts' weights (each expert's parameters become views of them)."""
+        self.w13 = torch.stack([e.gate_up_proj.weight for e in self.swiglus])
+        self.w2 = torch.stack([e.down_proj.weight for e in self.swiglus])
+        for i, expert in enumerate(self.swiglus):
+            expert.gate_up_proj.weight.data = self.w13[i]
+            expert.down_proj.weight.data = self.w2[i]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [T, k] and their weights [T, k] (in x's dtype)."""
@@ -35,9 +53,23 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
+        fused = fused_kernel() if x.is_cuda and self.w13 is not None else None
+        if fused is not None:
+            silu_mul = self.swiglus[0].ops.silu_mul
+            return fused(x, self.w13, self.w2, experts, weights, silu_mul)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             token, slot = (experts == e).nonzero(as_tuple=True)
-            y = self.experts[e](x[token]) * weights[token, slot, None]
+            y = self.swiglus[e](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y)
         return out
+
+
+@functools.cache
+def fused_kernel() -> FusedExperts | None:
+    """The fused experts when triton imports (CUDA tensors), else None: the reference path."""
+    try:
+        from batchrun.kernels.triton_moe import fused_experts
+    except ImportError:
+        return None
+    return fused_experts

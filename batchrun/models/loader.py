@@ -253,6 +253,7 @@ def load_qwen3(
     tensors = iter_safetensors(model_dir, device)
     load_weights(model, tensors if tp is None else shard_checkpoint(tensors, tp), "target", skip)
     release_staging(device)
+    model.pack_experts()
     # Buffers are not in the checkpoint: build the RoPE table for real, in float32.
     model.rope = RotaryEmbedding(
         shape.head_dim, shape.max_position_embeddings + rope_headroom, shape.rope_theta, shape.yarn

@@ -137,6 +137,12 @@ class Qwen3ForCausalLM(nn.Module):
         features = torch.cat([captured[i] for i in capture_layers], -1) if capture_layers else None
         return x + residual if residual is not None else x, features
 
+    def pack_experts(self) -> None:
+        """After loading: each MoE layer's experts stacked for the fused path (layers/moe.py)."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, SparseMoe):
+                layer.mlp.pack()
+
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits of pre-norm hidden rows (a tensor-parallel rank's: its vocabulary
         slice's), into `out` if given."""
