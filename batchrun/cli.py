@@ -427,6 +427,8 @@ def _model_lines(job: JobSpec, found: Preflight) -> list[str]:
     context = f"context {t.max_position_embeddings}"
     if t.num_experts:
         context = f"MoE: {t.num_experts} experts, top {t.num_experts_per_tok}, {context}"
+    if t.fp8 is not None:
+        context = f"{t.fp8.describe()}, {context}"
     if t.yarn is not None:
         yarn = t.yarn
         context += f" (YaRN: {yarn.factor:g} x {yarn.original_max_position_embeddings})"

@@ -32,6 +32,7 @@ from batchrun.io.prompts import THINKING_NEEDS_TOKENS, PromptColumn, PromptKind
 from batchrun.io.reasoning import reasoning_split
 from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import DraftSpec, _draft_to_target, check_draft
+from batchrun.models.fp8 import dequantized
 from batchrun.models.loader import (
     load_weights,
     qwen3_shape,
@@ -168,7 +169,7 @@ def check_checkpoints(
     if target.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     skip = {"lm_head.weight"} if target.tie_word_embeddings else set()
-    load_weights(model, header_tensors(target_dir), "target", skip)
+    load_weights(model, header_weights(target_dir, target, "target"), "target", skip)
     numel = sum(p.numel() for p in model.parameters())
     if draft_dir is not None and draft is not None:
         with shapes_only():
@@ -176,11 +177,20 @@ def check_checkpoints(
                 draft.shape, list(draft.target_layer_ids), draft.block_size,
                 draft.mask_token_id, 1, draft.attention, draft.head_rows,
             ).to(dtype)  # fmt: skip
-        load_weights(module, header_tensors(draft_dir), "draft", skip=set(draft.not_loaded))
+        tensors = header_weights(draft_dir, draft.shape, "draft")
+        load_weights(module, tensors, "draft", skip=set(draft.not_loaded))
         if draft.vocab_map and draft.head_rows is not None:
             _draft_to_target(draft_dir, draft.head_rows, target.vocab_size)
         numel += sum(p.numel() for p in module.parameters())
     return numel * dtype.itemsize
+
+
+def header_weights(
+    model_dir: Path, shape: Qwen3Shape, what: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """header_tensors as the loader sees them (FP8 weights dequantized, on the meta device)."""
+    tensors = header_tensors(model_dir)
+    return dequantized(tensors, shape.fp8, what) if shape.fp8 is not None else tensors
 
 
 def header_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -14,7 +14,7 @@ from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.dflash_formats import DraftConfig, draft_config
 from batchrun.models.loader import (
-    iter_safetensors,
+    checkpoint_weights,
     load_weights,
     qwen3_shape,
     read_config,
@@ -176,7 +176,8 @@ def load_dflash(
             max_positions, spec.attention, spec.head_rows,
         ).to(dtype)  # fmt: skip
     draft.to_empty(device=device)
-    load_weights(draft, iter_safetensors(draft_dir, device), "draft", skip=set(spec.not_loaded))
+    tensors = checkpoint_weights(draft_dir, shape, device, "draft")
+    load_weights(draft, tensors, "draft", skip=set(spec.not_loaded))
     release_staging(device)
     draft.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta, shape.yarn).to(
         device

@@ -13,6 +13,7 @@ from torch import nn
 
 from batchrun.errors import JobError
 from batchrun.layers.rotary import RotaryEmbedding, Yarn
+from batchrun.models.fp8 import dequantized, fp8_scheme
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.models.qwen3_sharding import TensorParallelQwen3, shard_checkpoint
@@ -75,10 +76,6 @@ def qwen3_shape(config: dict[str, Any], what: str = "target") -> Qwen3Shape:
         raise JobError(
             f"{what}: model_type is {config.get('model_type')!r}; batchrun runs qwen3 and qwen3_moe"
         )
-    quantization = config.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise JobError(f"{what}: quantized checkpoints ({method}) are not supported yet")
     yarn = rope_yarn(config, what)
     positions = int(config.get("max_position_embeddings", 40960))
     try:
@@ -97,6 +94,7 @@ def qwen3_shape(config: dict[str, Any], what: str = "target") -> Qwen3Shape:
             max_position_embeddings=max(positions, yarn.context if yarn else 0),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             yarn=yarn,
+            fp8=fp8_scheme(config, what),
             **_moe_fields(config, what),
         )
     except KeyError as e:
@@ -141,6 +139,14 @@ def iter_safetensors(
     Call release_staging after loading from a CUDA device."""
     for file in safetensors_files(model_dir):
         yield from read_safetensors(file, device)
+
+
+def checkpoint_weights(
+    model_dir: Path, shape: Qwen3Shape, device: torch.device | None, what: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """iter_safetensors, FP8 weights dequantized (models/fp8.py) where the checkpoint has them."""
+    tensors = iter_safetensors(model_dir, device)
+    return dequantized(tensors, shape.fp8, what) if shape.fp8 is not None else tensors
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -250,7 +256,7 @@ def load_qwen3(
     if shape.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     skip = {"lm_head.weight"} if shape.tie_word_embeddings else set()
-    tensors = iter_safetensors(model_dir, device)
+    tensors = checkpoint_weights(model_dir, shape, device, "target")
     load_weights(model, tensors if tp is None else shard_checkpoint(tensors, tp), "target", skip)
     release_staging(device)
     model.pack_experts()

@@ -18,6 +18,7 @@ from batchrun.layers.mlp import SwiGLU
 from batchrun.layers.moe import SparseMoe
 from batchrun.layers.norm import RMSNorm
 from batchrun.layers.rotary import RotaryEmbedding, Yarn
+from batchrun.models.fp8 import Fp8Scheme
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Qwen3Shape:
     max_position_embeddings: int  # the positions it addresses (with YaRN: factor x original)
     tie_word_embeddings: bool
     yarn: Yarn | None = None
+    fp8: Fp8Scheme | None = None  # an FP8 checkpoint's scales (dequantized as it loads)
     # Qwen3-MoE: experts of moe_intermediate_size, top num_experts_per_tok of num_experts per
     # token, in layers i with (i + 1) % decoder_sparse_step == 0 outside mlp_only_layers.
     num_experts: int = 0

@@ -1,0 +1,116 @@
+"""FP8 checkpoints (quant_method fp8): a tiny checkpoint quantized block-wise (and per tensor)
+loads with its weights dequantized exactly as transformers defines them (weight x its block's
+weight_scale_inv), so the engine's outputs are those of the dequantized checkpoint, which are
+transformers' own."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from engine_runs import cpu_engine, run_to_end
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from batchrun.cli import cli
+from batchrun.engine.request import Request, SamplingParams
+from batchrun.errors import JobError
+from batchrun.models.loader import load_qwen3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BLOCK = [16, 16]
+MAX_TOKENS = 16
+QUANTIZED = ("proj.weight",)  # the linear layers; embeddings, norms and the head stay as they are
+
+
+def quantize(source: Path, out: Path, block: list[int] | None) -> Path:
+    """A copy of the checkpoint with its projections in float8_e4m3fn and their scales, and
+    beside it (out/../reference) the same checkpoint with those weights dequantized."""
+    tensors = load_file(source / "model.safetensors")
+    quantized, reference = {}, {}
+    for name, weight in tensors.items():
+        if not name.endswith(QUANTIZED):
+            quantized[name] = reference[name] = weight
+            continue
+        rows, cols = weight.shape
+        br, bc = block or [rows, cols]
+        blocks = weight.reshape(rows // br, br, cols // bc, bc).abs().amax(dim=(1, 3))
+        scale = (blocks / 448.0).clamp(min=1e-12)
+        full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)
+        q = (weight / full).to(torch.float8_e4m3fn)
+        quantized[name] = q
+        quantized[name + "_scale_inv"] = scale if block else scale.reshape(())
+        reference[name] = q.float() * full
+    config = json.loads((source / "config.json").read_text())
+    for directory, weights, extra in (
+        (out, quantized, {"quantization_config": {
+            "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+            "weight_block_size": block,
+        }}),
+        (out.parent / f"{out.name}-reference", reference, {}),
+    ):  # fmt: skip
+        directory.mkdir()
+        save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+        (directory / "config.json").write_text(json.dumps({**config, **extra}))
+        for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(source / name, directory / name)
+    return out
+
+
+@pytest.mark.parametrize("block", [BLOCK, None])
+def test_fp8_checkpoints_run_as_their_dequantized_weights(
+    tiny_model: Path, tmp_path: Path, block: list[int] | None
+) -> None:
+    fp8 = quantize(tiny_model, tmp_path / "fp8", block)
+    reference = tmp_path / "fp8-reference"
+    loaded, _ = load_qwen3(fp8, "float32", torch.device("cpu"))
+    expected, _ = load_qwen3(reference, "float32", torch.device("cpu"))
+    for (name, a), (_, b) in zip(
+        loaded.named_parameters(), expected.named_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 900, (n,), generator=gen).tolist() for n in (6, 19, 33)]
+    outputs = []
+    for model in (fp8, reference):
+        requests = [
+            Request(i, p, SamplingParams(max_tokens=MAX_TOKENS)) for i, p in enumerate(prompts)
+        ]
+        done = run_to_end(cpu_engine(model, None, max_batch_size=4), requests)
+        outputs.append([r.output_ids for r in sorted(done, key=lambda r: r.row_index)])
+    assert outputs[0] == outputs[1]
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    for prompt, got in zip(prompts, outputs[0], strict=True):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        assert got == out[0, len(prompt) :].tolist()[: len(got)]
+
+
+def test_validate_reports_the_scheme(tiny_model: Path, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fp8 = quantize(tiny_model, tmp_path / "fp8", BLOCK)
+    pq.write_table(pa.table({"prompt": ["hello"]}), tmp_path / "in.parquet")
+    args = ["validate", "--input", str(tmp_path / "in.parquet"), "--target", str(fp8)]
+    result = CliRunner().invoke(cli, [*args, "--output", str(tmp_path / "out"), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "FP8 (16 x 16 blocks, dequantized as loaded)" in result.output
+
+
+def test_a_missing_or_misshapen_scale_is_one_line(tiny_model: Path, tmp_path: Path) -> None:
+    fp8 = quantize(tiny_model, tmp_path / "fp8", BLOCK)
+    tensors = load_file(fp8 / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("_scale_inv"))
+    for broken, message in (
+        ({n: t for n, t in tensors.items() if n != name}, "has no"),
+        ({**tensors, name: tensors[name][:1]}, "expected"),
+    ):
+        save_file(broken, fp8 / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(JobError, match=message) as error:
+            load_qwen3(fp8, "float32", torch.device("cpu"))
+        assert "\n" not in str(error.value)
