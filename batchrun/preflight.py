@@ -77,8 +77,6 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     backend = backend_name(config.attention_backend, device)
     target_config = read_config(config.target, "target model")
     target = qwen3_shape(target_config)
-    if target.num_experts and job.tp > 1:
-        raise JobError("--tp with a Qwen3-MoE target is not supported yet (run it on one GPU)")
     dtype = resolve_dtype(config.dtype, target_config, device)
     check_backend_dtype(backend, dtype)
     candidates = auto_candidates(device, dtype)

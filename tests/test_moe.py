@@ -4,13 +4,13 @@ transformers' generate(), with and without a DFlash draft."""
 
 from __future__ import annotations
 
-import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from engine_runs import cpu_engine, run_to_end
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM
 
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.errors import JobError
@@ -23,23 +23,11 @@ MAX_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
-def moe_target(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("moe")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    vocab = tokenizer.get_vocab()
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
-        norm_topk_prob=True, max_position_embeddings=512, initializer_range=0.2,
-        eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"],
+def moe_target(make_model: Callable[..., Path]) -> Path:
+    return make_model(
+        num_layers=3, num_experts=4, num_experts_per_tok=2, mlp_only_layers=(1,),
         tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, out / name)
-    return out
 
 
 def prompts() -> list[list[int]]:

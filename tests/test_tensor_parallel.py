@@ -98,6 +98,8 @@ GLOO_SHAPES = {
     "tied": {},
     "untied-uneven-vocab": {"vocab_size": 1027, "tie_word_embeddings": False, "num_heads": 8,
                             "num_kv_heads": 4},
+    # Qwen3-MoE: each rank holds half of every expert's rows, the router whole.
+    "moe": {"num_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": (1,)},
 }  # fmt: skip
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from batchrun.layers.mlp import SwiGLU
+from batchrun.parallel.group import TensorParallel
 
 FusedExperts = Callable[..., torch.Tensor]
 
@@ -33,6 +34,9 @@ class SparseMoe(nn.Module):
         self.top_k, self.norm_topk = top_k, norm_topk
         self.w13: torch.Tensor | None = None  # [E, 2I, H], set by pack()
         self.w2: torch.Tensor | None = None  # [E, H, I]
+        # Tensor parallel: each rank's experts hold its share of their intermediate rows, so
+        # the block's output is a partial sum, all-reduced once.
+        self.tp: TensorParallel | None = None
 
     @torch.no_grad()
     def pack(self) -> None:
@@ -56,13 +60,14 @@ class SparseMoe(nn.Module):
         fused = fused_kernel() if x.is_cuda and self.w13 is not None else None
         if fused is not None:
             silu_mul = self.swiglus[0].ops.silu_mul
-            return fused(x, self.w13, self.w2, experts, weights, silu_mul)
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            token, slot = (experts == e).nonzero(as_tuple=True)
-            y = self.swiglus[e](x[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y)
-        return out
+            out = fused(x, self.w13, self.w2, experts, weights, silu_mul)
+        else:
+            out = torch.zeros_like(x)
+            for e in experts.unique().tolist():
+                token, slot = (experts == e).nonzero(as_tuple=True)
+                y = self.swiglus[e](x[token]) * weights[token, slot, None]
+                out.index_add_(0, token, y)
+        return self.tp.all_reduce(out) if self.tp is not None else out
 
 
 @functools.cache

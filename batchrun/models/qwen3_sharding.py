@@ -1,11 +1,13 @@
 """How a Qwen3 target is split across tensor-parallel ranks.
 
 Each rank holds a contiguous share of the attention heads (its query heads with the KV heads
-they read, so its KV pages hold only those), of the MLP's intermediate rows and of the
-vocabulary. q/k/v and gate/up are column-parallel (the rank's output rows), o_proj and down_proj
-row-parallel (the matching input columns, partial sums all-reduced), embed_tokens and lm_head
-vocabulary-parallel; norms are replicated. A rank's model is the single-process model built with
-its local shape, the row-parallel, embedding and lm_head layers swapped for their parallel ones.
+they read, so its KV pages hold only those), of the MLP's intermediate rows (of every expert's,
+in a MoE layer, whose router is replicated) and of the vocabulary. q/k/v and gate/up are
+column-parallel (the rank's output rows), o_proj and down_proj row-parallel (the matching input
+columns, partial sums all-reduced; a MoE layer's once, after its experts), embed_tokens and
+lm_head vocabulary-parallel; norms are replicated. A rank's model is the single-process model
+built with its local shape, the row-parallel, embedding and lm_head layers swapped for their
+parallel ones.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from batchrun.errors import JobError
 from batchrun.layers.attention import PagedAttention
 from batchrun.layers.mlp import SwiGLU
+from batchrun.layers.moe import SparseMoe
 from batchrun.layers.parallel_logits import gather_logits, greedy_tokens
 from batchrun.layers.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
@@ -41,6 +44,7 @@ def local_shape(shape: Qwen3Shape, tp: TensorParallel) -> Qwen3Shape:
         ("attention heads", shape.num_heads),
         ("KV heads", shape.num_kv_heads),
         ("intermediate rows", shape.intermediate_size),
+        ("expert intermediate rows", shape.moe_intermediate_size),
     ):
         if count % tp.world_size:
             raise JobError(
@@ -51,6 +55,7 @@ def local_shape(shape: Qwen3Shape, tp: TensorParallel) -> Qwen3Shape:
         num_heads=shape.num_heads // tp.world_size,
         num_kv_heads=shape.num_kv_heads // tp.world_size,
         intermediate_size=shape.intermediate_size // tp.world_size,
+        moe_intermediate_size=shape.moe_intermediate_size // tp.world_size,
     )
 
 
@@ -62,10 +67,15 @@ class TensorParallelQwen3(Qwen3ForCausalLM):
         local = local_shape(shape, tp)
         super().__init__(local)
         self.tp = tp
+        experts = set()
+        for module in list(self.modules()):
+            if isinstance(module, SparseMoe):  # its experts' partial sums: one all-reduce
+                module.tp = tp
+                experts |= {id(expert) for expert in module.experts}
         for module in list(self.modules()):
             if isinstance(module, PagedAttention):
                 module.o_proj = RowParallelLinear(module.q_size, shape.hidden_size, tp)
-            elif isinstance(module, SwiGLU):
+            elif isinstance(module, SwiGLU) and id(module) not in experts:
                 module.down_proj = RowParallelLinear(local.intermediate_size, shape.hidden_size, tp)
         embed = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
         self.model.embed_tokens = embed

@@ -18,6 +18,8 @@ from transformers import (
     PreTrainedTokenizerBase,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from batchrun.tools.bpe import ENDOFTEXT, IM_END, build_tokenizer
@@ -47,13 +49,18 @@ def make_tiny_model(
     tokenizer_vocab_size: int = 1024,
     initializer_range: float = DECISIVE_INIT,
     rope_parameters: dict[str, Any] | None = None,
+    num_experts: int = 0,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
+    mlp_only_layers: tuple[int, ...] = (),
 ) -> Path:
     """Save a random Qwen3 and its tokenizer to out_dir and return out_dir.
 
     vocab_size is the model's embedding rows (None: the tokenizer's length; larger pads, as
     real Qwen checkpoints do). The tokenizer is copied from tokenizer_dir, or trained with
     tokenizer_vocab_size tokens. num_shards is the exact number of safetensors files.
-    rope_parameters: transformers' (e.g. YaRN's); None: plain RoPE.
+    rope_parameters: transformers' (e.g. YaRN's); None: plain RoPE. num_experts > 0 makes a
+    Qwen3-MoE (its layers sparse but mlp_only_layers).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,7 +76,7 @@ def make_tiny_model(
     vocab = tokenizer.get_vocab()
     eos_id, pad_id = vocab[IM_END], vocab[ENDOFTEXT]
 
-    config = Qwen3Config(
+    fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
@@ -84,10 +91,21 @@ def make_tiny_model(
         pad_token_id=pad_id,
         dtype="float32",
     )
+    if num_experts:
+        fields |= {
+            "num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+            "moe_intermediate_size": moe_intermediate_size,
+            "mlp_only_layers": list(mlp_only_layers), "decoder_sparse_step": 1,
+        }  # fmt: skip
+    config = Qwen3MoeConfig(**fields) if num_experts else Qwen3Config(**fields)
     if rope_parameters is not None:
         config.rope_parameters = rope_parameters
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).eval()
+    model: Qwen3ForCausalLM | Qwen3MoeForCausalLM
+    if isinstance(config, Qwen3MoeConfig):
+        model = Qwen3MoeForCausalLM(config).eval()
+    else:
+        model = Qwen3ForCausalLM(config).eval()
     _randomize_norms(model)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(str(out), max_shard_size=_shard_size_for(model, num_shards))
