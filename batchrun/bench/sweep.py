@@ -154,7 +154,9 @@ def run_sweep(
     baselines: list[dict[str, Any]] = []
     result = _result(plan, ceilings, points, baselines, profiles)
     progress(result)
-    if plan.tp is None and (plan.hf_eager or plan.hf_compiled_batches):
+    # generate() runs on a transformers twin of the dense model (none for a MoE shape).
+    dense = not model.shape.num_experts
+    if plan.tp is None and dense and (plan.hf_eager or plan.hf_compiled_batches):
         hf = hf_twin(model)
         for baseline in _hf_baselines(plan, hf):
             baselines.append(baseline)
