@@ -443,9 +443,13 @@ BAD_DRAFTS: dict[str, tuple[dict[str, Any], str]] = {
         "sample_from_anchor",
     ),
     "dflash2": ({"extra_config": {"architectures": ["DFlash2DraftModel"]}}, "DFlash2DraftModel"),
-    "yarn-rope-scaling": (
+    "yarn-without-its-original-context": (
         {"extra_config": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}},
-        "rope.*yarn",
+        "yarn needs original_max_position_embeddings",
+    ),
+    "llama3-rope-scaling": (
+        {"extra_config": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}},
+        "rope type 'llama3' is not supported",
     ),
     # Sliding windows: transformers reads no window without use_sliding_window.
     "sliding-without-window": (
