@@ -218,18 +218,32 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        self._install({s: signal.SIG_DFL if p is None else p for s, p in self._previous.items()})
         self._previous.clear()
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.signum is None:
-            self.signum = signum
+        if self.signum is not None:  # a second signal that came while the first switched over
+            if self.lockstep:
+                return
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)  # its default action: the process ends here
+        self.signum = signum
         then = signal.SIG_IGN if self.lockstep else signal.SIG_DFL
-        for installed in self._previous:
-            signal.signal(installed, then)
+        self._install(dict.fromkeys(self._previous, then))
         if self._raises:
             raise JobStopped(signum)
+
+    def _install(self, handlers: dict[int, Any]) -> None:
+        """Sets handlers with their signals blocked: one that comes meanwhile is delivered to the
+        new handler when they are unblocked. (Set unblocked, a signal that came between Python's
+        check for pending signals and the switch would be dropped with an 'ignored due to race
+        condition' traceback on stderr.)"""
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, handlers)
+        try:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def defer(self) -> None:
         """From now on a signal is only recorded: the run loop acts on it."""
