@@ -197,6 +197,11 @@ _RUN_OPTIONS = [
         help="auto (triton on a GPU, torch on a CPU), torch, triton or flashinfer (GPU, eager).",
     ),
     click.option(
+        "--kv-cache-dtype",
+        help="The target's KV cache: auto (the model dtype) or fp8 (float8_e4m3fn, per-layer "
+        "scales: about twice the pages; torch and triton backends).",
+    ),
+    click.option(
         "--cuda-graphs/--no-cuda-graphs", default=None, help="CUDA graphs for decode/verify steps."
     ),
     click.option(
@@ -428,7 +433,7 @@ def _model_lines(job: JobSpec, found: Preflight) -> list[str]:
     if t.num_experts:
         context = f"MoE: {t.num_experts} experts, top {t.num_experts_per_tok}, {context}"
     if t.fp8 is not None:
-        context = f"{t.fp8.describe()}, {context}"
+        context = f"{t.fp8.describe(kept=t.fp8_block is not None)}, {context}"
     if t.yarn is not None:
         yarn = t.yarn
         context += f" (YaRN: {yarn.factor:g} x {yarn.original_max_position_embeddings})"
@@ -438,9 +443,23 @@ def _model_lines(job: JobSpec, found: Preflight) -> list[str]:
         f"tokenizer: {len(found.tokenizer)} tokens, {template})",
         _draft_line(job.draft, draft) if draft is not None else "draft: none",
         f"device: {found.device}, dtype: {str(found.dtype).removeprefix('torch.')}, "
-        f"attention backend: {found.attention_backend}",
+        f"attention backend: {found.attention_backend}, KV cache: {_kv_line(job, found)}",
         f"batch: {job.max_batch_size} requests, {job.max_batched_tokens} tokens per forward",
     ]
+
+
+def _kv_line(job: JobSpec, found: Preflight) -> str:
+    """The target's KV cache dtype; with fp8 its scales, and a draft's (the model dtype)."""
+    from batchrun.attention.kv_dtype import kv_dtype
+
+    def name(dtype: object) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    text = name(kv_dtype(job.kv_cache_dtype, found.dtype))
+    if job.kv_cache_dtype == "fp8":
+        draft = f"; the draft's: {name(found.dtype)}" if found.draft is not None else ""
+        text += f" (per-layer scales 1.0{draft})"
+    return text
 
 
 def _draft_line(path: object, draft: DraftSpec) -> str:

@@ -70,6 +70,7 @@ class JobSpec:
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8
     cuda_graphs: bool = True
     verify_width: int | str = "auto"
     prefix_caching: bool = True
@@ -152,6 +153,7 @@ class JobSpec:
             dtype=self.dtype,
             device=self.device,
             attention_backend=self.attention_backend,
+            kv_cache_dtype=self.kv_cache_dtype,
             cuda_graphs=self.cuda_graphs,
             verify_width=self.verify_width,
             prefix_caching=self.prefix_caching,

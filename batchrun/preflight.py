@@ -17,9 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
+from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.device import resolve_device
-from batchrun.engine.attention_backends import auto_candidates, backend_name, check_backend_dtype
+from batchrun.engine.attention_backends import (
+    auto_candidates,
+    backend_name,
+    check_backend_dtype,
+    check_backend_kv,
+)
 from batchrun.engine.config import EngineConfig, check_batch_budget, verify_widths
 from batchrun.engine.memory import (
     BatchFootprint,
@@ -32,8 +39,8 @@ from batchrun.io.prompts import THINKING_NEEDS_TOKENS, PromptColumn, PromptKind
 from batchrun.io.reasoning import reasoning_split
 from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import DraftSpec, _draft_to_target, check_draft
-from batchrun.models.fp8 import dequantized
 from batchrun.models.loader import (
+    fp8_weights,
     load_weights,
     qwen3_shape,
     read_config,
@@ -79,7 +86,8 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     target = qwen3_shape(target_config)
     dtype = resolve_dtype(config.dtype, target_config, device)
     check_backend_dtype(backend, dtype)
-    candidates = auto_candidates(device, dtype)
+    check_backend_kv(backend, config.kv_cache_dtype)
+    candidates = auto_candidates(device, dtype, config.kv_cache_dtype)
     if config.attention_backend == "auto" and len(candidates) > 1:
         backend = f"{' or '.join(candidates)}, the faster measured at start-up"
     draft = check_draft(config.draft, target) if config.draft is not None else None
@@ -102,8 +110,9 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     _check_constraint(job, tokenizer, target.vocab_size)
     weights = check_checkpoints(config.target, target, config.draft, draft, dtype)
     footprint = batch_footprint(
-        target, draft, dtype, weights, min(widths), job.tp, config.page_size
-    )
+        target, draft, dtype, weights, min(widths), job.tp, config.page_size,
+        config.kv_cache_dtype,
+    )  # fmt: skip
     check_batch_memory(footprint, config.max_batch_size, config.max_batched_tokens, device)
     _check_kv_pool(config, target, draft, dtype, device)
     return Preflight(device, dtype, backend, target, tokenizer, draft)
@@ -161,14 +170,14 @@ def check_checkpoints(
     """The loaders' own checks of the weights' names and shapes (load_weights), run on models
     built on the meta device against the tensors the safetensors headers describe, so no weight
     is read (but a draft's small vocabulary map, as the loader checks it). Returns the bytes the
-    weights take in `dtype`. Raises JobError."""
+    weights take (in `dtype`, but those kept in FP8). Raises JobError."""
     with shapes_only():
         model = Qwen3ForCausalLM(target).to(dtype)
     if target.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     skip = {"lm_head.weight"} if target.tie_word_embeddings else set()
-    load_weights(model, header_weights(target_dir, target, "target"), "target", skip)
-    numel = sum(p.numel() for p in model.parameters())
+    load_weights(model, header_weights(target_dir, target, "target", model), "target", skip)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if draft_dir is not None and draft is not None:
         with shapes_only():
             module = DFlashDraft(
@@ -179,16 +188,16 @@ def check_checkpoints(
         load_weights(module, tensors, "draft", skip=set(draft.not_loaded))
         if draft.vocab_map and draft.head_rows is not None:
             _draft_to_target(draft_dir, draft.head_rows, target.vocab_size)
-        numel += sum(p.numel() for p in module.parameters())
-    return numel * dtype.itemsize
+        weight_bytes += sum(p.numel() * p.element_size() for p in module.parameters())
+    return weight_bytes
 
 
 def header_weights(
-    model_dir: Path, shape: Qwen3Shape, what: str
+    model_dir: Path, shape: Qwen3Shape, what: str, model: nn.Module | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """header_tensors as the loader sees them (FP8 weights dequantized, on the meta device)."""
-    tensors = header_tensors(model_dir)
-    return dequantized(tensors, shape.fp8, what) if shape.fp8 is not None else tensors
+    """header_tensors as the loader gives them to `model` (FP8 weights it does not keep
+    dequantized), on the meta device."""
+    return fp8_weights(header_tensors(model_dir), shape, what, model)
 
 
 def header_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -207,9 +216,10 @@ def batch_footprint(
     min_width: int,
     tp: int,
     page_size: int,
+    kv_cache_dtype: str = "auto",
 ) -> BatchFootprint:
     """What a batch of this job needs at least, per engine (tensor-parallel rank): the target's
-    weights split tp ways, the draft's whole."""
+    weights split tp ways, the draft's whole; the target's K/V at kv_cache_dtype's size."""
     element = dtype.itemsize
     rings = 0
     if draft is not None and draft.attention.window is not None:
@@ -226,4 +236,5 @@ def batch_footprint(
         draft_paged_layers=draft.attention.num_full if draft is not None else 0,
         ring_pages=rings,
         tp=tp,
+        kv_element=kv_element_size(kv_cache_dtype, element),
     )

@@ -258,6 +258,13 @@ def job_schema() -> dict[str, Any]:
         "attention_backend": _choice(
             "Attention implementation.", ["auto", "torch", "triton", "flashinfer"]
         ),
+        "kv_cache_dtype": _choice(
+            "The target's KV cache: auto (the model dtype) or fp8 (float8_e4m3fn with a scale "
+            "per layer for K and one for V, 1.0 uncalibrated: half the bytes of bfloat16, so "
+            "about twice the pages; attention reads the values rounded to 3 mantissa bits, so "
+            "outputs may differ from auto's). fp8 runs on the torch and triton backends.",
+            ["auto", "fp8"],
+        ),
         "cuda_graphs": _flag("Capture CUDA graphs for decode steps (GPU only).", True),
         "prefix_caching": _flag(
             "Reuse the K/V of full pages of prompt tokens that rows share (automatic prefix "

@@ -200,6 +200,7 @@ class StatsAccumulator:
             "tensor_parallel": info.get("tensor_parallel", 1),  # processes the target spans
             "attention_backend": info.get("attention_backend"),
             "attention_backend_ms": info.get("attention_backend_ms"),
+            "kv_cache_dtype": info.get("kv_cache_dtype"),  # the target's KV pools'
             "verify_width_steps": info.get("verify_width_steps"),
             "steps": info.get("steps"),  # this run's steps by kind: prefill, mixed, decode
             "step_seconds": info.get("step_seconds"),  # and the seconds they took

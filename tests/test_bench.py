@@ -103,3 +103,24 @@ def test_bench_times_the_penalties(tmp_path: Path) -> None:
     assert [p["batch"] for p in data["points"]] == [1, 4]
     assert all(p["ratio"] > 0 for p in data["points"])
     assert set(data["ratios"]) == {"batch_1_penalties_vs_plain", "batch_4_penalties_vs_plain"}
+
+
+def test_sweep_runs_each_kv_cache_dtype(tmp_path: Path) -> None:
+    """The CPU path of `bench --shape S --kv-cache-dtype auto,fp8`: each KV dtype's engine
+    sweeps every point, side by side (the GPU run measures the difference)."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "--shape", "qwen3-8b", "--device", "cpu", "--no-draft", "--no-hf-eager"]
+    args += ["--num-layers", "4", "--hidden-size", "256", "--intermediate-size", "512"]
+    args += ["--vocab-size", "1024", "--batch-sizes", "2", "--contexts", "16", "--steps", "2"]
+    args += ["--hf-compiled-batches", "", "--kv-cache-dtype", "auto,fp8"]
+    result = CliRunner().invoke(cli, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [p["kv_cache_dtype"] for p in data["points"]] == ["auto", "fp8"]
+    assert data["setup"]["kv_cache_dtypes"] == ["auto", "fp8"]
+    (row,) = data["step_ms_by_backend"]
+    assert row["torch_ms"] > 0 and row["torch-fp8kv_ms"] > 0
+    assert set(data["summary_by_backend"]) == {"torch", "torch-fp8kv"}
+    refused = CliRunner().invoke(cli, [*args[:-1], "fp9"])
+    assert refused.exit_code == 2 and len(refused.stderr.splitlines()) == 1
+    assert "expected auto, fp8 or a comma list of them" in refused.stderr

@@ -368,6 +368,7 @@ def touch_target(tmp_path: Path, model: Path) -> None:
         (rewrite_input, [], "(input["),
         (None, ["--prompt-column", "text"], "(prompt.column differs)"),
         (None, ["--dtype", "bfloat16"], "(dtype differs)"),
+        (None, ["--kv-cache-dtype", "fp8"], "(kv_cache_dtype differs)"),
         (None, ["--temperature", "0.5"], "(sampling.temperature differs)"),
         (None, ["--draft", "DRAFT"], "(draft differs)"),
     ],

@@ -137,6 +137,36 @@ def test_triton_matches_torch_with_preemption(
         assert len(lengths) >= 3, lengths
 
 
+@pytest.mark.parametrize("kind", [None, "zlab"], ids=["target-only", "dflash"])
+def test_triton_matches_torch_over_fp8_kv(target: Path, draft_of: Any, kind: str | None) -> None:
+    """FP8 target pools (the draft's float32): Triton's write and attention give the torch
+    reference's tokens and rounds, with preemptions and mixed steps."""
+    draft = draft_of(kind)
+    work = jobs(6, seed=3, max_tokens=20)
+    fp8 = {"num_pages": 16, "cuda_graphs": False, "kv_cache_dtype": "fp8"}
+    _, ref = run(target, draft, work, attention_backend="torch", **fp8)
+    engine, got = run(target, draft, work, attention_backend="triton", **fp8)
+    assert engine.info()["kv_cache_dtype"] == "float8_e4m3fn" and engine.num_preemptions > 0
+    assert_same(ref, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [None, "zlab"], ids=["target-only", "dflash"])
+def test_gpu_fp8_kv_graphs_match_the_torch_reference(
+    target: Path, draft_of: Any, kind: str | None
+) -> None:
+    """float32 on CUDA over FP8 target pools: Triton with CUDA graphs (padded ladder sizes)
+    gives exactly the torch reference's tokens and rounds."""
+    draft = draft_of(kind)
+    work = jobs(48, seed=5)
+    config = {"max_batch_size": 32, "max_batched_tokens": 32 * 16, "num_pages": 1024,
+              "kv_cache_dtype": "fp8"}  # fmt: skip
+    _, ref = run(target, draft, work, attention_backend="torch", cuda_graphs=False, **config)
+    engine, graphed = run(target, draft, work, attention_backend="triton", **config)
+    assert len({size for (_, size) in engine.runner.replays}) >= 5
+    assert_same(ref, graphed)
+
+
 class HostPlannedTorch(TorchAttention):
     """The torch reference planned as flashinfer is in graphs: inside a graph's capture or
     replay, `plan` ignores the graph's own meta and attention uses what `replaying` was given,

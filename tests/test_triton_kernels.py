@@ -46,8 +46,10 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from batchrun.attention.kv_dtype import FP8  # noqa: E402
 from batchrun.attention.meta import AttentionMeta  # noqa: E402
-from batchrun.attention.torch_backend import TorchAttention  # noqa: E402
+from batchrun.attention.torch_backend import TorchAttention, write_kv_torch  # noqa: E402
+from batchrun.attention.triton_backend import TritonAttention  # noqa: E402
 from batchrun.kernels import compile_check  # noqa: E402
 from batchrun.kernels.triton_attention import (  # noqa: E402
     MIN_SPLIT_KV,
@@ -171,11 +173,15 @@ def reference_attention(
     scale: float,
     causal: bool,
     window: int | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """TorchAttention in float32 over the same (already written) cache."""
+    """TorchAttention in float32 over the same (already written) cache; an FP8 one (with its
+    kv_scale) as TorchAttention reads it."""
     backend = TorchAttention()
     no_rows = torch.zeros(0, dtype=torch.long, device=DEVICE)
     backend.plan(batch.meta(causal, no_rows, window))
+    if kv_scale is not None:
+        return backend.attend(q.float(), k_cache, v_cache, scale, kv_scale)
     return backend.attend(q.float(), k_cache.float(), v_cache.float(), scale)
 
 
@@ -194,13 +200,19 @@ def run_attention_case(
     seed: int = 0,
     min_split_kv: int = MIN_SPLIT_KV,
     window: int | None = None,
+    kv_fp8: bool = False,
 ) -> None:
     """The kernel against TorchAttention; its table pads with a page id that must never be
-    read, also for the pages wholly before a window."""
+    read, also for the pages wholly before a window. kv_fp8: caches in float8_e4m3fn (values
+    over many of its binades) with scales of their own, against TorchAttention's FP8 reading."""
     batch = make_batch(q_lens, ctx, page_size, seed)
     shape = (batch.num_pages, page_size, num_kv_heads, head_dim)
-    k_cache = _randn(*shape, dtype=dtype, seed=seed + 1)
-    v_cache = _randn(*shape, dtype=dtype, seed=seed + 2)
+    cache_dtype, spread, kv_scale = dtype, 1.0, None
+    if kv_fp8:
+        cache_dtype, spread = FP8, 4.0
+        kv_scale = torch.tensor([0.25, 1.5], device=DEVICE)  # K's, V's
+    k_cache = _randn(*shape, dtype=cache_dtype, seed=seed + 1, scale=spread)
+    v_cache = _randn(*shape, dtype=cache_dtype, seed=seed + 2, scale=spread)
     num_rows = sum(q_lens)
     q = _randn(num_rows + extra_rows, num_heads, head_dim, dtype=dtype, seed=seed + 3)
     scale = head_dim**-0.5
@@ -232,8 +244,11 @@ def run_attention_case(
         workspace=workspace,
         block_n=block_n,
         min_split_kv=min_split_kv,
+        kv_scale=kv_scale,
     )
-    want = reference_attention(batch, q[:num_rows], k_cache, v_cache, scale, causal, window)
+    want = reference_attention(
+        batch, q[:num_rows], k_cache, v_cache, scale, causal, window, kv_scale
+    )
     tol = ATTN_TOL[dtype]
     torch.testing.assert_close(out[:num_rows].float(), want, atol=tol, rtol=tol)
     assert bool((out[num_rows:] == sentinel).all()), "rows owned by no request were written"
@@ -459,6 +474,114 @@ def test_default_num_splits() -> None:
     assert default_num_splits(8, 8, 4096) == 5
     assert default_num_splits(256, 8, 4096) == 1
     assert default_num_splits(4, 8, 60) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 K/V (float8_e4m3fn caches with per-tensor scales)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_fp8_kv_attention_mixed_lengths(causal: bool) -> None:
+    run_attention_case(MIXED_Q, MIXED_CTX, 4, 2, 16, 16, torch.float32, causal, kv_fp8=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_kv_attention_decode(num_splits: int) -> None:
+    """Split partials carry V's scale into the combine."""
+    run_attention_case(
+        [1, 0, 1, 1, 0], [70, 0, 1, 33, 0], 8, 2, 32, 16, torch.float32, True,
+        num_splits=num_splits, block_n=16, extra_rows=2, min_split_kv=16, kv_fp8=True,
+    )  # fmt: skip
+
+
+def test_fp8_kv_attention_window_and_half() -> None:
+    """A sliding window's blocks; bfloat16 queries over an FP8 cache."""
+    run_attention_case(
+        [4, 4, 0, 4], [40, 3, 0, 90], 4, 2, 16, 4, torch.float32, True, num_splits=2,
+        block_n=16, min_split_kv=16, window=8, kv_fp8=True,
+    )  # fmt: skip
+    run_attention_case(MIXED_Q, MIXED_CTX, 4, 2, 16, 16, torch.bfloat16, True, kv_fp8=True)
+
+
+def fp8_edge_values() -> torch.Tensor:
+    """Every finite e4m3 value, the midpoints between neighbours (ties: to even) and the float32
+    values beside them, both signs, zeros, values past 448 (saturated) and below e4m3's
+    subnormals, and log-uniform ones over its whole range."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    up, down = torch.tensor(1e9), torch.tensor(-1e9)
+    spread = torch.exp(torch.empty(4096).uniform_(-16, 7, generator=_gen(3)))
+    edges = torch.tensor([0.0, -0.0, 448.0, 449.0, 464.0, 500.0, 1e6, 1e-4, 2.0**-10, 1e-30])
+    values = torch.cat([grid, mids, torch.nextafter(mids, up), torch.nextafter(mids, down),
+                        spread, edges])  # fmt: skip
+    return torch.cat([values, -values])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kv_write_rounds_as_torch_does(dtype: torch.dtype) -> None:
+    """write_kv into FP8 caches stores, byte for byte, what the torch backend stores: x / scale
+    saturated to +-448, rounded to nearest even (-0.0 kept); padding rows write nothing."""
+    values = fp8_edge_values().to(dtype).float()
+    dim = 16
+    values = torch.cat([values, values.new_zeros(-values.numel() % (2 * dim))])
+    k = values.view(-1, 2, dim).to(dtype).to(DEVICE)
+    v = k.flip(0).contiguous()
+    rows = k.shape[0]
+    slots = torch.randperm(rows + 8, generator=_gen(4))[:rows].to(DEVICE)
+    slots[::7] = -1
+    for scales in ([1.0, 1.0], [0.37, 3.0]):
+        kv_scale = torch.tensor(scales, device=DEVICE)
+        caches = [torch.full((rows + 8, 1, 2, dim), 0.5, device=DEVICE).to(FP8) for _ in range(4)]
+        write_kv(k, v, caches[0], caches[1], slots, kv_scale)
+        write_kv_torch(k, v, caches[2], caches[3], slots, kv_scale)
+        for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        expected = (k.float() / kv_scale[0]).clamp(-448, 448).to(FP8)  # rounded here by hand
+        keep = slots >= 0
+        stored = caches[0].view(torch.uint8).view(-1, 2, dim)[slots[keep]]  # bytes: any device
+        assert torch.equal(stored, expected.view(torch.uint8)[keep])
+
+
+def test_fp8_kv_backends_write_then_attend_alike() -> None:
+    """TritonAttention and TorchAttention, each writing this forward's rows into its own FP8
+    caches and attending over them (prefill chunks, decode rows, a padding request)."""
+    batch = make_batch([2, 0, 5, 1], [14, 3, 17, 0], 16, seed=5)
+    hq, hkv, dim = 4, 2, 16
+    shape = (batch.num_pages, 16, hkv, dim)
+    k_cache = _randn(*shape, dtype=FP8, seed=6, scale=3.0)
+    v_cache = _randn(*shape, dtype=FP8, seed=7, scale=3.0)
+    rows = sum(batch.q_lens)
+    q = _randn(rows, hq, dim, dtype=torch.float32, seed=8)
+    k = _randn(rows, hkv, dim, dtype=torch.float32, seed=9, scale=3.0)
+    v = _randn(rows, hkv, dim, dtype=torch.float32, seed=10, scale=3.0)
+    kv_scale = torch.tensor([0.5, 2.0], device=DEVICE)
+    meta = batch.meta(True, torch.tensor(batch.slots(), dtype=torch.long, device=DEVICE))
+    outs, caches = [], []
+    for backend in (TorchAttention(), TritonAttention(rows, hq, hkv, dim)):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        backend.plan(meta)
+        backend.write_kv(k, v, kc, vc, kv_scale=kv_scale)
+        outs.append(backend.attend(q, kc, vc, dim**-0.5, kv_scale))
+        caches.append(torch.cat([kc.view(torch.uint8), vc.view(torch.uint8)]))
+    assert torch.equal(caches[0], caches[1])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_gpu_fp8_kv_attention(num_splits: int) -> None:
+    """Real shapes, bfloat16 queries over FP8 caches: the Triton kernel against the torch
+    backend's FP8 reading, on CUDA (prefill chunks and decode rows, long contexts)."""
+    run_attention_case(
+        [0, 1, 3, 16, 40, 300, 17, 1], [0, 2047, 600, 1500, 9, 700, 2000, 1200], 32, 8, 128,
+        16, torch.bfloat16, True, num_splits=num_splits, kv_fp8=True,
+    )  # fmt: skip
+    ctx = torch.randint(1, 2048, (256,), generator=_gen(11)).tolist()
+    run_attention_case(
+        [1] * 256, ctx, 32, 8, 128, 16, torch.bfloat16, True, num_splits=num_splits,
+        extra_rows=3, kv_fp8=True,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

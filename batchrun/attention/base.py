@@ -9,6 +9,10 @@ once the persistent buffers it reads are refilled. A backend planned on the host
 True: flashinfer, whose scheduler runs on the CPU) gives each graph fixed-size planning buffers:
 the runner opens `capturing` around a graph's capture and `replaying`, with the step's meta
 built eagerly, around each replay; `plan` inside either does no host work.
+
+FP8 caches (attention/kv_dtype.py). A cache in float8_e4m3fn comes with its layer's kv_scale,
+[2] float32 on the device (K's, V's): `write_kv` stores x / scale, `attend` reads stored * scale.
+A cache in the model dtype ignores kv_scale.
 """
 
 from __future__ import annotations
@@ -48,12 +52,18 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
         v_cache: torch.Tensor,
         kv_index: torch.Tensor | None = None,  # [T] int64; default: the planned meta's
+        kv_scale: torch.Tensor | None = None,  # [2] float32: an FP8 cache's K and V scales
     ) -> None:
         """Store K/V rows at their cache index (page * page_size + offset); -1 stores nothing."""
         ...
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D] over the planned requests' cached K/V -> [T, Hq, D]."""
         ...

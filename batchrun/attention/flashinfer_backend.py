@@ -24,7 +24,8 @@ pinned host copy); the 128 MiB float workspace is shared, as one forward runs at
 
 Rows past cu_q[R] belong to no request and come back zero. flashinfer computes in float16 and
 bfloat16 only. K/V rows are stored with the same write as the other backends (the Triton kernel
-when triton imports, else torch indexing); an index of -1 stores nothing.
+when triton imports, else torch indexing); an index of -1 stores nothing. FP8 KV caches are not
+read here: start-up refuses them with this backend (engine/attention_backends.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from batchrun.attention.base import GraphKey, GraphShape
+from batchrun.attention.kv_dtype import FP8
 from batchrun.attention.meta import AttentionMeta
 from batchrun.attention.torch_backend import write_kv_torch
 from batchrun.errors import JobError
@@ -220,6 +222,7 @@ class FlashInferAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         kv_index: torch.Tensor | None = None,
+        kv_scale: torch.Tensor | None = None,  # unused: no FP8 cache comes here
     ) -> None:
         if kv_index is None:
             assert self.kv_index is not None, "plan() first"
@@ -227,9 +230,16 @@ class FlashInferAttention:
         self._write(k, v, k_cache, v_cache, kv_index)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_dtype(q.dtype)
+        if k_cache.dtype == FP8:
+            raise ValueError("the flashinfer backend reads no FP8 KV cache")
         params = Params(
             q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], q.dtype, k_cache.dtype,
             scale, self.causal, self.window_left,

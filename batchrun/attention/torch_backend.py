@@ -2,7 +2,8 @@
 
 Per forward, `plan` turns the metadata into padded gather indices and a mask once; each layer
 then gathers its K/V pages into [R, max_kv] and runs one batched SDPA. Planning reads the meta's
-values on the host's schedule, so this backend runs eagerly only (no CUDA graphs).
+values on the host's schedule, so this backend runs eagerly only (no CUDA graphs). An FP8 cache
+is quantized as it is written and what each layer gathers dequantized (attention/kv_dtype.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchrun.attention.kv_dtype import FP8, dequantize, quantize
 from batchrun.attention.meta import AttentionMeta
 
 
@@ -19,12 +21,22 @@ def write_kv_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     kv_index: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store K/V rows [T, Hkv, D] at their cache index [T]; -1 stores nothing."""
+    """Store K/V rows [T, Hkv, D] at their cache index [T]; -1 stores nothing. FP8 caches
+    store x / kv_scale (K's, V's), saturated and rounded."""
     keep = kv_index >= 0
     hkv, dim = k.shape[1], k.shape[2]
+    if k_cache.dtype == FP8:  # stored as bytes: not every device indexes float8 tensors
+        assert kv_scale is not None, "an FP8 cache needs its kv_scale"
+        k, v = _bytes(quantize(k, kv_scale[0])), _bytes(quantize(v, kv_scale[1]))
+        k_cache, v_cache = _bytes(k_cache), _bytes(v_cache)
     k_cache.view(-1, hkv, dim)[kv_index[keep]] = k[keep]
     v_cache.view(-1, hkv, dim)[kv_index[keep]] = v[keep]
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8)
 
 
 class TorchAttention:
@@ -63,21 +75,35 @@ class TorchAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         kv_index: torch.Tensor | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> None:
-        write_kv_torch(k, v, k_cache, v_cache, self.kv_index if kv_index is None else kv_index)
+        index = self.kv_index if kv_index is None else kv_index
+        write_kv_torch(k, v, k_cache, v_cache, index, kv_scale)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_req = self.mask.shape[0]
         out = torch.zeros_like(q)  # rows of no request (graph padding) stay zero
         if num_req == 0:
             return out
         hq, hkv, dim = q.shape[1], k_cache.shape[2], q.shape[2]
+        fp8 = k_cache.dtype == FP8
+        if fp8:  # gathered as bytes (as write_kv_torch stores them)
+            k_cache, v_cache = _bytes(k_cache), _bytes(v_cache)
         keys = k_cache.view(-1, hkv, dim)[self.kv_index_table].transpose(
             1, 2
         )  # [R, Hkv, max_kv, D]
         values = v_cache.view(-1, hkv, dim)[self.kv_index_table].transpose(1, 2)
+        if fp8:
+            assert kv_scale is not None, "an FP8 cache needs its kv_scale"
+            keys = dequantize(keys.view(FP8), kv_scale[0], q.dtype)
+            values = dequantize(values.view(FP8), kv_scale[1], q.dtype)
         if hq != hkv:
             keys = keys.repeat_interleave(hq // hkv, dim=1)
             values = values.repeat_interleave(hq // hkv, dim=1)

@@ -6,6 +6,7 @@ are. Decode and verify forwards split each request's K/V range across programs (
 when the batch alone would leave most of the GPU idle. The split count planned from meta.max_kv
 (a graph's: the longest context it serves) is only a maximum: each request uses the splits its
 own context fills, so short contexts in a graph captured for long ones pay little for it.
+FP8 caches pass their layer's kv_scale to the kernels, which read it on the device.
 """
 
 from __future__ import annotations
@@ -59,34 +60,40 @@ class TritonAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         kv_index: torch.Tensor | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> None:
         if kv_index is None:
             assert self.meta is not None, "plan() first"
             kv_index = self.meta.kv_index
-        write_kv(k, v, k_cache, v_cache, kv_index)
+        write_kv(k, v, k_cache, v_cache, kv_index, kv_scale)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = self.meta
         assert meta is not None, "plan() first"
+        caches = (k_cache, v_cache, kv_scale)
         d = meta.decoding
         if not d:
-            return self._attend(q, k_cache, v_cache, scale, slice(None), meta.max_q, None)
+            return self._attend(q, caches, scale, slice(None), meta.max_q, None)
         # A mixed step in two launches: the decode rows with a decode step's small tiles (and
         # splits), then the chunks with prefill tiles. In one launch every decode row took a
         # chunk's tile of BLOCK_Q tokens and the grid a block per max_q / BLOCK_Q for every
         # request. Both write their own rows of one output.
         rows = d * meta.decode_q  # each decoding request has decode_q rows
         out = torch.empty_like(q)
-        self._attend(q[:rows], k_cache, v_cache, scale, slice(0, d), meta.decode_q, out[:rows])
-        return self._attend(q, k_cache, v_cache, scale, slice(d, None), meta.max_q, out, 1)
+        self._attend(q[:rows], caches, scale, slice(0, d), meta.decode_q, out[:rows])
+        return self._attend(q, caches, scale, slice(d, None), meta.max_q, out, 1)
 
     def _attend(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],  # K, V, kv_scale
         scale: float,
         requests: slice,
         max_q: int,
@@ -94,6 +101,7 @@ class TritonAttention:
         splits: int | None = None,
     ) -> torch.Tensor:
         """The rows of a range of requests (cu_q keeps their rows' offsets into q)."""
+        k_cache, v_cache, kv_scale = caches
         meta = self.meta
         assert meta is not None
         splits = splits or self.num_splits
@@ -107,4 +115,5 @@ class TritonAttention:
             q, k_cache, v_cache, cu_q, meta.kv_lens[first:end], meta.page_table[first:end],
             scale=scale, causal=meta.causal, max_q=max_q, window=meta.window, out=out,
             num_splits=splits, workspace=self.workspace if splits > 1 else None,
+            kv_scale=kv_scale,
         )  # fmt: skip

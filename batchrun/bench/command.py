@@ -38,6 +38,17 @@ def _numbers(text: str, kind: type) -> list[float]:
         raise click.BadParameter(f"expected a comma list of numbers, got {text!r}") from None
 
 
+def _kv_cache_dtypes(text: str) -> tuple[str, ...]:
+    """A comma list of KV cache dtypes (auto, fp8)."""
+    from batchrun.attention.kv_dtype import KV_CACHE_DTYPES
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in KV_CACHE_DTYPES]
+    if bad or not names:
+        raise click.BadParameter(f"expected auto, fp8 or a comma list of them, got {text!r}")
+    return names
+
+
 def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     """Per-position acceptance (conditional) of finished jobs, named by their files."""
     from batchrun.bench.sweep import conditional_acceptance
@@ -68,6 +79,16 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     "--intermediate-size", type=click.IntRange(min=1), help="--shape: override the MLP width."
 )
 @click.option("--vocab-size", type=click.IntRange(min=1), help="--shape: override the vocabulary.")
+@click.option(
+    "--fp8-gemm",
+    is_flag=True,
+    help="--shape: time its projections as block-scaled FP8 matmuls against bf16, per batch.",
+)
+@click.option(
+    "--fp8-weights",
+    is_flag=True,
+    help="--shape: as the shape's -FP8 checkpoint (128 x 128 block-scaled projections).",
+)
 @click.option("--batch-sizes", default="1,8,32,128,256", show_default=True, help="--shape sweep.")
 @click.option("--contexts", default="512,1024", show_default=True, help="--shape sweep.")
 @click.option("--steps", default=16, show_default=True, help="--shape: timed steps per point.")
@@ -140,6 +161,14 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     help="--shape: a comma list sweeps each, side by side (e.g. triton,flashinfer).",
 )
 @click.option(
+    "--kv-cache-dtype",
+    default="auto",
+    show_default=True,
+    callback=lambda _ctx, _param, value: _kv_cache_dtypes(value),
+    help="--shape: the target's KV cache, auto (the model dtype) or fp8; a comma list sweeps "
+    "each, side by side (e.g. auto,fp8). --target: one of them.",
+)
+@click.option(
     "--jobs",
     default="",
     help="Whole jobs at --shape's shape (default qwen3-8b): a comma list of workloads "
@@ -193,12 +222,23 @@ def bench(out: Path | None, **opts: Any) -> None:
         raise click.UsageError("give exactly one of --target and --shape")
     if opts["tp"] > 1 and not opts["shape"]:
         raise click.UsageError("--tp is for --shape (a job runs tensor parallel with run --tp)")
+    if len(opts["kv_cache_dtype"]) > 1 and not opts["shape"]:
+        raise click.UsageError("a list of --kv-cache-dtype is for --shape; --target takes one")
     if opts["tp"] > 1 and "RANK" not in os.environ:
         sys.exit(_relaunch(opts["tp"]))
     if opts["penalties"]:
         if not opts["shape"] or opts["tp"] > 1:
             raise click.UsageError("--penalties needs --shape (and no --tp)")
         result, leads = _penalties(opts), True
+    elif opts["fp8_gemm"]:
+        if not opts["shape"] or opts["tp"] > 1:
+            raise click.UsageError("--fp8-gemm needs --shape (and no --tp)")
+        from batchrun.bench.fp8_gemm import sweep_fp8_gemm
+        from batchrun.bench.shapes import shape_from_flags
+
+        shape = shape_from_flags(opts["shape"], hidden_size=opts["hidden_size"],
+                                 intermediate_size=opts["intermediate_size"])  # fmt: skip
+        result, leads = sweep_fp8_gemm(shape, _ints(opts["batch_sizes"])), True
     else:
         result, leads = _sweep(opts, write) if opts["shape"] else (_end_to_end(opts), True)
     if not leads:
@@ -234,6 +274,7 @@ def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> d
         hidden_size=opts["hidden_size"],
         intermediate_size=opts["intermediate_size"],
         vocab_size=opts["vocab_size"],
+        fp8_weights=opts["fp8_weights"],
     )
     device = "cuda" if opts["device"] == "auto" else opts["device"]
     if device.startswith("cuda"):
@@ -258,6 +299,7 @@ def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> d
         hf_workloads=tuple(w for w in opts["hf_jobs"].split(",") if w),
         max_batched_tokens=opts["max_batched_tokens_jobs"],
         profiled=tuple(w for w in opts["profile_jobs"].split(",") if w),
+        kv_cache_dtype=opts["kv_cache_dtype"][0],
     )
     return run_jobs(plan, progress)
 
@@ -272,6 +314,7 @@ def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:
         dtype=opts["dtype"],
         device=opts["device"],
         attention_backend=opts["attention_backend"],
+        kv_cache_dtype=opts["kv_cache_dtype"][0],
         cuda_graphs=opts["cuda_graphs"],
         max_batch_size=opts["max_batch_size"],
         max_batched_tokens=opts["max_batched_tokens"],
@@ -303,6 +346,7 @@ def _penalties(opts: dict[str, Any]) -> dict[str, Any]:
         hidden_size=opts["hidden_size"],
         intermediate_size=opts["intermediate_size"],
         vocab_size=opts["vocab_size"],
+        fp8_weights=opts["fp8_weights"],
     )
     half = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -342,6 +386,7 @@ def _sweep(
         hidden_size=opts["hidden_size"],
         intermediate_size=opts["intermediate_size"],
         vocab_size=opts["vocab_size"],
+        fp8_weights=opts["fp8_weights"],
     )
     half = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = {"auto": half, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -362,6 +407,7 @@ def _sweep(
         cuda_graphs=opts["cuda_graphs"],
         device=device,
         tp=tp,
+        kv_cache_dtypes=opts["kv_cache_dtype"],
     )
     leads = tp is None or tp.rank == 0
     return run_sweep(plan, progress if leads else lambda _: None), leads

@@ -56,6 +56,7 @@ class JobsPlan:
     hf_workloads: tuple[str, ...] = ()  # also run generate() on these
     max_batched_tokens: int | None = None  # None: the job default
     profiled: tuple[str, ...] = ()  # profile the no-draft run of these
+    kv_cache_dtype: str = "auto"  # the target's KV cache: auto (the model dtype) or fp8
 
 
 def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -234,6 +235,7 @@ def _job(
             "device": plan.device,
             "max_batch_size": w.batch,
             "max_batched_tokens": plan.max_batched_tokens,
+            "kv_cache_dtype": plan.kv_cache_dtype,
             "overwrite": True,
             "quiet": True,
         }

@@ -51,19 +51,23 @@ def weight_bytes(
     shape: Qwen3Shape, element: int, layers: int | None = None, experts: float | None = None
 ) -> int:
     """Bytes of the weights one forward reads (the embedding: only its rows, so not counted).
-    A MoE layer reads its router and `experts` of its experts (None: all of them)."""
+    A MoE layer reads its router and `experts` of its experts (None: all of them). The
+    projections an FP8 checkpoint keeps in FP8 take a byte an element (their scales: not
+    counted, 1/16,384 of them)."""
     s = shape
+    projection = 1 if s.fp8_block is not None else element
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     attention = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
     total = 0.0
     for i in range(layers or s.num_layers):
+        total += attention * projection
         if s.sparse(i):
             read = s.num_experts if experts is None else experts
             mlp = s.hidden_size * s.num_experts + read * 3 * s.hidden_size * s.moe_intermediate_size
+            total += mlp * element
         else:
-            mlp = 3 * s.hidden_size * s.intermediate_size
-        total += attention + mlp
-    return int(element * (total + s.vocab_size * s.hidden_size))
+            total += 3 * s.hidden_size * s.intermediate_size * projection
+    return int(total + element * s.vocab_size * s.hidden_size)
 
 
 def experts_read(shape: Qwen3Shape, tokens: int) -> float:
@@ -80,13 +84,15 @@ def step_floor_ms(
     context: int,
     rows_per_request: int,
     ceilings: Ceilings,
+    kv_element: int | None = None,
 ) -> dict[str, float]:
     """The least time a target step can take: the weights it reads (a MoE layer: the experts
-    its tokens route to) and the batch's KV read once, or its matmuls at the measured rate,
-    whichever is longer."""
+    its tokens route to) and the batch's KV read once (kv_element bytes an element; None:
+    element), or its matmuls at the measured rate, whichever is longer."""
     s = shape
     tokens = batch * rows_per_request
-    kv_bytes = batch * context * s.num_layers * 2 * s.num_kv_heads * s.head_dim * element
+    kv_bytes = batch * context * s.num_layers * 2 * s.num_kv_heads * s.head_dim
+    kv_bytes *= kv_element or element
     moved = weight_bytes(s, element, experts=experts_read(s, tokens)) + kv_bytes
     # Each token's matmuls: its own top-k experts (a dense model's whole MLP).
     flops = 2 * weight_bytes(s, 1, experts=s.num_experts_per_tok) * tokens

@@ -88,6 +88,13 @@ def write_target(
         eos_token_id=eos, pad_token_id=eos, dtype=name, architectures=["Qwen3ForCausalLM"],
     )  # fmt: skip
     config.save_pretrained(str(out))
+    if shape.fp8 is not None:  # as Qwen's -FP8 checkpoints say it
+        written = json.loads((out / "config.json").read_text())
+        written["quantization_config"] = {
+            "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+            "weight_block_size": list(shape.fp8.block) if shape.fp8.block else None,
+        }  # fmt: skip
+        (out / "config.json").write_text(json.dumps(written, indent=2))
     GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(out))
     write_tokenizer(out, shape.vocab_size, eos)
     return out

@@ -10,6 +10,7 @@ import torch
 
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
+from batchrun.models.fp8 import SCALE_SUFFIX, Fp8Scheme
 from batchrun.models.loader import checkpoint_tensors, load_weights
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
@@ -43,13 +44,22 @@ DRAFT_LAYERS = 5  # z-lab's Qwen3 DFlash drafts: 5 layers, block 16
 DRAFT_BLOCK = 16
 
 
-def shape_from_flags(name: str | None, **flags: Any) -> Qwen3Shape:
-    """A preset, with any flag (hidden_size=..., num_layers=...) overriding it."""
+FP8_BLOCK = (128, 128)  # Qwen's -FP8 checkpoints
+FP8_SPREAD = 64.0  # random FP8 weights: normal with this std, scaled back to std 0.02
+
+
+def shape_from_flags(name: str | None, fp8_weights: bool = False, **flags: Any) -> Qwen3Shape:
+    """A preset, with any flag (hidden_size=..., num_layers=...) overriding it; fp8_weights:
+    as Qwen's -FP8 checkpoint of it (128 x 128 blocks)."""
     base = SHAPES[name] if name else SHAPES["qwen3-8b"]
+    if fp8_weights:
+        base = replace(base, fp8=Fp8Scheme(FP8_BLOCK))
     return replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
 def _randomize(module: torch.nn.Module, seed: int) -> None:
+    """Norms 1, every other weight normal with std 0.02 (FP8 ones: FP8_SPREAD times that, with
+    scales that bring it back)."""
     device = next(module.parameters()).device
     # The meta device (a check that builds nothing) has no generator and needs none.
     gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
@@ -57,6 +67,12 @@ def _randomize(module: torch.nn.Module, seed: int) -> None:
         for name, param in module.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif param.dtype == torch.float8_e4m3fn:
+                for rows in param.split(1024):  # no float32 copy of the whole weight
+                    drawn = torch.empty(rows.shape, device=device).normal_(generator=gen)
+                    rows.copy_((drawn * FP8_SPREAD).clamp(-448.0, 448.0))
+            elif name.endswith(SCALE_SUFFIX):
+                param.fill_(0.02 / FP8_SPREAD)
             else:
                 param.normal_(0.0, 0.02, generator=gen)
 

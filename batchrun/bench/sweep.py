@@ -7,7 +7,11 @@ Random weights accept no draft, so DFlash throughput is projected: a round of wi
 expected_tokens(accept, w) tokens per request at a per-position acceptance profile (geometric
 ones at the given tau values, and optionally a real job's, from its stats.json), over the
 round's measured time. Full width is the block; adaptive is the width the engine's policy
-would pick from these costs (speculative/verify_width.py)."""
+would pick from these costs (speculative/verify_width.py).
+
+Each KV cache dtype asked for (auto, fp8) sweeps every backend with an engine of its own; an fp8
+run's points are labelled `<backend>-fp8kv` beside the backend's own (step_ms_by_backend), and
+its roofline reads one byte per K/V element."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Any
 
 import torch
 
+from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.bench.hf_baseline import decode_ms_per_step
 from batchrun.bench.prompts import random_prompts
 from batchrun.bench.roofline import Ceilings, measure_ceilings, step_floor_ms
@@ -29,6 +34,7 @@ from batchrun.engine.engine import Engine
 from batchrun.engine.heap import collect_everything
 from batchrun.engine.request import Request
 from batchrun.engine.startup import Models
+from batchrun.errors import JobError
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.parallel.group import TensorParallel
 from batchrun.speculative.verify_width import best_width, expected_tokens
@@ -52,6 +58,7 @@ class SweepPlan:
     cuda_graphs: bool
     device: torch.device = torch.device("cuda")  # a CPU sweep only checks the code path
     tp: TensorParallel | None = None  # a tensor-parallel rank: its share of the target
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)  # each sweeps every backend
 
 
 def _median(values: list[float]) -> float:
@@ -118,26 +125,33 @@ def run_sweep(
     points: list[dict[str, Any]] = []
     profiles: dict[str, str] = {}
     element = model.lm_head.weight.element_size()
-    for backend in plan.attention_backends:
+    for kv, backend in [(kv, b) for kv in plan.kv_cache_dtypes for b in plan.attention_backends]:
         config = EngineConfig(
             target=Path(f"random-{plan.shape_name}"), device=str(device),
             dtype=str(plan.dtype).removeprefix("torch."),
-            attention_backend=backend, cuda_graphs=plan.cuda_graphs,
+            attention_backend=backend, kv_cache_dtype=kv, cuda_graphs=plan.cuda_graphs,
             max_batch_size=max_batch, max_batched_tokens=max(8192, max_batch * width),
             max_model_len=max_len, verify_width="auto",
         )  # fmt: skip
+        kv_element = kv_element_size(kv, element)
         for with_draft in [False, True] if draft is not None else [False]:
             models = Models(model, draft if with_draft else None)
             pages = _pages(config, max_len, width)
-            engine = Engine(config, tp=plan.tp, models=models, num_pages=pages)
+            try:
+                engine = Engine(config, tp=plan.tp, models=models, num_pages=pages)
+            except JobError as exc:  # a backend that reads no such cache (flashinfer, fp8)
+                print(f"skipped {backend} with kv_cache_dtype {kv}: {exc}", flush=True)
+                break
             mode = "dflash" if with_draft else "target_only"
             used = engine.info()["attention_backend"]  # what `auto` resolved to
             for batch in plan.batch_sizes:
                 for context in plan.contexts:
                     for point in measure_point(engine, batch, context, plan.steps):
-                        point |= {"mode": mode, "attention_backend": used}
+                        point |= {"mode": mode, "attention_backend": used, "kv_cache_dtype": kv}
                         if not with_draft and ceilings is not None:
-                            floor = step_floor_ms(floor_shape, element, batch, context, 1, ceilings)
+                            floor = step_floor_ms(
+                                floor_shape, element, batch, context, 1, ceilings, kv_element
+                            )
                             point["roofline"] = floor
                             point["fraction_of_memory_roofline"] = (
                                 floor["memory_ms"] / point["ms_per_step"]
@@ -145,7 +159,7 @@ def run_sweep(
                         points.append(point)
                         print(_row(point), flush=True)
             for batch in plan.profile_batches:
-                name = f"{used} {mode} batch {batch}"
+                name = f"{_label(used, kv)} {mode} batch {batch}"
                 profiles[name] = profile_point(engine, batch, plan.contexts[0], 4)
             del engine
             collect_everything()  # its graphs hold reference cycles: free its KV pools now
@@ -176,7 +190,7 @@ def _result(
     accept = acceptance_profiles(plan)
     by_backend: dict[str, list[dict[str, Any]]] = {}
     for p in points:
-        by_backend.setdefault(p["attention_backend"], []).append(p)
+        by_backend.setdefault(_point_label(p), []).append(p)
     first = next(iter(by_backend.values()), [])
     return {
         "setup": {
@@ -184,6 +198,7 @@ def _result(
             "shape": asdict(plan.shape),
             "dtype": str(plan.dtype),
             "attention_backends": list(plan.attention_backends),
+            "kv_cache_dtypes": list(plan.kv_cache_dtypes),
             "cuda_graphs": plan.cuda_graphs,
             "steps": plan.steps,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -293,7 +308,7 @@ def side_by_side(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         key = (p["mode"], p["batch"], p["context"], p["width"])
         names = ("mode", "batch", "context", "width")
         row = rows.setdefault(key, dict(zip(names, key, strict=True)))
-        row[f"{p['attention_backend']}_ms"] = p["ms_per_step"]
+        row[f"{_point_label(p)}_ms"] = p["ms_per_step"]
     return list(rows.values())
 
 
@@ -316,9 +331,18 @@ def _projection(
     }
 
 
+def _label(backend: str, kv_cache_dtype: str) -> str:
+    """A backend's name, with `-fp8kv` over an fp8 KV cache."""
+    return backend if kv_cache_dtype == "auto" else f"{backend}-{kv_cache_dtype}kv"
+
+
+def _point_label(p: dict[str, Any]) -> str:
+    return _label(p["attention_backend"], p.get("kv_cache_dtype", "auto"))
+
+
 def _row(p: dict[str, Any]) -> str:
     return (
-        f"{p['attention_backend']:>10} {p['mode']:>11} width {p['width']:>2} "
+        f"{_point_label(p):>10} {p['mode']:>11} width {p['width']:>2} "
         f"batch {p['batch']:>4} context {p['context']:>5}: "
         f"{p['ms_per_step']:7.2f} ms/step (draft {p['draft_ms']:.2f}, target "
         f"{p['target_ms']:.2f}, host {p['host_ms']:.2f}), {p['tokens_per_second']:9.1f} tok/s"

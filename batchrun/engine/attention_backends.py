@@ -17,6 +17,10 @@ from batchrun.attention.torch_backend import TorchAttention
 from batchrun.errors import JobError
 from batchrun.layers.ops import TORCH_OPS, TorchOps
 
+FLASHINFER_FP8_KV = (
+    "attention backend 'flashinfer' does not read an fp8 KV cache; use --attention-backend "
+    "triton (or auto) or --kv-cache-dtype auto"
+)
 FLASHINFER_NEEDS = (
     "attention backend 'flashinfer' needs a CUDA GPU and the flashinfer-python package "
     "(pip install 'batchrun[flashinfer]')"
@@ -46,12 +50,15 @@ def backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def auto_candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+def auto_candidates(
+    device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> tuple[str, ...]:
     """What `auto` chooses between: Triton and, where it is installed and computes in this
-    dtype, flashinfer, on a GPU; the torch reference on a CPU."""
+    dtype over a KV cache in the model dtype, flashinfer, on a GPU; the torch reference on a
+    CPU."""
     if device.type != "cuda":
         return ("torch",)
-    half = dtype in (torch.float16, torch.bfloat16)
+    half = dtype in (torch.float16, torch.bfloat16) and kv_cache_dtype == "auto"
     if half and importlib.util.find_spec("flashinfer") is not None:
         return ("triton", "flashinfer")
     return ("triton",)
@@ -65,6 +72,12 @@ def check_backend_dtype(name: str, dtype: torch.dtype) -> None:
         check_dtype(dtype)
 
 
+def check_backend_kv(name: str, kv_cache_dtype: str) -> None:
+    """JobError if backend `name` (resolved) cannot read a KV cache of kv_cache_dtype."""
+    if name == "flashinfer" and kv_cache_dtype == "fp8":
+        raise JobError(FLASHINFER_FP8_KV)
+
+
 def _has_triton() -> bool:
     try:
         import triton  # noqa: F401
@@ -74,18 +87,19 @@ def _has_triton() -> bool:
 
 
 def attention_backend(
-    name: str, device: torch.device, workload: Workload
+    name: str, device: torch.device, workload: Workload, kv_cache_dtype: str = "auto"
 ) -> tuple[AttentionBackend, TorchOps, dict[str, float] | None]:
     """The attention backend, the layers' small ops that go with it and, when `auto` measured
     its candidates (attention/choice.py), their milliseconds per step's attention."""
     measured = None
-    candidates = auto_candidates(device, getattr(torch, workload.dtype))
+    candidates = auto_candidates(device, getattr(torch, workload.dtype), kv_cache_dtype)
     if name == "auto" and len(candidates) > 1:
         makers: dict[str, Callable[[], AttentionBackend]] = {
             c: partial(_attention_only, c, device, workload) for c in candidates
         }
         name, measured = fastest(makers, workload, device)
     name = backend_name(name, device)
+    check_backend_kv(name, kv_cache_dtype)
     return (*_backend(name, device, workload), measured)
 
 

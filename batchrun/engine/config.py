@@ -21,6 +21,8 @@ class EngineConfig:
     max_batched_tokens: int = 4096  # tokens per forward (prefill chunks + decode/verify rows)
     gpu_memory_fraction: float = 0.9  # of the GPU's memory: weights, graphs, activations, KV
     page_size: int = 16
+    # The target's KV pools: auto (the model dtype) | fp8 (float8_e4m3fn, per-tensor scales).
+    kv_cache_dtype: str = "auto"
     num_pages: int | None = None  # None: sized from free memory (GPU) or a fixed budget (CPU)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     verify_width: int | str = "auto"  # rows verified per request and step: auto, full, 1 .. B

@@ -94,7 +94,9 @@ class Engine:
         backend, self.backend_ms = choice.backend, choice.measured_ms
         clock.lap("choose_backend")
         sizes = RunnerSizes.of(config, self.num_pages, self.max_model_len, block)
-        self.runner = ModelRunner(self.model, backend, sizes, self.device)
+        self.runner = ModelRunner(
+            self.model, backend, sizes, self.device, kv_cache_dtype=config.kv_cache_dtype
+        )
         self.speculator = make_speculator(draft, self.runner, choice, config, tp)
         clock.lap("build_runner")
         # A MoE target's experts are graphed only fused (the reference reads routing on the host).
@@ -172,6 +174,7 @@ class Engine:
             "device": str(self.device),
             "tensor_parallel": self.tp.world_size if self.tp is not None else 1,
             "attention_backend": self.runner.backend.name,
+            "kv_cache_dtype": str(self.runner.kv_caches[0][0].dtype).removeprefix("torch."),
             "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
             # What speculation buys: tokens a decoding request commits per target forward.
             "tokens_per_target_forward": (

@@ -2,7 +2,8 @@
 weights (already loaded), the CUDA graphs' pool, the activations of the largest forward and a
 draft's sliding-window rings (a fixed size); on a CPU, a fixed budget less the rings. A request
 can never need more pages than a full context, so no more are made than every request of a
-full batch could use.
+full batch could use. A page counts the target's K/V at kv_cache_dtype's size (fp8: one byte an
+element, so about twice the pages of bfloat16) and a draft's at the model dtype's.
 
 Before any of that, `check_batch_memory` refuses batch limits that no device memory could run:
 a lower bound of what a full step needs, from the models' shapes alone (preflight)."""
@@ -17,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.engine.config import EngineConfig, verify_widths
 from batchrun.engine.cuda_graphs import graph_rows, graph_sizes
 from batchrun.engine.model_runner import IN_FLIGHT_STEPS, step_in_size
@@ -34,10 +36,16 @@ def layer_page_bytes(shape: Qwen3Shape, page_size: int, element: int) -> int:
 
 
 def page_bytes(
-    target: Qwen3Shape, draft: Qwen3Shape | None, page_size: int, element: int, draft_layers: int
+    target: Qwen3Shape,
+    draft: Qwen3Shape | None,
+    page_size: int,
+    element: int,
+    draft_layers: int,
+    kv_element: int | None = None,
 ) -> int:
-    """One page of K and V in every target layer and the draft_layers that share the pages."""
-    size = target.num_layers * layer_page_bytes(target, page_size, element)
+    """One page of K and V in every target layer (kv_element bytes an element; None: element)
+    and the draft_layers that share the pages (element bytes: a draft's K/V is never FP8)."""
+    size = target.num_layers * layer_page_bytes(target, page_size, kv_element or element)
     if draft is not None:
         size += draft_layers * layer_page_bytes(draft, page_size, element)
     return size
@@ -70,8 +78,12 @@ def kv_pages(
 ) -> int:
     """draft_paged_layers: the draft layers whose K/V lives in the pages (full attention);
     ring_pages: each other (sliding) layer's ring, allocated apart; widths: the verify widths
-    CUDA graphs are captured for."""
-    bytes_per_page = page_bytes(target, draft, config.page_size, element, draft_paged_layers)
+    CUDA graphs are captured for. element: the model dtype's size (the target's K/V takes
+    kv_cache_dtype's)."""
+    kv_element = kv_element_size(config.kv_cache_dtype, element)
+    bytes_per_page = page_bytes(
+        target, draft, config.page_size, element, draft_paged_layers, kv_element
+    )
     rings = 0
     if draft is not None:
         sliding = draft.num_layers - draft_paged_layers
@@ -204,6 +216,7 @@ class BatchFootprint:
     draft_paged_layers: int = 0  # draft layers whose K/V lives in the target's pages
     ring_pages: int = 0  # pages of every sliding draft layer's ring, per slot
     tp: int = 1
+    kv_element: int | None = None  # bytes per element of the target's K/V (None: element)
 
     def bytes(self, max_batch_size: int, max_batched_tokens: int) -> int:
         s, tp, el = self.target, self.tp, self.element
@@ -217,7 +230,8 @@ class BatchFootprint:
             ring = self.ring_pages * layer_page_bytes(self.draft, self.page_size, el)
             buffers += (slots + 1) * (ring + 4 * max_pages)  # and the ring's page table
         local = dataclasses.replace(s, num_kv_heads=max(s.num_kv_heads // tp, 1))
-        kv = slots * page_bytes(local, self.draft, self.page_size, el, self.draft_paged_layers)
+        paged = self.draft_paged_layers
+        kv = slots * page_bytes(local, self.draft, self.page_size, el, paged, self.kv_element)
         logits = min(slots * self.min_width, tokens) * -(-s.vocab_size // tp) * 4
         q, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         widest = max(q + 2 * kv_dim, 2 * s.intermediate_size) // tp

@@ -22,6 +22,7 @@ from typing import Any, cast
 import torch
 
 from batchrun.attention.base import AttentionBackend, GraphShape, HostPlanned
+from batchrun.attention.kv_dtype import FP8, kv_dtype, kv_scales
 from batchrun.attention.meta import AttentionMeta, allocate_kv
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.cuda_graphs import GraphSet, graph_rows, graph_sizes
@@ -36,6 +37,7 @@ from batchrun.engine.step_inputs import (
     target_inputs,
 )
 from batchrun.engine.transfers import staged
+from batchrun.layers.attention import PagedAttention
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 
 IN_FLIGHT_STEPS = 2  # a request's pages cover the step being read back and the one launched
@@ -80,7 +82,9 @@ class ModelRunner:
         backend: AttentionBackend,
         sizes: RunnerSizes,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> None:
+        """kv_cache_dtype: the pool's, auto (the model dtype) or fp8 (attention/kv_dtype.py)."""
         s = model.shape
         self.model, self.backend, self.device = model, backend, device
         self.page_size, self.num_pages = sizes.page_size, sizes.num_pages
@@ -88,7 +92,11 @@ class ModelRunner:
         # The drafter, if any (the engine sets it: it needs this runner's state and buffers).
         self.speculator = Speculator()
         pool = (sizes.num_pages, sizes.page_size, s.num_kv_heads, s.head_dim)
-        self.kv_caches = allocate_kv(s.num_layers, *pool, model.lm_head.weight.dtype, device)
+        dtype = kv_dtype(kv_cache_dtype, model.lm_head.weight.dtype)
+        self.kv_caches = allocate_kv(s.num_layers, *pool, dtype, device)
+        # An FP8 pool's per-layer scales, [layers, 2] (None: the model dtype's pool).
+        self.kv_scales = kv_scales(s.num_layers, device) if dtype == FP8 else None
+        _bind_kv_scales(model, self.kv_scales)
         # Positions a step can touch: the context, the step being read back and this one.
         self.max_kv = sizes.max_model_len + IN_FLIGHT_STEPS * sizes.block_size
         max_pages = pages_for(self.max_kv, sizes.page_size)
@@ -251,6 +259,16 @@ class ModelRunner:
         logits = self.model.logits(hidden, out=self.graph_logits[: size * width])
         outputs = (logits, inputs.row_slot, inputs.row_step)
         return outputs if features is None else (*outputs, features)
+
+
+def _bind_kv_scales(model: Qwen3ForCausalLM, scales: torch.Tensor | None) -> None:
+    """Each target attention layer reads its pool's scales (row i of `scales`) where it writes
+    and attends; None: its pool is in the model dtype. A model serves the pools of the runner
+    built last (`batchrun bench` builds one engine after another on one model)."""
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    assert scales is None or len(layers) == scales.shape[0], "one attention per layer"
+    for i, layer in enumerate(layers):
+        layer.kv_scale = None if scales is None else scales[i]
 
 
 def _host_planned(backends: list[AttentionBackend]) -> list[HostPlanned]:

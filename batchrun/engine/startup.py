@@ -84,8 +84,8 @@ def size_memory(
     tp: TensorParallel | None,
     num_pages: int | None = None,
 ) -> tuple[int, int]:
-    """The KV pool's pages (given, configured, or what memory holds; the least over ranks)
-    and the context they leave a request."""
+    """The KV pool's pages (given, configured, or what memory holds at the target's KV dtype,
+    kv_cache_dtype's; the least over ranks) and the context they leave a request."""
     target = models.target
     device = target.lm_head.weight.device
     element = target.lm_head.weight.element_size()
@@ -128,13 +128,14 @@ def choose_backend(
         draft_layers=draft.shape.num_layers if draft else 0,
         context=min(MEASURED_CONTEXT, max_model_len - block),
     )
-    backend, ops, measured = attention_backend(config.attention_backend, device, workload)
+    kv = config.kv_cache_dtype
+    backend, ops, measured = attention_backend(config.attention_backend, device, workload, kv)
     chosen = tp.of_first(backend.name) if tp is not None else backend.name
     if chosen != backend.name:
-        backend, ops, _ = attention_backend(chosen, device, workload)
+        backend, ops, _ = attention_backend(chosen, device, workload, kv)
     window_backend = None
     if draft is not None and draft.attention.window:
-        window_backend = attention_backend(backend.name, device, workload)[0]
+        window_backend = attention_backend(backend.name, device, workload, kv)[0]
     for model in (target, draft):
         if model is not None:
             use_ops(model, ops)

@@ -4,9 +4,10 @@ jobs are never mixed in one output directory.
 Covered: each input file's identity (resolved path, size, mtime, a hash of its Parquet footer,
 which holds its row counts and column statistics), the prompt column and its kind, the resolved
 dtype, the target's and draft's files (names, sizes, mtimes), the sampling defaults and the
-log-probability columns asked for and the chat template's arguments (a job without them has
-no such key, as before they existed). Not covered, as they do not change outputs: the id
-column, batch sizes, part sizes, the shard, the schedule window. The context length comes from
+log-probability columns asked for, the chat template's arguments and an fp8 KV cache, which
+rounds what attention reads (a job without them has no such key, as before they existed). Not
+covered, as they do not change outputs: the id column, batch sizes, part sizes, the shard, the
+schedule window. The context length comes from
 the target's config.json (no job key sets it), so the model files cover it. A model directory
 may also be an output directory (of this job or another): the files batchrun writes there
 (stats.json above all) are not model files, else a job writing into its own target would be a
@@ -85,6 +86,8 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
         fingerprint["chat_template_kwargs"] = job.chat_kwargs()
     if job.reasoning_parser is not None:  # its columns; unset: none
         fingerprint["reasoning_parser"] = job.reasoning_parser
+    if job.kv_cache_dtype != "auto":  # fp8 K/V change outputs; auto: no key, as before
+        fingerprint["kv_cache_dtype"] = job.kv_cache_dtype
     data: dict[str, Any] = json.loads(json.dumps(fingerprint))  # tuples become lists, as on disk
     return data
 

@@ -101,19 +101,22 @@ def attention_case(
     causal: bool,
     splits: int,
     windowed: bool = False,
+    kv_fp8: bool = False,
 ) -> Case:
+    """kv_fp8: the caches in float8_e4m3fn (fp8e4nv) with their scales."""
     cfg = ta._config(dtype, head_dim, max_q, group)
     t = _TYPES[dtype]
     part = "fp32" if splits > 1 else t
+    cache = "fp8e4nv" if kv_fp8 else t
     return Case(
         label=f"attention {t} D={head_dim} group={group} max_q={max_q} "
         f"{'causal' if causal else 'non-causal'}{' windowed' if windowed else ''} "
-        f"splits={splits} {cfg}",
+        f"splits={splits}{' fp8 kv' if kv_fp8 else ''} {cfg}",
         fn=ta._paged_attention_kernel,
         pointers=dict(
             q_ptr=t,
-            k_cache_ptr=t,
-            v_cache_ptr=t,
+            k_cache_ptr=cache,
+            v_cache_ptr=cache,
             out_ptr=t,
             part_out_ptr=part,
             part_lse_ptr=part,
@@ -121,6 +124,7 @@ def attention_case(
             cu_q_ptr="i32",
             kv_lens_ptr="i32",
             page_table_ptr="i32",
+            kv_scale_ptr="fp32" if kv_fp8 else "i32",
         ),
         floats=("scale_log2",),
         constants=dict(
@@ -136,6 +140,7 @@ def attention_case(
             MIN_SPLIT_KV=ta.MIN_SPLIT_KV,
             DOT_F32=dtype == torch.float32,
             PRECISION=ta._dot_precision(dtype),
+            KV_FP8=kv_fp8,
         ),
         num_warps=cfg.num_warps,
         unaligned=("stride_pt",),
@@ -156,6 +161,8 @@ def cases(quick: bool) -> Iterator[Case]:
         yield attention_case(dtype, dim, group, max_q, causal, splits)
         if max_q == 16 and not quick:  # a sliding-window draft layer's block
             yield attention_case(dtype, dim, group, max_q, causal, splits, windowed=True)
+        if dtype != torch.float32:  # over an FP8 KV cache
+            yield attention_case(dtype, dim, group, max_q, causal, splits, kv_fp8=True)
     if quick:
         return
     for dtype, heads, dim, splits in [
@@ -185,16 +192,20 @@ def cases(quick: bool) -> Iterator[Case]:
             ),
             4,
         )
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype, kv_fp8 in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
         t = _TYPES[dtype]
+        cache = "fp8e4nv" if kv_fp8 else t
         yield Case(
-            f"write_kv {t} kv_heads=8 D=128",
+            f"write_kv {t}{' to fp8' if kv_fp8 else ''} kv_heads=8 D=128",
             ta._write_kv_kernel,
-            dict(k_ptr=t, v_ptr=t, k_cache_ptr=t, v_cache_ptr=t, kv_index_ptr="i64"),
+            dict(k_ptr=t, v_ptr=t, k_cache_ptr=cache, v_cache_ptr=cache, kv_index_ptr="i64")
+            | dict(kv_scale_ptr="fp32" if kv_fp8 else "i64"),
             (),
-            dict(NUM_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8),
+            dict(NUM_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, KV_FP8=kv_fp8),
             4,
         )
+        if kv_fp8:
+            continue
         yield Case(
             f"add + rms_norm {t} N=4096",
             fused._rms_norm_kernel,

@@ -28,6 +28,14 @@ workspace (see `attention_workspace`) and pays where R * Hkv programs leave most
 its longest context still serves short ones cheaply: a block uses one split per MIN_SPLIT_KV
 positions it sees (at least one, decided on the device), the surplus programs exit at once, and a
 block left with one split writes its output directly, rows the combine then skips.
+
+FP8 caches (float8_e4m3fn, per-tensor scales: batchrun/attention/kv_dtype.py) are a constexpr
+case of the same kernels, so a cache in the model dtype compiles to the code it always did. The
+attention kernel widens each fp8 tile to float16 (exact, and one instruction a pair on Hopper,
+where bfloat16 takes a detour) and runs its dots in float16 (q too), and
+folds the scales out of the tiles: K's into the logits' scale, V's into the output, as
+softmax(q . (s_k k)) (s_v v) = s_v softmax((s_k q) . k) v. The write divides by the scale,
+saturates to +-448 and rounds to nearest even, as torch's cast does.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from batchrun.kernels.e4m3 import e4m3_rounded
 
 __all__ = [
     "MIN_SPLIT_KV",
@@ -79,6 +89,7 @@ def _paged_attention_kernel(
     cu_q_ptr,
     kv_lens_ptr,
     page_table_ptr,
+    kv_scale_ptr,
     scale_log2,
     q_blocks,
     window,
@@ -110,6 +121,7 @@ def _paged_attention_kernel(
     MIN_SPLIT_KV: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,6 +149,10 @@ def _paged_attention_kernel(
     )
     if DOT_F32:
         q = q.to(tl.float32)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr)  # K's scale, out of every tile
+        if not DOT_F32:
+            q = q.to(tl.float16)  # fp8 widens to float16 in one instruction (not to bfloat16)
     q_pos = kv_len - q_len + tok
     # Causal: the block's last row sees up to its own position; otherwise every row sees all.
     kv_end = kv_len - q_len + tl.minimum(q_lo + BLOCK_Q, q_len) if CAUSAL else kv_len
@@ -183,6 +199,9 @@ def _paged_attention_kernel(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif KV_FP8:
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         visible = in_range[None, :]
         if CAUSAL:
@@ -199,6 +218,8 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * tl.load(kv_scale_ptr + 1)  # V's scale (partials too: the combine is linear)
     out_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -360,6 +381,21 @@ def _combine_blocks(num_splits: int, num_heads: int) -> tuple[int, int]:
     return block_s, max(1, min(triton.next_power_of_2(num_heads), 16 // block_s))
 
 
+def _fp8_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
+    """Whether the caches are FP8 (then kv_scale must hold their two scales)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 != (v_cache.dtype == torch.float8_e4m3fn):
+        raise ValueError("the K and V caches need one dtype")
+    if fp8 and (
+        kv_scale is None
+        or kv_scale.shape != (2,)
+        or kv_scale.dtype != torch.float32
+        or not kv_scale.is_contiguous()
+    ):
+        raise ValueError("FP8 caches need kv_scale: [2] float32, K's and V's scales")
+    return fp8
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -379,18 +415,19 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_split_kv: int = MIN_SPLIT_KV,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attends the packed query rows over the paged K/V cache (which already holds this step's
     K/V); writes and returns `out` [T, Hq, D] in q's dtype.
 
-    q [T, Hq, D]; k_cache/v_cache [num_pages, page_size, Hkv, D] (last dim contiguous, same dtype
-    as q); cu_q [R+1] int32; kv_lens [R] int32; page_table [R, max_pages] int32 (entries past a
-    request's pages are never read). max_q is a host int >= every request's q_len (static per
-    captured graph: 1 for decode, B for verify or the draft block). Hq % Hkv == 0; D a power of
-    two >= 16. window: a row at position q sees only positions > q - window (None: all).
-    num_splits > 1 needs a workspace with at least that many splits and T rows; it is a maximum:
-    each block of query rows uses one split per min_split_kv positions it sees. Allocates
-    nothing when `out` is given.
+    q [T, Hq, D]; k_cache/v_cache [num_pages, page_size, Hkv, D] (last dim contiguous, q's dtype
+    or float8_e4m3fn with kv_scale, [2] float32: K's and V's scales); cu_q [R+1] int32; kv_lens
+    [R] int32; page_table [R, max_pages] int32 (entries past a request's pages are never read).
+    max_q is a host int >= every request's q_len (static per captured graph: 1 for decode, B for
+    verify or the draft block). Hq % Hkv == 0; D a power of two >= 16. window: a row at position
+    q sees only positions > q - window (None: all). num_splits > 1 needs a workspace with at
+    least that many splits and T rows; it is a maximum: each block of query rows uses one split
+    per min_split_kv positions it sees. Allocates nothing when `out` is given.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_requests = kv_lens.shape[0]
@@ -405,6 +442,7 @@ def paged_attention(
         raise ValueError(f"min_split_kv {min_split_kv} must be positive")
     if window is not None and window < 1:
         raise ValueError(f"window {window} must be positive")
+    fp8 = _fp8_cache(k_cache, v_cache, kv_scale)
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0 or num_requests == 0 or max_q <= 0:
@@ -433,6 +471,7 @@ def paged_attention(
         cu_q,
         kv_lens,
         page_table,
+        kv_scale if fp8 else kv_lens,  # unread without fp8
         scale * _LOG2E,
         q_blocks,
         window or 0,
@@ -464,6 +503,7 @@ def paged_attention(
         MIN_SPLIT_KV=min_split_kv,
         DOT_F32=interp or q.dtype == torch.float32,
         PRECISION=_dot_precision(torch.float32 if interp else q.dtype),
+        KV_FP8=fp8,
         num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or 2,
     )
@@ -499,6 +539,7 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     kv_index_ptr,
+    kv_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -513,6 +554,7 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     index = tl.load(kv_index_ptr + t).to(tl.int64)
@@ -525,6 +567,12 @@ def _write_kv_kernel(
     mask = (offs_h < NUM_HEADS)[:, None]
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if KV_FP8:
+        # x / scale as torch divides (IEEE, not the GPU's faster approximate division).
+        k = tl.math.div_rn(k.to(tl.float32), tl.load(kv_scale_ptr))
+        v = tl.math.div_rn(v.to(tl.float32), tl.load(kv_scale_ptr + 1))
+        k = e4m3_rounded(tl.clamp(k, -448.0, 448.0))
+        v = e4m3_rounded(tl.clamp(v, -448.0, 448.0))
     tl.store(
         k_cache_ptr
         + page * stride_kcp
@@ -551,10 +599,12 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     kv_index: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Stores rows k, v [T, Hkv, D] into the caches [num_pages, page_size, Hkv, D] at
     kv_index [T] int64 (page * page_size + offset); rows with a negative index are padding
-    and write nothing. D is a power of two; last dims contiguous."""
+    and write nothing. D is a power of two; last dims contiguous. FP8 caches store
+    x / kv_scale (K's, V's), saturated to +-448 and rounded to nearest even."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -562,12 +612,14 @@ def write_kv(
         raise ValueError(f"head_dim {head_dim} must be a power of two")
     if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k, v and the caches need a contiguous last dimension")
+    fp8 = _fp8_cache(k_cache, v_cache, kv_scale)
     _write_kv_kernel[(num_tokens,)](
         k,
         v,
         k_cache,
         v_cache,
         kv_index,
+        kv_scale if fp8 else kv_index,  # unread without fp8
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -582,5 +634,6 @@ def write_kv(
         HEAD_DIM=head_dim,
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        KV_FP8=fp8,
         num_warps=4,
     )

@@ -91,11 +91,13 @@ def align(
     device = experts.device
     padded_size = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
     # A counting sort: a pair's rank among its expert's pairs from a running count per expert
-    # (a [pairs, experts] cumsum costs less than a device argsort's launches).
-    chosen = experts[:, None] == torch.arange(num_experts, device=device)
-    running = chosen.cumsum(0)  # (a one_hot could check its input on the host)
-    counts = running[-1]
-    rank = running.gather(1, experts[:, None]).squeeze(1) - 1
+    # (a device argsort costs more launches). The count runs along the last dimension: torch
+    # scans an outer one column by column, one element after another (0.16 ms a layer at
+    # batch 128 on the H200).
+    chosen = torch.arange(num_experts, device=device)[:, None] == experts
+    running = chosen.cumsum(1)  # [experts, pairs] (a one_hot could check its input on the host)
+    counts = running[:, -1]
+    rank = running.gather(0, experts[None, :]).squeeze(0) - 1
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     sorted_ids = torch.full((padded_size,), pairs, dtype=torch.int64, device=device)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from batchrun.attention.base import AttentionBackend
+from batchrun.layers.fp8_linear import make_linear
 from batchrun.layers.norm import RMSNorm
 from batchrun.layers.ops import TORCH_OPS
 from batchrun.layers.rotary import RotaryEmbedding
@@ -15,16 +16,24 @@ from batchrun.layers.rotary import RotaryEmbedding
 class PagedAttention(nn.Module):
     # Checkpoint tensors packed into one parameter: name -> (packed name, shard index).
     PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+    # An FP8 KV pool's scales for this layer, [2] float32 (K's, V's; the runner sets them).
+    kv_scale: torch.Tensor | None = None
 
     def __init__(
-        self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        fp8_block: tuple[int, int] | None = None,  # projections kept in FP8 blocks (fp8_linear)
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj = make_linear(hidden, self.q_size + 2 * self.kv_size, fp8_block)
         self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)  # type: ignore[assignment]
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.o_proj = make_linear(self.q_size, hidden, fp8_block)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
         self.scale = head_dim**-0.5
@@ -53,7 +62,7 @@ class PagedAttention(nn.Module):
         backend: AttentionBackend,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        out = backend.attend(q, kv_cache[0], kv_cache[1], self.scale)
+        out = backend.attend(q, kv_cache[0], kv_cache[1], self.scale, self.kv_scale)
         return self.o_proj(out.reshape(q.shape[0], self.q_size))
 
     def forward(
@@ -65,5 +74,5 @@ class PagedAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         q, k, v = self.qkv(x, positions, rope)
-        backend.write_kv(k, v, kv_cache[0], kv_cache[1])
+        backend.write_kv(k, v, kv_cache[0], kv_cache[1], kv_scale=self.kv_scale)
         return self.attend(q, backend, kv_cache)

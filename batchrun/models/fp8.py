@@ -1,14 +1,16 @@
 """FP8 checkpoints (`quantization_config` with quant_method fp8, as Qwen publishes its -FP8
 models): float8_e4m3fn weights, each with a float32 `weight_scale_inv` per block of
 weight_block_size (Qwen: 128 x 128) or one for the whole tensor, and activations quantized
-dynamically. The loader dequantizes each weight as it reads it (weight x its block's scale, as
-transformers does), so an FP8 checkpoint runs in the job's dtype on every device; a kernel that
-keeps the weights in FP8 on the GPU is the next step.
+dynamically. The weights of the attention and dense MLP projections stay in FP8
+(layers/fp8_linear.py: block-scaled FP8 matmuls on the GPU) where their packed parts are whole
+blocks; every other FP8 weight (MoE experts, per-tensor scales, tensor-parallel shares) is
+dequantized as it is read (weight x its block's scale, as transformers does) and runs in the
+job's dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +26,10 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 class Fp8Scheme:
     block: tuple[int, int] | None  # rows x columns a scale covers; None: the whole tensor
 
-    def describe(self) -> str:
+    def describe(self, kept: bool) -> str:
         blocks = f"{self.block[0]} x {self.block[1]} blocks" if self.block else "per tensor"
-        return f"FP8 ({blocks}, dequantized as loaded)"
+        how = "block-scaled FP8 matmuls" if kept else "dequantized as loaded"
+        return f"FP8 ({blocks}, {how})"
 
 
 def fp8_scheme(config: dict[str, Any], what: str) -> Fp8Scheme | None:
@@ -52,14 +55,20 @@ def fp8_scheme(config: dict[str, Any], what: str) -> Fp8Scheme | None:
 
 
 def dequantized(
-    tensors: Iterator[tuple[str, torch.Tensor]], scheme: Fp8Scheme, what: str
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    scheme: Fp8Scheme,
+    what: str,
+    kept: Callable[[str], bool] = lambda name: False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with every FP8 weight dequantized (float32) and the scales
-    consumed; a weight and its scale may come in either order, from different files."""
+    consumed, but the weights `kept` names, which pass with their scales as they are; a
+    weight and its scale may come in either order, from different files."""
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
-        if name.endswith(SCALE_SUFFIX):
+        if kept(name.removesuffix(SCALE_SUFFIX)):
+            yield name, tensor
+        elif name.endswith(SCALE_SUFFIX):
             base = name.removesuffix(SCALE_SUFFIX)
             if base in weights:
                 yield base, _dequantize(base, weights.pop(base), tensor, scheme, what)

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from batchrun.errors import JobError
+from batchrun.layers.fp8_linear import Fp8Linear
 from batchrun.layers.rotary import RotaryEmbedding, Yarn
-from batchrun.models.fp8 import dequantized, fp8_scheme
+from batchrun.models.fp8 import SCALE_SUFFIX, dequantized, fp8_scheme
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.models.qwen3_sharding import TensorParallelQwen3, shard_checkpoint
@@ -142,11 +143,40 @@ def iter_safetensors(
 
 
 def checkpoint_weights(
-    model_dir: Path, shape: Qwen3Shape, device: torch.device | None, what: str
+    model_dir: Path,
+    shape: Qwen3Shape,
+    device: torch.device | None,
+    what: str,
+    model: nn.Module | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """iter_safetensors, FP8 weights dequantized (models/fp8.py) where the checkpoint has them."""
-    tensors = iter_safetensors(model_dir, device)
-    return dequantized(tensors, shape.fp8, what) if shape.fp8 is not None else tensors
+    """iter_safetensors, with an FP8 checkpoint's weights dequantized (models/fp8.py) but those
+    that `model` keeps in FP8."""
+    return fp8_weights(iter_safetensors(model_dir, device), shape, what, model)
+
+
+def fp8_weights(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    shape: Qwen3Shape,
+    what: str,
+    model: nn.Module | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint's tensors as `model` loads them: the weights of its Fp8Linear layers
+    with their scales, every other FP8 weight dequantized."""
+    if shape.fp8 is None:
+        return tensors
+    fp8_params = {
+        f"{path}.weight" for path, layer in (model.named_modules() if model is not None else ())
+        if isinstance(layer, Fp8Linear)
+    }  # fmt: skip
+
+    def kept(name: str) -> bool:
+        try:
+            packed = packed_target(model, name) if model is not None else None
+        except AttributeError:
+            packed = None
+        return (packed[0] if packed is not None else name) in fp8_params
+
+    return dequantized(tensors, shape.fp8, what, kept)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -183,7 +213,7 @@ def load_weights(
     params = dict(module.named_parameters())
     missing = {(name, 0) for name in params}
     for name in params:
-        shards = getattr(_owner(module, name), "shard_sizes", None)
+        shards = _shard_sizes(module, name)
         if shards is not None:
             missing |= {(name, i) for i in range(len(shards))}
     for name, tensor in tensors:
@@ -199,7 +229,7 @@ def load_weights(
             raise JobError(f"{what}: unexpected tensor {name!r} in the checkpoint")
         dest: torch.Tensor = param
         if packed is not None:
-            sizes = _owner(module, target).shard_sizes
+            sizes = _shard_sizes(module, target) or ()
             start = sum(sizes[:shard])
             dest = param[start : start + sizes[shard]]
         if dest.shape != tensor.shape:
@@ -220,7 +250,7 @@ def checkpoint_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     tensors (views, no copies). The inverse of load_weights."""
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():
-        sizes = getattr(_owner(module, name), "shard_sizes", None)
+        sizes = _shard_sizes(module, name)
         if sizes is None:
             out[name] = param
             continue
@@ -234,8 +264,17 @@ def checkpoint_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _owner(module: nn.Module, param_name: str) -> Any:
-    """The submodule holding a parameter (shard_sizes is set on packed nn.Linear modules)."""
+    """The submodule holding a parameter (shard_sizes is set on packed linear layers)."""
     return module.get_submodule(param_name.rpartition(".")[0])
+
+
+def _shard_sizes(module: nn.Module, param_name: str) -> tuple[int, ...] | None:
+    """The rows each packed checkpoint tensor takes in a packed parameter, else None (an FP8
+    layer's scales: its blocks of rows)."""
+    owner = _owner(module, param_name)
+    if param_name.endswith(SCALE_SUFFIX):
+        return owner.shard_scale_rows or None
+    return getattr(owner, "shard_sizes", None)
 
 
 def load_qwen3(
@@ -256,7 +295,7 @@ def load_qwen3(
     if shape.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     skip = {"lm_head.weight"} if shape.tie_word_embeddings else set()
-    tensors = checkpoint_weights(model_dir, shape, device, "target")
+    tensors = checkpoint_weights(model_dir, shape, device, "target", model)
     load_weights(model, tensors if tp is None else shard_checkpoint(tensors, tp), "target", skip)
     release_staging(device)
     model.pack_experts()

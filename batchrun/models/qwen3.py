@@ -35,7 +35,7 @@ class Qwen3Shape:
     max_position_embeddings: int  # the positions it addresses (with YaRN: factor x original)
     tie_word_embeddings: bool
     yarn: Yarn | None = None
-    fp8: Fp8Scheme | None = None  # an FP8 checkpoint's scales (dequantized as it loads)
+    fp8: Fp8Scheme | None = None  # an FP8 checkpoint's scales (see fp8_block)
     # Qwen3-MoE: experts of moe_intermediate_size, top num_experts_per_tok of num_experts per
     # token, in layers i with (i + 1) % decoder_sparse_step == 0 outside mlp_only_layers.
     num_experts: int = 0
@@ -44,6 +44,18 @@ class Qwen3Shape:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The block of the projections an FP8 checkpoint keeps in FP8 (attention, dense MLP),
+        None where none is kept: only block-scaled weights whose packed parts (the q/k/v and
+        gate/up rows) are whole blocks are; the rest are dequantized as they load."""
+        block = self.fp8.block if self.fp8 is not None else None
+        if block is None:
+            return None
+        heads = (self.num_heads, self.num_kv_heads)
+        rows = [h * self.head_dim for h in heads] + [self.intermediate_size]
+        return block if all(r % block[0] == 0 for r in rows) else None
 
     def sparse(self, layer: int) -> bool:
         """Whether layer `layer` has experts (transformers' rule)."""
@@ -62,7 +74,7 @@ class LayerWeights(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.self_attn = PagedAttention(
-            s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
+            s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, s.fp8_block
         )
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp: nn.Module = (
@@ -74,7 +86,7 @@ class LayerWeights(nn.Module):
                 s.norm_topk_prob,
             )  # fmt: skip
             if s.sparse(index)
-            else SwiGLU(s.hidden_size, s.intermediate_size)
+            else SwiGLU(s.hidden_size, s.intermediate_size, s.fp8_block)
         )
 
 

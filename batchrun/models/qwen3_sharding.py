@@ -56,6 +56,7 @@ def local_shape(shape: Qwen3Shape, tp: TensorParallel) -> Qwen3Shape:
         num_kv_heads=shape.num_kv_heads // tp.world_size,
         intermediate_size=shape.intermediate_size // tp.world_size,
         moe_intermediate_size=shape.moe_intermediate_size // tp.world_size,
+        fp8=None,  # a rank's share of an FP8 checkpoint is dequantized as it loads
     )
 
 

@@ -113,7 +113,7 @@ def commit_outputs(
     """The driver's side of a run: claim the output, then commit the tables that
     outputs(done) yields (output rows, by row_index; done: the committed rows, not called
     when every row is) as parts, with stats.json and at last _SUCCESS. found: what preflight
-    found (target, draft, device, dtype, attention_backend, block_size)."""
+    found (target, draft, device, dtype, attention_backend, kv_cache_dtype, block_size)."""
     opened.out.acquire()  # before any actor starts: a second run on this output stops at once
     try:
         damaged = opened.out.prepare(opened.fingerprint, opened.job.overwrite)
@@ -146,6 +146,7 @@ def _probe(
 
 def preflight_info(job: JobSpec, prompt: PromptColumn) -> dict[str, Any]:
     """What commit_outputs needs to know of the engine, found by preflight (no weights)."""
+    from batchrun.attention.kv_dtype import kv_dtype
     from batchrun.preflight import preflight
 
     found = preflight(job, prompt)
@@ -155,6 +156,7 @@ def preflight_info(job: JobSpec, prompt: PromptColumn) -> dict[str, Any]:
         "device": str(found.device),
         "dtype": str(found.dtype).removeprefix("torch."),
         "attention_backend": found.attention_backend,
+        "kv_cache_dtype": str(kv_dtype(job.kv_cache_dtype, found.dtype)).removeprefix("torch."),
         "block_size": found.block_size,
     }
 

@@ -1,0 +1,133 @@
+"""The projections of a shape as block-scaled FP8 matmuls against the bf16 matmul (cuBLAS) of
+the same size, per batch of rows: the Triton kernel (kernels/triton_fp8.py) with its default
+tile and with every other tile tried (the data behind tile_for), cuBLAS's blockwise scaled
+matmul where this torch has one (with the activation quantization it needs), and the path
+Fp8Linear takes (the data behind CUBLAS_MIN_ROWS)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from batchrun.bench.roofline import time_ms
+from batchrun.kernels.triton_fp8 import Tile, fp8_block_matmul, quantize_groups, tile_for
+from batchrun.layers.fp8_linear import cublas_blockwise, fp8_matmul
+from batchrun.models.qwen3 import Qwen3Shape
+
+BLOCK = (128, 128)
+COPIES = 4  # of each weight, read in turn: together past the L2 cache (50 MB)
+
+
+def projections(s: Qwen3Shape) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of the shape's dense projections."""
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    return {
+        "qkv_proj": (q + 2 * kv, s.hidden_size),
+        "o_proj": (s.hidden_size, q),
+        "gate_up_proj": (2 * s.intermediate_size, s.hidden_size),
+        "down_proj": (s.hidden_size, s.intermediate_size),
+    }
+
+
+def candidate_tiles(m: int, n: int, k: int) -> list[Tile]:
+    default = tile_for(m, n, k, BLOCK[1])
+    if m <= 16:
+        others = [Tile(16, bn, split, 4, stages) for bn in (32, 64, 128)
+                  for split in (1, 2, 4, 8, 16) for stages in (3, 5)]  # fmt: skip
+    elif m <= 64:
+        others = [Tile(bm, bn, split, 4, 4) for bm in (32, 64) for bn in (64, 128)
+                  for split in (1, 2, 4)]  # fmt: skip
+    else:
+        others = [Tile(128, 128, 1, 8, 3), Tile(128, 128, 1, 8, 4), Tile(128, 64, 1, 4, 4),
+                  Tile(64, 128, 1, 4, 4), Tile(64, 64, 1, 4, 4),
+                  Tile(128, 256, 1, 8, 3)]  # fmt: skip
+    return [default] + [t for t in others if t != default]
+
+
+def _cublas(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether cuBLAS's blockwise scaled matmul runs this product (not a single row's)."""
+    if not cublas_blockwise(x.device, x.dtype):
+        return False
+    try:
+        _cublas_matmul(x, w, scale)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _cublas_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """As Fp8Linear calls it: the activations quantized by the Triton kernel first."""
+    xq, x_scale = quantize_groups(x, BLOCK[1])
+    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
+
+
+def graph_ms(call: Callable[..., object]) -> float:
+    """GPU milliseconds per call(i), from a CUDA graph of COPIES x 4 calls replayed: no launch
+    overhead, and the weights (call i reads copy i % COPIES) do not stay in the L2 cache."""
+    calls = COPIES * 4
+    for i in range(COPIES):  # warm-up: compilation, probes, the split-K buffers' allocations
+        call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    return time_ms(graph.replay, warmup=3, repeat=10) / calls
+
+
+def sweep_fp8_gemm(shape: Qwen3Shape, batches: tuple[int, ...]) -> dict[str, Any]:
+    rows = []
+    for name, (n, k) in projections(shape).items():
+        for row in _time_projection(n, k, batches):
+            rows.append({"projection": name, **row})
+            print(
+                f"{name:13s} m={row['m']:5d} bf16 {row['bf16_ms']:.4f} "
+                f"fp8 {row['fp8_default_ms']:.4f} ({row['fp8_over_bf16']:.2f}x) "
+                f"best {row['fp8_best_ms']:.4f} {row['best_tile']} "
+                f"cublas {row['cublas_blockwise_ms']} layer {row['fp8_linear_over_bf16']:.2f}x",
+                flush=True,
+            )
+    return {"kind": "fp8-gemm", "block": list(BLOCK), "rows": rows}
+
+
+def _time_projection(n: int, k: int, batches: tuple[int, ...]) -> list[dict[str, Any]]:
+    device = torch.device("cuda")
+    w8 = [
+        (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        for _ in range(COPIES)
+    ]
+    scale = torch.full((n // BLOCK[0], k // BLOCK[1]), 0.02 / 64, device=device)
+    w16 = [(w.float() * 0.02 / 64).to(torch.bfloat16) for w in w8]
+    matmul = fp8_matmul()
+    assert matmul is not None
+    rows = []
+    for m in batches:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        bf16_ms = graph_ms(lambda i, x=x: F.linear(x, w16[i % COPIES]))
+        tiles = {
+            str(tile): graph_ms(
+                lambda i, x=x, tile=tile: fp8_block_matmul(x, w8[i % COPIES], scale, BLOCK, tile)
+            )
+            for tile in candidate_tiles(m, n, k)
+        }
+        default = str(candidate_tiles(m, n, k)[0])
+        best = min(tiles, key=tiles.__getitem__)
+        cublas = _cublas(x, w8[0], scale)
+        cublas_ms = (
+            graph_ms(lambda i, x=x: _cublas_matmul(x, w8[i % COPIES], scale)) if cublas else None
+        )
+        layer_ms = graph_ms(lambda i, x=x: matmul(x, w8[i % COPIES], scale, BLOCK))
+        rows.append({
+            "n": n, "k": k, "m": m, "bf16_ms": bf16_ms,
+            "fp8_default_ms": tiles[default], "default_tile": default,
+            "fp8_best_ms": tiles[best], "best_tile": best,
+            "fp8_over_bf16": tiles[default] / bf16_ms,
+            "cublas_blockwise_ms": cublas_ms,
+            "fp8_linear_ms": layer_ms,  # the path Fp8Linear takes at this size
+            "fp8_linear_over_bf16": layer_ms / bf16_ms,
+            "tiles_ms": tiles,
+        })  # fmt: skip
+    return rows
