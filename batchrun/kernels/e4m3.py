@@ -18,4 +18,6 @@ def e4m3_rounded(x):
     quantum = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
     per_quantum = ((3 - exponent + 127) << 23).to(tl.float32, bitcast=True)  # 1 / quantum
     magnitude = ((tl.abs(x) * per_quantum + 12582912.0) - 12582912.0) * quantum
-    return tl.where(bits < 0, -magnitude, magnitude)  # the sign bit: -0.0 stays -0.0
+    # x's sign bit set by hand (a negation may be compiled to 0 - m, which loses -0.0's sign)
+    sign = bits & -2147483648
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
