@@ -1,5 +1,6 @@
-"""FP8 checkpoints (quant_method fp8): a tiny checkpoint quantized block-wise (and per tensor)
-loads with its weights dequantized exactly as transformers defines them (weight x its block's
+"""FP8 checkpoints (quant_method fp8): a tiny checkpoint quantized block-wise keeps its
+projections in FP8 (Fp8Linear; per tensor: dequantized as loaded), and on the CPU each matmul
+uses the weight dequantized exactly as transformers defines it (weight x its block's
 weight_scale_inv), so the engine's outputs are those of the dequantized checkpoint, which are
 transformers' own."""
 

@@ -19,6 +19,11 @@ from torch import nn
 
 Fp8Matmul = Callable[..., torch.Tensor]
 
+# From this many rows, cuBLAS's blockwise scaled matmul (torch._scaled_mm with 1 x 128 activation
+# and 128 x 128 weight scales) is used: from 128 rows on it is 2-3x faster than the Triton
+# kernel, which is faster up to 16 (bench/results/fp8-gemm-h200.json).
+CUBLAS_MIN_ROWS = 16
+
 
 class Fp8Linear(nn.Module):
     weight: nn.Parameter  # [out, in] float8_e4m3fn
@@ -92,12 +97,6 @@ def fp8_matmul() -> Fp8Matmul | None:
         return fp8_block_matmul(x, weight, scale, block)
 
     return matmul
-
-
-# From this many rows, cuBLAS's blockwise scaled matmul (torch._scaled_mm with 1 x 128 activation
-# and 128 x 128 weight scales) is used: from 128 rows on it is 2-3x faster than the Triton
-# kernel, which is faster up to 16 (bench/results/fp8-gemm-h200.json).
-CUBLAS_MIN_ROWS = 16
 
 
 @functools.cache
