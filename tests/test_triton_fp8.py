@@ -18,12 +18,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from batchrun.kernels.triton_fp8 import (  # noqa: E402
-    FP8_MAX,
-    Tile,
-    fp8_block_matmul,
-    quantize_groups,
-)
+from batchrun.kernels.e4m3 import FP8_MAX  # noqa: E402
+from batchrun.kernels.triton_fp8 import Tile, fp8_block_matmul, quantize_groups  # noqa: E402
 from batchrun.layers.fp8_linear import Fp8Linear  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

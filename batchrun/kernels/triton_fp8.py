@@ -22,7 +22,6 @@ import triton.language as tl
 
 from batchrun.kernels.e4m3 import e4m3_rounded
 
-FP8_MAX = 448.0  # the largest float8_e4m3fn
 # Under the interpreter the activations are rounded to e4m3 by e4m3_rounded (its own float8
 # cast loses the carry of a rounding that crosses a power of two, 31.2 -> 16) and the dot takes
 # float32 operands holding the same values.
