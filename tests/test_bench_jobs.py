@@ -86,6 +86,8 @@ def test_a_json_schema_workload_runs_constrained_beside_unconstrained(tmp_path: 
         ["--jobs", "w1", "--tau", "0,nan"],
         ["--jobs", "w1", "--job-scale", "-1"],
         ["--jobs", "w1", "--target", "."],
+        ["--jobs", "w1", "--kv-cache-dtype", "auto,fp8"],  # a job runs one KV dtype
+        ["--target", ".", "--kv-cache-dtype", "auto,fp8"],
         ["--shape", "qwen3-8b", "--batch-sizes", "1,,-4"],
         ["--shape", "qwen3-8b", "--contexts", "1e9999"],
         ["--shape", "qwen3-8b", "--num-layers", "1"],  # the draft reads layers 1 .. L-3

@@ -166,7 +166,7 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     show_default=True,
     callback=lambda _ctx, _param, value: _kv_cache_dtypes(value),
     help="--shape: the target's KV cache, auto (the model dtype) or fp8; a comma list sweeps "
-    "each, side by side (e.g. auto,fp8). --target: one of them.",
+    "each, side by side (e.g. auto,fp8). --target, --jobs: one of them.",
 )
 @click.option(
     "--jobs",
@@ -210,6 +210,10 @@ def bench(out: Path | None, **opts: Any) -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2) + "\n")
 
+    if len(opts["kv_cache_dtype"]) > 1 and (opts["jobs"] or not opts["shape"]):
+        raise click.UsageError(
+            "a list of --kv-cache-dtype is for --shape sweeps; --target and --jobs take one"
+        )
     if opts["jobs"]:
         if opts["target"] is not None:
             raise click.UsageError("--jobs writes its own random checkpoint: no --target")
@@ -222,8 +226,6 @@ def bench(out: Path | None, **opts: Any) -> None:
         raise click.UsageError("give exactly one of --target and --shape")
     if opts["tp"] > 1 and not opts["shape"]:
         raise click.UsageError("--tp is for --shape (a job runs tensor parallel with run --tp)")
-    if len(opts["kv_cache_dtype"]) > 1 and not opts["shape"]:
-        raise click.UsageError("a list of --kv-cache-dtype is for --shape; --target takes one")
     if opts["tp"] > 1 and "RANK" not in os.environ:
         sys.exit(_relaunch(opts["tp"]))
     if opts["penalties"]:
