@@ -164,16 +164,14 @@ def fp8_weights(
     with their scales, every other FP8 weight dequantized."""
     if shape.fp8 is None:
         return tensors
+    if model is None:
+        return dequantized(tensors, shape.fp8, what)
     fp8_params = {
-        f"{path}.weight" for path, layer in (model.named_modules() if model is not None else ())
-        if isinstance(layer, Fp8Linear)
-    }  # fmt: skip
+        f"{path}.weight" for path, layer in model.named_modules() if isinstance(layer, Fp8Linear)
+    }
 
     def kept(name: str) -> bool:
-        try:
-            packed = packed_target(model, name) if model is not None else None
-        except AttributeError:
-            packed = None
+        packed = packed_target(model, name)
         return (packed[0] if packed is not None else name) in fp8_params
 
     return dequantized(tensors, shape.fp8, what, kept)
@@ -196,11 +194,15 @@ def release_staging(device: torch.device) -> None:
 
 def packed_target(module: nn.Module, name: str) -> tuple[str, int] | None:
     """(packed parameter name, shard index) of a checkpoint tensor that a layer packs with
-    others (q/k/v, gate/up), else None."""
+    others (q/k/v, gate/up), else None (also for a name whose path is no submodule: the
+    loader reports it as unexpected)."""
     *path, proj, leaf = name.split(".")
     if not path:
         return None
-    owner = module.get_submodule(".".join(path)) if path else module
+    try:
+        owner = module.get_submodule(".".join(path))
+    except AttributeError:
+        return None
     packed = getattr(type(owner), "PACKED", {}).get(proj)
     return (".".join([*path, packed[0], leaf]), packed[1]) if packed else None
 
@@ -219,10 +221,7 @@ def load_weights(
     for name, tensor in tensors:
         if name in skip:
             continue
-        try:
-            packed = packed_target(module, name)
-        except AttributeError:
-            packed = None
+        packed = packed_target(module, name)
         target, shard = packed if packed is not None else (name, 0)
         param = params.get(target)
         if param is None:
