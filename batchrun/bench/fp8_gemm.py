@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.bench.roofline import time_ms
-from batchrun.kernels.triton_fp8 import Tile, fp8_block_matmul, quantize_groups, tile_for
-from batchrun.layers.fp8_linear import cublas_blockwise, fp8_matmul
+from batchrun.kernels.triton_fp8 import Tile, fp8_block_matmul, tile_for
+from batchrun.layers.fp8_linear import cublas_blockwise, cublas_matmul, fp8_matmul
 from batchrun.models.qwen3 import Qwen3Shape
 
 BLOCK = (128, 128)
@@ -52,16 +52,10 @@ def _cublas(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> bool:
     if not cublas_blockwise(x.device, x.dtype):
         return False
     try:
-        _cublas_matmul(x, w, scale)
+        cublas_matmul(x, w, scale)
     except RuntimeError:
         return False
     return True
-
-
-def _cublas_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """As Fp8Linear calls it: the activations quantized by the Triton kernel first."""
-    xq, x_scale = quantize_groups(x, BLOCK[1])
-    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
 
 
 def graph_ms(call: Callable[..., object]) -> float:
@@ -117,7 +111,7 @@ def _time_projection(n: int, k: int, batches: tuple[int, ...]) -> list[dict[str,
         best = min(tiles, key=tiles.__getitem__)
         cublas = _cublas(x, w8[0], scale)
         cublas_ms = (
-            graph_ms(lambda i, x=x: _cublas_matmul(x, w8[i % COPIES], scale)) if cublas else None
+            graph_ms(lambda i, x=x: cublas_matmul(x, w8[i % COPIES], scale)) if cublas else None
         )
         layer_ms = graph_ms(lambda i, x=x: matmul(x, w8[i % COPIES], scale, BLOCK))
         rows.append({

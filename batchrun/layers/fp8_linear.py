@@ -78,7 +78,7 @@ def make_linear(
 def fp8_matmul() -> Fp8Matmul | None:
     """The block-scaled FP8 matmul when triton imports, else None (dequantized matmuls)."""
     try:
-        from batchrun.kernels.triton_fp8 import fp8_block_matmul, quantize_groups
+        from batchrun.kernels.triton_fp8 import fp8_block_matmul
     except ImportError:
         return None
 
@@ -88,15 +88,22 @@ def fp8_matmul() -> Fp8Matmul | None:
         m, k = x.shape
         whole_blocks = block == (128, 128) and k % 128 == 0 and weight.shape[0] % 128 == 0
         if m >= CUBLAS_MIN_ROWS and whole_blocks and cublas_blockwise(x.device, x.dtype):
-            rows = -(-m // 4) * 4  # cuBLAS has blockwise kernels for whole groups of 4 rows
-            xq, x_scale = quantize_groups(x, 128, rows)
-            out = torch._scaled_mm(
-                xq, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype
-            )
-            return out[:m]
+            return cublas_matmul(x, weight, scale)
         return fp8_block_matmul(x, weight, scale, block)
 
     return matmul
+
+
+def cublas_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ dequantized(weight)^T by cuBLAS's blockwise scaled matmul, 128 x 128 weight blocks,
+    x quantized per row and 128 columns by the Triton kernel (on CUDA, where triton imports)."""
+    from batchrun.kernels.triton_fp8 import quantize_groups
+
+    m = x.shape[0]
+    rows = -(-m // 4) * 4  # cuBLAS has blockwise kernels for whole groups of 4 rows
+    xq, x_scale = quantize_groups(x, 128, rows)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
+    return out[:m]
 
 
 @functools.cache
