@@ -72,3 +72,18 @@ def test_the_engine_stack_imports_nothing_above_it() -> None:
     for unit in ENGINE_STACK:
         above = {t: f for t, f in edges.get(unit, {}).items() if t not in ENGINE_STACK}
         assert not above, f"{unit} imports {above}"
+
+
+def test_the_cpu_path_imports_without_triton() -> None:
+    """triton is an optional extra: the CLI, the engine and every attention backend's module
+    import without it (the kernels load where a GPU path asks for them)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import batchrun.cli, batchrun.engine.engine, batchrun.preflight, batchrun.bench.shapes\n"
+        "import batchrun.attention.torch_backend, batchrun.layers.fp8_linear\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

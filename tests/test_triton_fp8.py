@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from batchrun.kernels.e4m3 import FP8_MAX  # noqa: E402
+from batchrun.attention.kv_dtype import FP8_MAX  # noqa: E402
 from batchrun.kernels.triton_fp8 import Tile, fp8_block_matmul, quantize_groups  # noqa: E402
 from batchrun.layers.fp8_linear import Fp8Linear  # noqa: E402
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from batchrun.attention.kv_dtype import FP8_MAX
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.fp8 import SCALE_SUFFIX, Fp8Scheme
@@ -70,7 +71,7 @@ def _randomize(module: torch.nn.Module, seed: int) -> None:
             elif param.dtype == torch.float8_e4m3fn:
                 for rows in param.split(1024):  # no float32 copy of the whole weight
                     drawn = torch.empty(rows.shape, device=device).normal_(generator=gen)
-                    rows.copy_((drawn * FP8_SPREAD).clamp(-448.0, 448.0))
+                    rows.copy_((drawn * FP8_SPREAD).clamp(-FP8_MAX, FP8_MAX))
             elif name.endswith(SCALE_SUFFIX):
                 param.fill_(0.02 / FP8_SPREAD)
             else:

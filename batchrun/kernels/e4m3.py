@@ -4,8 +4,6 @@ that write FP8 (the KV cache, quantized activations)."""
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-
 
 @triton.jit
 def e4m3_rounded(x):
