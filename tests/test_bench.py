@@ -124,3 +124,18 @@ def test_sweep_runs_each_kv_cache_dtype(tmp_path: Path) -> None:
     refused = CliRunner().invoke(cli, [*args[:-1], "fp9"])
     assert refused.exit_code == 2 and len(refused.stderr.splitlines()) == 1
     assert "expected auto, fp8 or a comma list of them" in refused.stderr
+
+
+def test_the_roofline_counts_fp8_projections_and_experts_at_a_byte() -> None:
+    from batchrun.bench.roofline import weight_bytes
+    from batchrun.bench.shapes import shape_from_flags
+
+    bf16 = shape_from_flags("qwen3-30b-a3b")
+    fp8 = shape_from_flags("qwen3-30b-a3b", fp8_weights=True)
+    s, read = bf16, 10
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    attention = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
+    experts = read * 3 * s.hidden_size * s.moe_intermediate_size
+    # bf16's two bytes an element less FP8's one: the projections' elements, once each
+    saved = weight_bytes(bf16, 2, experts=read) - weight_bytes(fp8, 2, experts=read)
+    assert saved == s.num_layers * (attention + experts)

@@ -35,15 +35,17 @@ def projections(s: Qwen3Shape) -> dict[str, tuple[int, int]]:
 def candidate_tiles(m: int, n: int, k: int) -> list[Tile]:
     default = tile_for(m, n, k, BLOCK[1])
     if m <= 16:
-        others = [Tile(16, bn, split, 4, stages) for bn in (32, 64, 128)
-                  for split in (1, 2, 4, 8, 16) for stages in (3, 5)]  # fmt: skip
-    elif m <= 64:
-        others = [Tile(bm, bn, split, 4, 4) for bm in (32, 64) for bn in (64, 128)
-                  for split in (1, 2, 4)]  # fmt: skip
+        others = [Tile(16, bn, split, 4, stages) for bn in (64, 128)
+                  for split in (1, 2, 4, 8, 16) for stages in (3, 4)]  # fmt: skip
+    elif m <= 256:
+        others = [Tile(bm, bn, split, warps, stages, ahead=True)
+                  for bm in (32, 64, 128) for bn in (64, 128) for split in (1, 2, 4)
+                  for warps, stages in ((4, 3), (4, 4), (8, 3)) if bm <= max(32, m)]  # fmt: skip
+        others.append(Tile(64, 128, 1, 4, 4))  # activations quantized in the loop
     else:
-        others = [Tile(128, 128, 1, 8, 3), Tile(128, 128, 1, 8, 4), Tile(128, 64, 1, 4, 4),
-                  Tile(64, 128, 1, 4, 4), Tile(64, 64, 1, 4, 4),
-                  Tile(128, 256, 1, 8, 3)]  # fmt: skip
+        others = [Tile(128, 128, 1, 8, 3, True), Tile(128, 128, 1, 8, 4, True),
+                  Tile(128, 64, 1, 4, 4, True), Tile(64, 128, 1, 4, 4, True),
+                  Tile(128, 256, 1, 8, 3, True), Tile(128, 128, 1, 8, 4)]  # fmt: skip
     return [default] + [t for t in others if t != default]
 
 

@@ -52,8 +52,8 @@ def weight_bytes(
 ) -> int:
     """Bytes of the weights one forward reads (the embedding: only its rows, so not counted).
     A MoE layer reads its router and `experts` of its experts (None: all of them). The
-    projections an FP8 checkpoint keeps in FP8 take a byte an element (their scales: not
-    counted, 1/16,384 of them)."""
+    projections an FP8 checkpoint keeps in FP8 (experts included) take a byte an element
+    (their scales: not counted, 1/16,384 of them)."""
     s = shape
     projection = 1 if s.fp8_block is not None else element
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -63,8 +63,8 @@ def weight_bytes(
         total += attention * projection
         if s.sparse(i):
             read = s.num_experts if experts is None else experts
-            mlp = s.hidden_size * s.num_experts + read * 3 * s.hidden_size * s.moe_intermediate_size
-            total += mlp * element
+            router = s.hidden_size * s.num_experts * element
+            total += router + read * 3 * s.hidden_size * s.moe_intermediate_size * projection
         else:
             total += 3 * s.hidden_size * s.intermediate_size * projection
     return int(total + element * s.vocab_size * s.hidden_size)

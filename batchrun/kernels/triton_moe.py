@@ -7,6 +7,11 @@ the tensor shapes alone (the worst case: every expert's last block partly empty)
 experts can be captured in a CUDA graph. `fused_experts` is the layer's whole expert path: gate
 and up projections, SiLU-and-mul, the down projection weighted by the router's probability, and
 the sum over each token's k experts. Matches layers/moe.py's reference up to summation order.
+
+FP8 experts (an FP8 checkpoint's, one float32 scale per block of each expert's weight) multiply
+fp8 tiles on the tensor cores: each projection's input is quantized per row and block of columns
+first (kernels/triton_fp8.py's quantize_groups), and each k step's dot is scaled by its row's and
+its weight block's scales, as the dense FP8 matmul does.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ import triton
 import triton.language as tl
 
 from batchrun.kernels.triton_attention import interpreting
+from batchrun.kernels.triton_fp8 import quantize_groups
+
+# An FP8 MoE layer's expert scales and their block: (w13's, w2's, (block rows, block columns)).
+Fp8Experts = tuple[torch.Tensor, torch.Tensor, tuple[int, int]]
 
 
 @triton.jit
@@ -29,6 +38,8 @@ def _expert_matmul_kernel(
     block_expert_ptr,  # [padded / BLOCK_M] the expert of each block
     total_ptr,  # [1] the padded rows in use
     weight_ptr,  # [pairs] the router's probabilities (MUL_WEIGHT)
+    a_scale_ptr,  # FP8: [K / BLOCK_K, rows] a's scale per row and block of BLOCK_K columns
+    b_scale_ptr,  # FP8: [E, N / scale_n, K / BLOCK_K] b's scale per block
     num_pairs,
     N,
     K,
@@ -36,8 +47,13 @@ def _expert_matmul_kernel(
     stride_be,
     stride_bn,
     stride_cm,
+    stride_as,
+    stride_bse,
+    stride_bsn,
+    scale_n,
     A_PER_ROW: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    FP8: tl.constexpr,
     FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -53,6 +69,7 @@ def _expert_matmul_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     depth = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_scales = b_scale_ptr + expert * stride_bse + (cols // scale_n) * stride_bsn
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + depth
         a = tl.load(
@@ -66,9 +83,15 @@ def _expert_matmul_kernel(
             other=0.0,
         )
         if FP32_DOT:  # float32 weights (no TF32), or the interpreter (its bf16 dot is wrong)
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            dot = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(a, b)
+            dot = tl.dot(a, b)
+        if FP8:  # BLOCK_K is the scales' block of columns
+            a_scale = tl.load(a_scale_ptr + (k0 // BLOCK_K) * stride_as + a_rows, mask=valid)
+            b_scale = tl.load(b_scales + k0 // BLOCK_K, mask=cols < N)
+            acc += dot * a_scale[:, None] * b_scale[None, :]
+        else:
+            acc += dot
     if MUL_WEIGHT:
         acc *= tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
     out = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :]
@@ -114,38 +137,49 @@ def fused_experts(
     experts: torch.Tensor,  # [T, k]
     weights: torch.Tensor,  # [T, k] the router's probabilities, in x's dtype
     silu_mul: Callable[[torch.Tensor], torch.Tensor],
+    fp8: Fp8Experts | None = None,  # FP8 experts: their scales and block
 ) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j]."""
     tokens, k = experts.shape
     num_experts, hidden = w13.shape[0], x.shape[1]
     block_m = block_rows(tokens * k, num_experts)
     sorted_ids, block_expert, total = align(experts.reshape(-1), num_experts, block_m)
+    routing = (sorted_ids, block_expert, total, block_m)
+    w13_scale, w2_scale, block = fp8 if fp8 is not None else (None, None, None)
     gate_up = x.new_empty(tokens * k, w13.shape[1])
-    _matmul(x, w13, gate_up, sorted_ids, block_expert, total, k, None, block_m)
+    _matmul(x, w13, w13_scale, block, gate_up, routing, k, None)
     down = x.new_empty(tokens * k, hidden)
     flat = weights.reshape(-1)
-    _matmul(silu_mul(gate_up), w2, down, sorted_ids, block_expert, total, 1, flat, block_m)
+    _matmul(silu_mul(gate_up), w2, w2_scale, block, down, routing, 1, flat)
     return down.view(tokens, k, hidden).sum(dim=1)
 
 
 def _matmul(
     a: torch.Tensor,
     b: torch.Tensor,
+    b_scale: torch.Tensor | None,
+    block: tuple[int, int] | None,
     c: torch.Tensor,
-    sorted_ids: torch.Tensor,
-    block_expert: torch.Tensor,
-    total: torch.Tensor,
+    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
     a_per_row: int,
     weights: torch.Tensor | None,
-    block_m: int,
 ) -> None:
+    sorted_ids, block_expert, total, block_m = routing
     n, depth = b.shape[1], b.shape[2]
     block_n, block_k = 64, 64
+    interpret = interpreting(a)
+    if b_scale is not None and block is not None:
+        a, a_scale = quantize_groups(a, block[1])
+        scales = (a_scale, b_scale, a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))
+        block_k, scale_n = block[1], block[0]
+    else:
+        scales, scale_n = (c, c, 0, 0, 0), 1  # unread
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
-    ieee = interpreting(a) or a.dtype == torch.float32
     _expert_matmul_kernel[grid](
         a, b, c, sorted_ids, block_expert, total, weights if weights is not None else c,
-        c.shape[0], n, depth, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        A_PER_ROW=a_per_row, MUL_WEIGHT=weights is not None, FP32_DOT=ieee,
+        scales[0], scales[1], c.shape[0], n, depth, a.stride(0), b.stride(0), b.stride(1),
+        c.stride(0), *scales[2:], scale_n,
+        A_PER_ROW=a_per_row, MUL_WEIGHT=weights is not None, FP8=b_scale is not None,
+        FP32_DOT=interpret or a.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip

@@ -3,10 +3,11 @@ all experts in float32, the top k renormalised when norm_topk_prob), and the tok
 their SwiGLU outputs weighted by those probabilities, as transformers computes it.
 
 The experts are SwiGLU modules under the checkpoint's names (mlp.experts.E.gate_proj, ...);
-once loaded, `pack` stacks their weights into one tensor per projection, the experts keeping
-views of it. On CUDA, when triton imports, the packed experts run fused
-(kernels/triton_moe.py: no host synchronisation, so under CUDA graphs); elsewhere the reference
-path runs the experts some token chose one after another, reading the routing on the host.
+once loaded, `pack` stacks their weights (and an FP8 checkpoint's block scales) into one tensor
+per projection, the experts keeping views of it. On CUDA, when triton imports, the packed experts
+run fused (kernels/triton_moe.py: no host synchronisation, so under CUDA graphs; FP8 experts as
+block-scaled FP8 matmuls); elsewhere the reference path runs the experts some token chose one
+after another, reading the routing on the host.
 """
 
 from __future__ import annotations
@@ -25,15 +26,25 @@ FusedExperts = Callable[..., torch.Tensor]
 
 class SparseMoe(nn.Module):
     def __init__(
-        self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk: bool
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk: bool,
+        fp8_block: tuple[int, int] | None = None,  # experts kept in FP8 blocks (fp8_linear)
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(SwiGLU(hidden, intermediate) for _ in range(num_experts))
+        self.experts = nn.ModuleList(
+            SwiGLU(hidden, intermediate, fp8_block) for _ in range(num_experts)
+        )
         self.swiglus: list[SwiGLU] = list(self.experts)  # type: ignore[arg-type]
-        self.top_k, self.norm_topk = top_k, norm_topk
+        self.top_k, self.norm_topk, self.fp8_block = top_k, norm_topk, fp8_block
         self.w13: torch.Tensor | None = None  # [E, 2I, H], set by pack()
         self.w2: torch.Tensor | None = None  # [E, H, I]
+        self.w13_scale: torch.Tensor | None = None  # FP8: [E, 2I / block, H / block] float32
+        self.w2_scale: torch.Tensor | None = None
         # Tensor parallel: each rank's experts hold its share of their intermediate rows, so
         # the block's output is a partial sum, all-reduced once.
         self.tp: TensorParallel | None = None
@@ -41,11 +52,18 @@ class SparseMoe(nn.Module):
     @torch.no_grad()
     def pack(self) -> None:
         """Stack the loaded experts' weights (each expert's parameters become views of them)."""
-        self.w13 = torch.stack([e.gate_up_proj.weight for e in self.swiglus])
-        self.w2 = torch.stack([e.down_proj.weight for e in self.swiglus])
-        for i, expert in enumerate(self.swiglus):
-            expert.gate_up_proj.weight.data = self.w13[i]
-            expert.down_proj.weight.data = self.w2[i]
+        self.w13 = self._stack("gate_up_proj", "weight")
+        self.w2 = self._stack("down_proj", "weight")
+        if self.fp8_block is not None:
+            self.w13_scale = self._stack("gate_up_proj", "weight_scale_inv")
+            self.w2_scale = self._stack("down_proj", "weight_scale_inv")
+
+    def _stack(self, projection: str, name: str) -> torch.Tensor:
+        params = [getattr(getattr(e, projection), name) for e in self.swiglus]
+        stacked = torch.stack(params)
+        for i, param in enumerate(params):
+            param.data = stacked[i]
+        return stacked
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [T, k] and their weights [T, k] (in x's dtype)."""
@@ -60,7 +78,8 @@ class SparseMoe(nn.Module):
         fused = fused_kernel() if x.is_cuda and self.w13 is not None else None
         if fused is not None:
             silu_mul = self.swiglus[0].ops.silu_mul
-            out = fused(x, self.w13, self.w2, experts, weights, silu_mul)
+            fp8 = (self.w13_scale, self.w2_scale, self.fp8_block) if self.fp8_block else None
+            out = fused(x, self.w13, self.w2, experts, weights, silu_mul, fp8)
         else:
             out = torch.zeros_like(x)
             for e in experts.unique().tolist():

@@ -47,14 +47,18 @@ class Qwen3Shape:
 
     @property
     def fp8_block(self) -> tuple[int, int] | None:
-        """The block of the projections an FP8 checkpoint keeps in FP8 (attention, dense MLP),
-        None where none is kept: only block-scaled weights whose packed parts (the q/k/v and
-        gate/up rows) are whole blocks are; the rest are dequantized as they load."""
+        """The block of the projections an FP8 checkpoint keeps in FP8 (attention, MLP, MoE
+        experts), None where none is kept: only block-scaled weights whose packed parts (the
+        q/k/v and gate/up rows) are whole blocks and whose blocks the kernels step through are;
+        the rest are dequantized as they load."""
         block = self.fp8.block if self.fp8 is not None else None
-        if block is None:
+        # The matmuls step through K a block of columns at a time: a power of two, and at
+        # least the 32 an fp8 tensor-core dot takes.
+        if block is None or block[1] < 32 or block[1] & (block[1] - 1):
             return None
         heads = (self.num_heads, self.num_kv_heads)
         rows = [h * self.head_dim for h in heads] + [self.intermediate_size]
+        rows += [self.moe_intermediate_size] if self.num_experts else []
         return block if all(r % block[0] == 0 for r in rows) else None
 
     def sparse(self, layer: int) -> bool:
@@ -84,6 +88,7 @@ class LayerWeights(nn.Module):
                 s.num_experts,
                 s.num_experts_per_tok,
                 s.norm_topk_prob,
+                s.fp8_block,
             )  # fmt: skip
             if s.sparse(index)
             else SwiGLU(s.hidden_size, s.intermediate_size, s.fp8_block)
