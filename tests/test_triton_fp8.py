@@ -86,7 +86,7 @@ def test_on_the_cpu_the_layer_is_the_dequantized_matmul() -> None:
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="bfloat16 tensor-core dot: the GPU's")
-@pytest.mark.parametrize("m", [1, 16, 128, 1000])
+@pytest.mark.parametrize("m", [1, 16, 40, 128, 1000])
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 12288)])  # Qwen3-8B's qkv, down
 def test_bf16_is_the_dequantized_matmul_within_fp8_tolerance(m: int, n: int, k: int) -> None:
     layer = fp8_layer(n, k, (128, 128))

@@ -45,16 +45,19 @@ class Tile:
 
 def tile_for(m: int, n: int, k: int, block_k: int) -> Tile:
     """The tile for an [m, k] x [k, n] product: the fastest measured at Qwen3-8B's projections
-    on the H200 (bench/results/fp8-gemm-h200.json). Up to 16 rows, 128 columns a program and K
-    split so that about 384 programs read W (down_proj, o_proj and qkv_proj in 8 parts,
-    gate_up_proj in 2)."""
+    on the H200 (bench/results/fp8-gemm-h200.json). Up to 16 rows, activations quantized in
+    the loop, 128 columns a program and K split so that about 384 programs read W (down_proj,
+    o_proj and qkv_proj in 8 parts, gate_up_proj in 2); from 17 rows, activations quantized
+    ahead, 64 x 64 tiles and K split in up to 4 parts towards 384 programs."""
     if m <= 16:
         split = max(1, min(8, 384 // triton.cdiv(n, 128), triton.cdiv(k, block_k)))
         return Tile(16, 128, split, 4, 3)
-    if m <= 32:
-        return Tile(32, 64, 1, 4, 4, ahead=True)
     if m <= 256:
-        return Tile(64, 128, 1, 4, 4, ahead=True)
+        programs = triton.cdiv(m, 64) * triton.cdiv(n, 64)
+        split = 1
+        while split < 4 and programs * split * 2 <= 384:
+            split *= 2
+        return Tile(64, 64, split, 4, 3, ahead=True)
     return Tile(128, 128, 1, 8, 4, ahead=True)
 
 

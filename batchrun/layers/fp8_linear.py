@@ -20,9 +20,10 @@ from torch import nn
 Fp8Matmul = Callable[..., torch.Tensor]
 
 # From this many rows, cuBLAS's blockwise scaled matmul (torch._scaled_mm with 1 x 128 activation
-# and 128 x 128 weight scales) is used: from 128 rows on it is 2-3x faster than the Triton
-# kernel, which is faster up to 16 (bench/results/fp8-gemm-h200.json).
-CUBLAS_MIN_ROWS = 16
+# and 128 x 128 weight scales) is used: up to 64 rows the Triton kernel is as fast or faster
+# (Qwen3-8B's four projections at 64 rows: 0.099 vs 0.113 ms), from 128 cuBLAS is
+# (bench/results/fp8-gemm-h200.json).
+CUBLAS_MIN_ROWS = 65
 
 
 class Fp8Linear(nn.Module):
@@ -110,9 +111,9 @@ def cublas_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
 def cublas_blockwise(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch and GPU run torch._scaled_mm with blockwise scales (torch >= 2.9 on
     Hopper), tried once on a small product; called in the warm-up before graph capture."""
-    x = torch.zeros(CUBLAS_MIN_ROWS, 128, device=device, dtype=torch.float8_e4m3fn)
+    x = torch.zeros(128, 128, device=device, dtype=torch.float8_e4m3fn)
     w = torch.zeros(128, 128, device=device, dtype=torch.float8_e4m3fn)
-    x_scale = torch.ones(1, CUBLAS_MIN_ROWS, device=device).t()
+    x_scale = torch.ones(1, 128, device=device).t()
     w_scale = torch.ones(1, 1, device=device)
     try:
         torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=dtype)
