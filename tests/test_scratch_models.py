@@ -189,3 +189,17 @@ def test_random_shape_models_live_on_their_device_with_a_float32_rope() -> None:
         tensors = [*model.parameters(), *model.buffers()]
         assert all(t.device == meta for t in tensors)
         assert model.rope.cos.dtype == model.rope.sin.dtype == torch.float32
+
+
+def test_a_moe_shape_writes_a_qwen3_moe_checkpoint(tmp_path: Path) -> None:
+    """The MoE job benchmark's checkpoint: transformers reads it as Qwen3-MoE and batchrun
+    loads it with its experts (the config names them, not only the tensors)."""
+    from dataclasses import replace
+
+    moe = replace(SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    target = write_target(tmp_path, moe, torch.float32, CPU)
+    assert json.loads((target / "config.json").read_text())["model_type"] == "qwen3_moe"
+    loaded, _ = load_qwen3(target, "float32", CPU)
+    assert loaded.shape.num_experts == 4 and loaded.shape.moe_intermediate_size == 32
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"

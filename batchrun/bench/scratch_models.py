@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
 from batchrun.bench.shapes import DRAFT_BLOCK, DRAFT_LAYERS, _randomize
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
@@ -77,7 +77,7 @@ def write_target(
 
     eos = eos_id(shape.vocab_size)
     name = _dtype_name(dtype)
-    config = Qwen3Config(
+    common: dict[str, Any] = dict(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
@@ -85,8 +85,18 @@ def write_target(
         rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
         max_position_embeddings=shape.max_position_embeddings,
         tie_word_embeddings=shape.tie_word_embeddings,
-        eos_token_id=eos, pad_token_id=eos, dtype=name, architectures=["Qwen3ForCausalLM"],
+        eos_token_id=eos, pad_token_id=eos, dtype=name,
     )  # fmt: skip
+    if shape.num_experts:
+        config: Qwen3Config | Qwen3MoeConfig = Qwen3MoeConfig(
+            **common, num_experts=shape.num_experts,
+            num_experts_per_tok=shape.num_experts_per_tok,
+            moe_intermediate_size=shape.moe_intermediate_size,
+            norm_topk_prob=shape.norm_topk_prob, decoder_sparse_step=shape.decoder_sparse_step,
+            mlp_only_layers=list(shape.mlp_only_layers), architectures=["Qwen3MoeForCausalLM"],
+        )  # fmt: skip
+    else:
+        config = Qwen3Config(**common, architectures=["Qwen3ForCausalLM"])
     config.save_pretrained(str(out))
     if shape.fp8 is not None:  # as Qwen's -FP8 checkpoints say it
         written = json.loads((out / "config.json").read_text())
