@@ -139,3 +139,18 @@ def test_the_roofline_counts_fp8_projections_and_experts_at_a_byte() -> None:
     # bf16's two bytes an element less FP8's one: the projections' elements, once each
     saved = weight_bytes(bf16, 2, experts=read) - weight_bytes(fp8, 2, experts=read)
     assert saved == s.num_layers * (attention + experts)
+
+
+def test_a_moe_job_bound_counts_the_experts_a_token_and_a_step_use() -> None:
+    """Qwen3-30B-A3B: a token's matmuls use its 8 experts (about 3B parameters, not 30B); a
+    decode step at batch 128 reads nearly every expert."""
+    from batchrun.bench.roofline import Ceilings, job_bound, weight_bytes
+    from batchrun.bench.shapes import shape_from_flags
+
+    s = shape_from_flags("qwen3-30b-a3b")
+    ceilings = Ceilings(copy_bytes_per_s=1e12, matmul_flops_per_s=1e15)
+    prefill = job_bound(s, 2, [1000], [1], 1, ceilings)
+    assert 2.5e9 < prefill["flops"] / (2 * 1001) < 3.5e9
+    decode = job_bound(s, 2, [1], [100], 128, ceilings)  # 100 steps, 1 row: one step's bytes
+    all_experts = weight_bytes(s, 2)
+    assert 0.99 * all_experts < decode["bytes"] / 100 <= all_experts

@@ -116,9 +116,12 @@ def job_bound(
     """The least time a whole job can take on this device without speculation: every token's
     matmuls and attention at the measured matmul rate, or the weights read once per decode step
     (at least the longest row's outputs, and every output spread over full batches) plus each
-    output token's K/V context read, at the measured copy rate, whichever is longer."""
+    output token's K/V context read, at the measured copy rate, whichever is longer. A MoE
+    token multiplies by its top-k experts; a decode step reads the experts a full batch routes
+    to."""
     s = shape
-    layer_params = weight_bytes(s, 1) - s.vocab_size * s.hidden_size
+    per_token = s.num_experts_per_tok or None  # experts one token's matmuls use (None: dense)
+    layer_params = weight_bytes(s, 1, experts=per_token) - s.vocab_size * s.hidden_size
     kv_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * element
     attention = 4 * s.num_layers * s.num_heads * s.head_dim  # FLOPs per (query, key) pair
     flops = kv_read = 0.0
@@ -128,7 +131,7 @@ def job_bound(
         flops += attention * context
         kv_read += kv_per_token * (prompt * out + out * (out - 1) / 2)
     steps = max(max(max_tokens, default=0), -(-sum(max_tokens) // batch))
-    moved = steps * weight_bytes(s, element) + kv_read
+    moved = steps * weight_bytes(s, element, experts=experts_read(s, batch) or None) + kv_read
     compute_s = flops / ceilings.matmul_flops_per_s
     memory_s = moved / ceilings.copy_bytes_per_s
     return {
