@@ -104,7 +104,7 @@ def attention_case(
     kv_fp8: bool = False,
 ) -> Case:
     """kv_fp8: the caches in float8_e4m3fn (fp8e4nv) with their scales."""
-    cfg = ta._config(dtype, head_dim, max_q, group, kv_fp8)
+    cfg = ta._config(dtype, head_dim, max_q, group)
     t = _TYPES[dtype]
     part = "fp32" if splits > 1 else t
     cache = "fp8e4nv" if kv_fp8 else t

@@ -359,11 +359,11 @@ class _Config:
     num_warps: int
 
 
-def _config(dtype: torch.dtype, head_dim: int, max_q: int, group: int, fp8: bool) -> _Config:
+def _config(dtype: torch.dtype, head_dim: int, max_q: int, group: int) -> _Config:
     """Tile shapes per case, checked free of register spills on sm_90 (Triton 3.6, compiled
-    ahead of time). float32 dots run as exact FMA ("ieee"), so their tiles are smaller. Up to
-    64 rows, a one-byte cache reads 128 positions a tile, as many bytes as 64 of bfloat16 (H200,
-    Qwen3-8B heads, decode at batch 32 and 128: 5-12% faster than 64 positions)."""
+    ahead of time). float32 dots run as exact FMA ("ieee"), so their tiles are smaller. A
+    one-byte cache reads the same tiles: 128 positions a tile, faster alone at decode (batch
+    32 and 128), made the whole job W1 slower (5,003 vs 5,898 tokens/s on the H200)."""
     if dtype == torch.float32:
         max_rows, block_n, wide_at = max(16, 4096 // head_dim), 16, 4096
     elif head_dim > 128:
@@ -372,8 +372,6 @@ def _config(dtype: torch.dtype, head_dim: int, max_q: int, group: int, fp8: bool
         max_rows, block_n, wide_at = 128, 64, 128 * 128
     rows = triton.next_power_of_2(max(1, max_q) * group)
     block_m = min(max(16, rows), max(max_rows, triton.next_power_of_2(group)))
-    if fp8 and block_n == 64 and block_m <= 64:
-        block_n = 128
     block_q = max(1, min(triton.next_power_of_2(max(1, max_q)), block_m // group))
     return _Config(block_q, block_m, block_n, 8 if block_m * head_dim >= wide_at else 4)
 
@@ -452,7 +450,7 @@ def paged_attention(
     if num_tokens == 0 or num_requests == 0 or max_q <= 0:
         return out
     group = num_heads // num_kv_heads
-    cfg = _config(q.dtype, head_dim, max_q, group, fp8)
+    cfg = _config(q.dtype, head_dim, max_q, group)
     q_blocks = triton.cdiv(max_q, cfg.block_q)
     interp = interpreting(q)
     if num_splits > 1:
