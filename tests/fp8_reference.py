@@ -1,12 +1,20 @@
-"""FP8 arithmetic done by hand, for the kernels' tests: weights quantized per block as Qwen's
--FP8 checkpoints are, and activations as the kernels feed them to their dots."""
+"""FP8 done by hand, for the tests: weights quantized per block as Qwen's -FP8 checkpoints are
+(a tensor, or a whole checkpoint written beside its dequantized twin), and activations as the
+kernels feed them to their dots."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from batchrun.attention.kv_dtype import FP8_MAX
+
+QUANTIZED = ("proj.weight",)  # the linear layers; embeddings, norms and the head stay as they are
 
 
 def quantize_blocks(
@@ -30,3 +38,37 @@ def quantized_activations(x: torch.Tensor, group: int) -> torch.Tensor:
     g = F.pad(x.float(), (0, groups * group - k)).reshape(m, groups, group)
     scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     return ((g / scale).to(torch.float8_e4m3fn).float() * scale).reshape(m, -1)[:, :k]
+
+
+def quantize(source: Path, out: Path, block: list[int] | None) -> Path:
+    """A copy of the checkpoint with its projections in float8_e4m3fn and their scales, and
+    beside it (out/../reference) the same checkpoint with those weights dequantized."""
+    tensors = load_file(source / "model.safetensors")
+    quantized, reference = {}, {}
+    for name, weight in tensors.items():
+        if not name.endswith(QUANTIZED):
+            quantized[name] = reference[name] = weight
+            continue
+        rows, cols = weight.shape
+        br, bc = block or [rows, cols]
+        blocks = weight.reshape(rows // br, br, cols // bc, bc).abs().amax(dim=(1, 3))
+        scale = (blocks / 448.0).clamp(min=1e-12)
+        full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)
+        q = (weight / full).to(torch.float8_e4m3fn)
+        quantized[name] = q
+        quantized[name + "_scale_inv"] = scale if block else scale.reshape(())
+        reference[name] = q.float() * full
+    config = json.loads((source / "config.json").read_text())
+    for directory, weights, extra in (
+        (out, quantized, {"quantization_config": {
+            "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+            "weight_block_size": block,
+        }}),
+        (out.parent / f"{out.name}-reference", reference, {}),
+    ):  # fmt: skip
+        directory.mkdir()
+        save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+        (directory / "config.json").write_text(json.dumps({**config, **extra}))
+        for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(source / name, directory / name)
+    return out

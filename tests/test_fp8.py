@@ -6,8 +6,6 @@ transformers' own."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from engine_runs import cpu_engine, run_to_end
+from fp8_reference import quantize
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -29,41 +28,6 @@ from batchrun.models.loader import load_qwen3, qwen3_shape, read_config
 pytestmark = pytest.mark.usefixtures("one_thread")
 BLOCK = [32, 32]
 MAX_TOKENS = 16
-QUANTIZED = ("proj.weight",)  # the linear layers; embeddings, norms and the head stay as they are
-
-
-def quantize(source: Path, out: Path, block: list[int] | None) -> Path:
-    """A copy of the checkpoint with its projections in float8_e4m3fn and their scales, and
-    beside it (out/../reference) the same checkpoint with those weights dequantized."""
-    tensors = load_file(source / "model.safetensors")
-    quantized, reference = {}, {}
-    for name, weight in tensors.items():
-        if not name.endswith(QUANTIZED):
-            quantized[name] = reference[name] = weight
-            continue
-        rows, cols = weight.shape
-        br, bc = block or [rows, cols]
-        blocks = weight.reshape(rows // br, br, cols // bc, bc).abs().amax(dim=(1, 3))
-        scale = (blocks / 448.0).clamp(min=1e-12)
-        full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)
-        q = (weight / full).to(torch.float8_e4m3fn)
-        quantized[name] = q
-        quantized[name + "_scale_inv"] = scale if block else scale.reshape(())
-        reference[name] = q.float() * full
-    config = json.loads((source / "config.json").read_text())
-    for directory, weights, extra in (
-        (out, quantized, {"quantization_config": {
-            "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-            "weight_block_size": block,
-        }}),
-        (out.parent / f"{out.name}-reference", reference, {}),
-    ):  # fmt: skip
-        directory.mkdir()
-        save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
-        (directory / "config.json").write_text(json.dumps({**config, **extra}))
-        for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(source / name, directory / name)
-    return out
 
 
 def effective_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

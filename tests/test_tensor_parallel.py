@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from click.testing import CliRunner
 from dflash_train import CONTINUATION, trained_draft_beside, training_prompts
+from fp8_reference import quantize
 
 from batchrun.attention.meta import AttentionMeta, allocate_kv, kv_indices
 from batchrun.attention.torch_backend import TorchAttention
@@ -29,6 +30,7 @@ from batchrun.cli import cli
 from batchrun.errors import JobError
 from batchrun.io.output_dir import OutputDir
 from batchrun.job import JobSpec, load_job
+from batchrun.layers.fp8_linear import Fp8Linear
 from batchrun.layers.parallel_logits import first_best
 from batchrun.models.loader import load_qwen3, qwen3_shape, read_config
 from batchrun.models.qwen3 import Qwen3ForCausalLM
@@ -101,6 +103,12 @@ GLOO_SHAPES = {
     # Qwen3-MoE: each rank holds half of every expert's rows, the router whole.
     "moe": {"num_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": (1,)},
 }  # fmt: skip
+# FP8 checkpoints (32 x 32 blocks): every rank's share of each projection is whole blocks, so the
+# ranks keep them in FP8, their scales split with them.
+FP8_GLOO_SHAPES = {
+    "fp8-moe": {"num_heads": 8, "num_kv_heads": 4, "num_layers": 3, "num_experts": 4,
+                "num_experts_per_tok": 2, "mlp_only_layers": (1,), "moe_intermediate_size": 64},
+}  # fmt: skip
 
 
 def shared_head(model: Qwen3ForCausalLM) -> Head:
@@ -122,18 +130,17 @@ def tp_rank(rank: int, world: int, port: int, model_dirs: dict[str, Path], out_d
     for name, model_dir in model_dirs.items():
         model, _ = load_qwen3(model_dir, "float32", CPU, tp=tp)
         logits, tokens = paged_greedy(model, shared_head(model))
-        torch.save({"logits": logits, "tokens": tokens, "kv_heads": model.shape.num_kv_heads},
-                   out_dir / f"{name}-rank{rank}.pt")  # fmt: skip
+        fp8 = sum(isinstance(m, Fp8Linear) for m in model.modules())
+        torch.save({"logits": logits, "tokens": tokens, "kv_heads": model.shape.num_kv_heads,
+                    "fp8_layers": fp8}, out_dir / f"{name}-rank{rank}.pt")  # fmt: skip
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", list(GLOO_SHAPES))
-def test_two_gloo_ranks_match_one_process(
-    make_model: Callable[..., Path], spawned_pair: SpawnedPair, shape: str
-) -> None:
+@pytest.mark.parametrize("shape", [*GLOO_SHAPES, *FP8_GLOO_SHAPES])
+def test_two_gloo_ranks_match_one_process(spawned_pair: SpawnedPair, shape: str) -> None:
     """tp_rank's results, run by spawned_pair's processes, against one process's."""
-    single, _ = load_qwen3(make_model(**GLOO_SHAPES[shape]), "float32", CPU)
+    single, _ = load_qwen3(spawned_pair.model_dirs[shape], "float32", CPU)
 
     def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = single.logits(hidden)
@@ -143,6 +150,8 @@ def test_two_gloo_ranks_match_one_process(
     for rank in range(2):
         got = spawned_pair.rank_result(shape, rank)
         assert got["kv_heads"] == single.shape.num_kv_heads // 2  # each rank pages half the heads
+        fp8 = sum(isinstance(m, Fp8Linear) for m in single.modules())
+        assert got["fp8_layers"] == fp8 and (fp8 > 0) == (shape in FP8_GLOO_SHAPES)
         assert torch.equal(got["tokens"], want_tokens)
         assert len(got["logits"]) == len(want_logits)
         for have, want in zip(got["logits"], want_logits, strict=True):
@@ -171,6 +180,25 @@ def test_heads_that_do_not_split_are_refused(make_model: Callable[..., Path]) ->
     shape = qwen3_shape(read_config(make_model(num_heads=4, num_kv_heads=1)))
     with pytest.raises(JobError, match="does not divide the target's 1 KV heads"):
         local_shape(shape, TensorParallel(0, 2, CPU))
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "kept"),
+    [
+        ("qwen3-8b", 2, True),
+        ("qwen3-8b", 8, True),
+        ("qwen3-30b-a3b", 2, True),
+        ("qwen3-30b-a3b", 4, False),
+    ],  # fmt: skip
+)
+def test_a_rank_keeps_fp8_where_its_shares_are_whole_blocks(
+    name: str, world: int, kept: bool
+) -> None:
+    """128 x 128 blocks: Qwen3-8B's shares are whole blocks up to 8 ranks (8 KV heads of 128
+    rows); Qwen3-30B-A3B's experts (768 rows) are 3 blocks a rank at 2, 1.5 at 4: dequantized."""
+    shape = shape_from_flags(name, fp8_weights=True)
+    local = local_shape(shape, TensorParallel(0, world, CPU))
+    assert (local.fp8_block == (128, 128)) == kept and (local.fp8 is not None) == kept
 
 
 def test_init_outside_torchrun_is_refused() -> None:
@@ -348,12 +376,14 @@ def gloo_and_cli_ranks(
 
 @dataclasses.dataclass
 class SpawnedPair:
-    """What spawned_pair's processes left in `root`: paged_greedy's results for each GLOO_SHAPES
-    checkpoint (`{shape}-rank{rank}.pt`), and cli_rank's job: its output `out`, beside `one`,
-    one process's output of the same job; `calls`, the output writes rank 1 tried."""
+    """What spawned_pair's processes left in `root`: paged_greedy's results for each of
+    `model_dirs`, the GLOO_SHAPES and FP8_GLOO_SHAPES checkpoints (`{shape}-rank{rank}.pt`),
+    and cli_rank's job: its output `out`, beside `one`, one process's output of the same job;
+    `calls`, the output writes rank 1 tried."""
 
     root: Path
     calls: list[str]
+    model_dirs: dict[str, Path]
 
     def rank_result(self, shape: str, rank: int) -> dict[str, Any]:
         return dict(torch.load(self.root / f"{shape}-rank{rank}.pt"))
@@ -367,6 +397,8 @@ def spawned_pair(
     test_two_gloo_ranks_match_one_process and of test_tp_ranks_under_an_outer_torchrun_..."""
     root = tmp_path_factory.mktemp("spawned-pair")
     model_dirs = {name: make_model(**shape) for name, shape in GLOO_SHAPES.items()}
+    for name, shape in FP8_GLOO_SHAPES.items():
+        model_dirs[name] = quantize(make_model(**shape), root / name, [32, 32])
     draft = make_tiny_draft(root / "draft", target, block_size=4)
     job = write_tp_job(root, target, draft=str(draft), max_tokens=16)
     one_process(job, root / "one")
@@ -377,7 +409,7 @@ def spawned_pair(
         calls = manager.list()
         mp.spawn(gloo_and_cli_ranks, args=(ports, model_dirs, root, job, calls), nprocs=2,
                  join=True)  # fmt: skip
-        return SpawnedPair(root, list(calls))
+        return SpawnedPair(root, list(calls), model_dirs)
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.layers.fp8_linear import Fp8Linear
 from batchrun.parallel.group import TensorParallel
 
 
@@ -21,6 +22,28 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x))
+
+
+class RowParallelFp8Linear(Fp8Linear):
+    """RowParallelLinear over an FP8 checkpoint's block-scaled weight (whole blocks a rank)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, block: tuple[int, int], tp: TensorParallel
+    ) -> None:
+        super().__init__(in_features, out_features, block)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
+
+
+def row_parallel(
+    in_features: int, out_features: int, tp: TensorParallel, fp8_block: tuple[int, int] | None
+) -> RowParallelLinear | RowParallelFp8Linear:
+    """The row-parallel layer, in FP8 blocks where the checkpoint's are kept."""
+    if fp8_block is None:
+        return RowParallelLinear(in_features, out_features, tp)
+    return RowParallelFp8Linear(in_features, out_features, fp8_block, tp)
 
 
 class VocabParallelEmbedding(nn.Embedding):

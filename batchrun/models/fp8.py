@@ -1,11 +1,11 @@
 """FP8 checkpoints (`quantization_config` with quant_method fp8, as Qwen publishes its -FP8
 models): float8_e4m3fn weights, each with a float32 `weight_scale_inv` per block of
 weight_block_size (Qwen: 128 x 128) or one for the whole tensor, and activations quantized
-dynamically. The weights of the attention and dense MLP projections stay in FP8
-(layers/fp8_linear.py: block-scaled FP8 matmuls on the GPU) where their packed parts are whole
-blocks; every other FP8 weight (MoE experts, per-tensor scales, tensor-parallel shares) is
-dequantized as it is read (weight x its block's scale, as transformers does) and runs in the
-job's dtype.
+dynamically. The weights of the attention, MLP and MoE expert projections stay in FP8
+(layers/fp8_linear.py, kernels/triton_moe.py: block-scaled FP8 matmuls on the GPU) where their
+packed parts (and, under --tp, every rank's share) are whole blocks; every other FP8 weight
+(per-tensor scales, shares that split a block) is dequantized as it is read (weight x its
+block's scale, as transformers does) and runs in the job's dtype.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ column-parallel (the rank's output rows), o_proj and down_proj row-parallel (the
 columns, partial sums all-reduced; a MoE layer's once, after its experts), embed_tokens and
 lm_head vocabulary-parallel; norms are replicated. A rank's model is the single-process model
 built with its local shape, the row-parallel, embedding and lm_head layers swapped for their
-parallel ones.
+parallel ones. An FP8 checkpoint's projections stay in FP8 where every rank's share is whole
+blocks (their scales split with them).
 """
 
 from __future__ import annotations
@@ -23,18 +24,20 @@ from batchrun.layers.attention import PagedAttention
 from batchrun.layers.mlp import SwiGLU
 from batchrun.layers.moe import SparseMoe
 from batchrun.layers.parallel_logits import gather_logits, greedy_tokens
-from batchrun.layers.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
+from batchrun.layers.tensor_parallel import VocabParallelEmbedding, row_parallel
+from batchrun.models.fp8 import SCALE_SUFFIX
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.parallel.group import TensorParallel
 
 # Checkpoint tensor (its last two name parts) -> the dimension split across ranks. Splitting the
-# rows of q/k/v by even blocks gives each rank whole heads, since the heads divide evenly.
+# rows of q/k/v by even blocks gives each rank whole heads, since the heads divide evenly. An
+# FP8 weight's block scales split along the same dimension (each rank's share: whole blocks).
 SPLIT_DIM = {
-    "q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0,
-    "gate_proj.weight": 0, "up_proj.weight": 0,
-    "o_proj.weight": 1, "down_proj.weight": 1,
-    "embed_tokens.weight": 0, "lm_head.weight": 0,
-}  # fmt: skip
+    f"{proj}.{leaf}": dim
+    for projs, dim in ((("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), 0),
+                       (("o_proj", "down_proj"), 1))
+    for proj in projs for leaf in ("weight", "weight" + SCALE_SUFFIX)
+} | {"embed_tokens.weight": 0, "lm_head.weight": 0}  # fmt: skip
 
 
 def local_shape(shape: Qwen3Shape, tp: TensorParallel) -> Qwen3Shape:
@@ -50,14 +53,22 @@ def local_shape(shape: Qwen3Shape, tp: TensorParallel) -> Qwen3Shape:
             raise JobError(
                 f"tensor parallel size {tp.world_size} does not divide the target's {count} {what}"
             )
-    return dataclasses.replace(
+    local = dataclasses.replace(
         shape,
         num_heads=shape.num_heads // tp.world_size,
         num_kv_heads=shape.num_kv_heads // tp.world_size,
         intermediate_size=shape.intermediate_size // tp.world_size,
         moe_intermediate_size=shape.moe_intermediate_size // tp.world_size,
-        fp8=None,  # a rank's share of an FP8 checkpoint is dequantized as it loads
     )
+    # A rank keeps its share of an FP8 checkpoint in FP8 where the share is whole blocks: the
+    # column-parallel rows (local.fp8_block checks them) and the row-parallel input columns of
+    # o_proj and down_proj; otherwise the checkpoint is dequantized as it loads.
+    block = local.fp8_block
+    columns = [local.num_heads * local.head_dim, local.intermediate_size]
+    columns += [local.moe_intermediate_size] if local.num_experts else []
+    if block is None or any(c % block[1] for c in columns):
+        local = dataclasses.replace(local, fp8=None)
+    return local
 
 
 class TensorParallelQwen3(Qwen3ForCausalLM):
@@ -68,6 +79,7 @@ class TensorParallelQwen3(Qwen3ForCausalLM):
         local = local_shape(shape, tp)
         super().__init__(local)
         self.tp = tp
+        fp8 = local.fp8_block
         experts = set()
         for module in list(self.modules()):
             if isinstance(module, SparseMoe):  # its experts' partial sums: one all-reduce
@@ -75,9 +87,9 @@ class TensorParallelQwen3(Qwen3ForCausalLM):
                 experts |= {id(expert) for expert in module.experts}
         for module in list(self.modules()):
             if isinstance(module, PagedAttention):
-                module.o_proj = RowParallelLinear(module.q_size, shape.hidden_size, tp)
+                module.o_proj = row_parallel(module.q_size, shape.hidden_size, tp, fp8)
             elif isinstance(module, SwiGLU) and id(module) not in experts:
-                module.down_proj = RowParallelLinear(local.intermediate_size, shape.hidden_size, tp)
+                module.down_proj = row_parallel(local.intermediate_size, shape.hidden_size, tp, fp8)
         embed = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
         self.model.embed_tokens = embed
         self.lm_head = nn.Linear(shape.hidden_size, embed.num_embeddings, bias=False)
