@@ -481,8 +481,9 @@ def test_default_num_splits() -> None:
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
-def test_fp8_kv_attention_mixed_lengths(causal: bool) -> None:
-    run_attention_case(MIXED_Q, MIXED_CTX, 4, 2, 16, 16, torch.float32, causal, kv_fp8=True)
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: V read as pairs of columns (V_PAIRS)
+def test_fp8_kv_attention_mixed_lengths(causal: bool, head_dim: int) -> None:
+    run_attention_case(MIXED_Q, MIXED_CTX, 4, 2, head_dim, 16, torch.float32, causal, kv_fp8=True)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -141,6 +141,7 @@ def attention_case(
             DOT_F32=dtype == torch.float32,
             PRECISION=ta._dot_precision(dtype),
             KV_FP8=kv_fp8,
+            V_PAIRS=kv_fp8 and head_dim >= 32,
         ),
         num_warps=cfg.num_warps,
         unaligned=("stride_pt",),

@@ -122,6 +122,7 @@ def _paged_attention_kernel(
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    V_PAIRS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -174,7 +175,10 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # V_PAIRS: an fp8 V tile is read as 16-bit pairs of neighbouring columns, acc holding the
+    # even columns and acc_odd the odd ones (see the loop).
+    acc = tl.zeros([BLOCK_M, HEAD_DIM // 2 if V_PAIRS else HEAD_DIM], dtype=tl.float32)
+    acc_odd = tl.zeros([BLOCK_M, HEAD_DIM // 2 if V_PAIRS else 1], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     table = page_table_ptr + req.to(tl.int64) * stride_pt
     for start in range(kv_lo, kv_hi, BLOCK_N):
@@ -182,27 +186,43 @@ def _paged_attention_kernel(
         in_range = pos < kv_hi
         page = tl.load(table + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
         slot_in_page = pos % PAGE_SIZE
-        k = tl.load(
-            k_cache_ptr
-            + (page * stride_kp + slot_in_page * stride_ks + kv_head * stride_kh)[:, None]
-            + offs_d[None, :],
-            mask=in_range[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr
-            + (page * stride_vp + slot_in_page * stride_vs + kv_head * stride_vh)[:, None]
-            + offs_d[None, :],
-            mask=in_range[:, None],
-            other=0.0,
-        )
+        k_at = k_cache_ptr + page * stride_kp + slot_in_page * stride_ks + kv_head * stride_kh
+        if KV_FP8:
+            # K^T loaded as such: an fp8 tile transposed in registers is read back from shared
+            # memory a byte at a time; loaded [D, BLOCK_N], its dot operand comes in words.
+            k_t = tl.load(k_at[None, :] + offs_d[:, None], mask=in_range[None, :], other=0.0)
+        else:
+            k_t = tl.trans(tl.load(k_at[:, None] + offs_d[None, :], mask=in_range[:, None]))
+        v_at = page * stride_vp + slot_in_page * stride_vs + kv_head * stride_vh
+        if V_PAIRS:
+            # An fp8 tile's column-major dot operand is read from shared memory a byte at a
+            # time; as 16-bit pairs (v[2j], v[2j + 1]) it is read as bf16's is. Each byte's
+            # sign and exponent-mantissa bits, moved into float16's places, are its value / 2^8
+            # (normal and subnormal alike): two float16 tiles, rescaled after the loop.
+            pairs = tl.load(
+                v_cache_ptr.to(tl.pointer_type(tl.uint16))
+                + (v_at // 2)[:, None]
+                + tl.arange(0, HEAD_DIM // 2)[None, :],
+                mask=in_range[:, None],
+                other=0,
+            ).to(tl.int32)
+            v = (((pairs & 0x80) << 8) | ((pairs & 0x7F) << 7)).to(tl.uint16)
+            v_odd = ((pairs & 0x8000) | ((pairs & 0x7F00) >> 1)).to(tl.uint16)
+            v = v.to(tl.float16, bitcast=True)
+            v_odd = v_odd.to(tl.float16, bitcast=True)
+        else:
+            v = tl.load(
+                v_cache_ptr + v_at[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0
+            )
+            v_odd = v  # unused
         if DOT_F32:
-            k = k.to(tl.float32)
+            k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
+            v_odd = v_odd.to(tl.float32)
         elif KV_FP8:
-            k = k.to(tl.float16)
+            k_t = k_t.to(tl.float16)
             v = v.to(tl.float16)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        qk = tl.dot(q, k_t, input_precision=PRECISION) * scale_log2
         visible = in_range[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= q_pos[:, None])
@@ -213,9 +233,14 @@ def _paged_attention_kernel(
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        p = p.to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        if V_PAIRS:
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
         m_i = m_new
 
+    if V_PAIRS:  # the columns back in order, and the pairs' 2^8
+        acc = tl.reshape(tl.join(acc, acc_odd), (BLOCK_M, HEAD_DIM)) * 256.0
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_FP8:
@@ -506,6 +531,7 @@ def paged_attention(
         DOT_F32=interp or q.dtype == torch.float32,
         PRECISION=_dot_precision(torch.float32 if interp else q.dtype),
         KV_FP8=fp8,
+        V_PAIRS=fp8 and head_dim >= 32,  # pairs of columns: a dot's N of at least 16
         num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or 2,
     )
