@@ -141,7 +141,7 @@ def attention_case(
             DOT_F32=dtype == torch.float32,
             PRECISION=ta._dot_precision(dtype),
             KV_FP8=kv_fp8,
-            V_PAIRS=kv_fp8 and head_dim >= 32,
+            FP8_WORDS=ta.fp8_words(kv_fp8, head_dim, cfg.block_m),
         ),
         num_warps=cfg.num_warps,
         unaligned=("stride_pt",),
