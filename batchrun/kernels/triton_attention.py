@@ -198,7 +198,8 @@ def _paged_attention_kernel(
         if FP8_WORDS:
             k_t = tl.load(k_at[None, :] + offs_d[:, None], mask=in_range[None, :], other=0.0)
         else:
-            k_t = tl.trans(tl.load(k_at[:, None] + offs_d[None, :], mask=in_range[:, None]))
+            k = tl.load(k_at[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+            k_t = tl.trans(k)
         v_at = page * stride_vp + slot_in_page * stride_vs + kv_head * stride_vh
         if FP8_WORDS:
             pairs = tl.load(
