@@ -433,7 +433,9 @@ def _model_lines(job: JobSpec, found: Preflight) -> list[str]:
     if t.num_experts:
         context = f"MoE: {t.num_experts} experts, top {t.num_experts_per_tok}, {context}"
     if t.fp8 is not None:
-        context = f"{t.fp8.describe(kept=t.fp8_block is not None)}, {context}"
+        from batchrun.models.qwen3_sharding import fp8_kept
+
+        context = f"{t.fp8.describe(kept=fp8_kept(t, job.tp))}, {context}"
     if t.yarn is not None:
         yarn = t.yarn
         context += f" (YaRN: {yarn.factor:g} x {yarn.original_max_position_embeddings})"

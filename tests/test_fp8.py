@@ -100,6 +100,12 @@ def test_validate_reports_the_scheme(tiny_model: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, [*args, "--output", str(tmp_path / "out"), "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert "FP8 (32 x 32 blocks, block-scaled FP8 matmuls)" in result.output
+    # Two ranks would split the 32 rows of k_proj and v_proj into halves of a block.
+    result = CliRunner().invoke(
+        cli, [*args, "--output", str(tmp_path / "out"), "--device", "cpu", "--tp", "2"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "FP8 (32 x 32 blocks, dequantized as loaded)" in result.output
 
 
 def test_a_missing_or_misshapen_scale_is_one_line(tiny_model: Path, tmp_path: Path) -> None:

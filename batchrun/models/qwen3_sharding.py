@@ -71,6 +71,15 @@ def local_shape(shape: Qwen3Shape, tp: TensorParallel) -> Qwen3Shape:
     return local
 
 
+def fp8_kept(shape: Qwen3Shape, world_size: int) -> bool:
+    """Whether an FP8 checkpoint's projections stay in FP8 on `world_size` ranks: every rank's
+    share whole blocks (one process: the shape's own rule)."""
+    if world_size == 1:
+        return shape.fp8_block is not None
+    any_rank = TensorParallel(0, world_size, torch.device("cpu"))  # every share has one shape
+    return local_shape(shape, any_rank).fp8_block is not None
+
+
 class TensorParallelQwen3(Qwen3ForCausalLM):
     """This rank's Qwen3 (shape: the whole model's): its logits are its vocabulary slice's;
     argmax and full_logits work across the ranks, and every rank gets the same result."""
