@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from batchrun.attention.kv_dtype import FP8_MAX
+from batchrun.models.fp8 import SCALE_SUFFIX
 
 QUANTIZED = ("proj.weight",)  # the linear layers; embeddings, norms and the head stay as they are
 
@@ -51,13 +52,10 @@ def quantize(source: Path, out: Path, block: list[int] | None) -> Path:
             continue
         rows, cols = weight.shape
         br, bc = block or [rows, cols]
-        blocks = weight.reshape(rows // br, br, cols // bc, bc).abs().amax(dim=(1, 3))
-        scale = (blocks / 448.0).clamp(min=1e-12)
-        full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)
-        q = (weight / full).to(torch.float8_e4m3fn)
+        q, scale = quantize_blocks(weight, (br, bc))
         quantized[name] = q
-        quantized[name + "_scale_inv"] = scale if block else scale.reshape(())
-        reference[name] = q.float() * full
+        quantized[name + SCALE_SUFFIX] = scale if block else scale.reshape(())
+        reference[name] = q.float() * scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)
     config = json.loads((source / "config.json").read_text())
     for directory, weights, extra in (
         (out, quantized, {"quantization_config": {
