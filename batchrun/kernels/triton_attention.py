@@ -176,10 +176,11 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # FP8_WORDS: V is read as 16-bit pairs of neighbouring columns, acc holding the even
-    # columns and acc_odd the odd ones (see the loop).
-    acc = tl.zeros([BLOCK_M, HEAD_DIM // 2 if FP8_WORDS else HEAD_DIM], dtype=tl.float32)
-    acc_odd = tl.zeros([BLOCK_M, HEAD_DIM // 2 if FP8_WORDS else 1], dtype=tl.float32)
+    if FP8_WORDS:  # V read as 16-bit pairs of columns: acc the even ones, acc_odd the odd
+        acc = tl.zeros([BLOCK_M, HEAD_DIM // 2], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_M, HEAD_DIM // 2], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     table = page_table_ptr + req.to(tl.int64) * stride_pt
     for start in range(kv_lo, kv_hi, BLOCK_N):
@@ -217,11 +218,11 @@ def _paged_attention_kernel(
             v = tl.load(
                 v_cache_ptr + v_at[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0
             )
-            v_odd = v  # unused
         if DOT_F32:
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
-            v_odd = v_odd.to(tl.float32)
+            if FP8_WORDS:
+                v_odd = v_odd.to(tl.float32)
         elif KV_FP8:
             k_t = k_t.to(tl.float16)
             v = v.to(tl.float16)
