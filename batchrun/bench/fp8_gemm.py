@@ -103,13 +103,14 @@ def _time_projection(n: int, k: int, batches: tuple[int, ...]) -> list[dict[str,
     for m in batches:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         bf16_ms = graph_ms(lambda i, x=x: F.linear(x, w16[i % COPIES]))
+        candidates = candidate_tiles(m, n, k)
         tiles = {
             str(tile): graph_ms(
                 lambda i, x=x, tile=tile: fp8_block_matmul(x, w8[i % COPIES], scale, BLOCK, tile)
             )
-            for tile in candidate_tiles(m, n, k)
+            for tile in candidates
         }
-        default = str(candidate_tiles(m, n, k)[0])
+        default = str(candidates[0])
         best = min(tiles, key=tiles.__getitem__)
         cublas = _cublas(x, w8[0], scale)
         cublas_ms = (
