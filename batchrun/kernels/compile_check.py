@@ -104,7 +104,7 @@ def attention_case(
     kv_fp8: bool = False,
 ) -> Case:
     """kv_fp8: the caches in float8_e4m3fn (fp8e4nv) with their scales."""
-    cfg = ta._config(dtype, head_dim, max_q, group)
+    cfg = ta._config(dtype, head_dim, max_q, group, kv_fp8)
     t = _TYPES[dtype]
     part = "fp32" if splits > 1 else t
     cache = "fp8e4nv" if kv_fp8 else t
@@ -141,9 +141,10 @@ def attention_case(
             DOT_F32=dtype == torch.float32,
             PRECISION=ta._dot_precision(dtype),
             KV_FP8=kv_fp8,
-            FP8_WORDS=ta.fp8_words(kv_fp8, head_dim, cfg.block_m),
+            FP8_WORDS=cfg.fp8_words,
         ),
         num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         unaligned=("stride_pt",),
     )
 
