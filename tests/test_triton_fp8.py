@@ -66,10 +66,14 @@ def test_split_k_sums_every_part_once(tile: Tile) -> None:
         torch.testing.assert_close(out, expected, atol=EXACT, rtol=EXACT)
 
 
-@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize("m", [1, 33])  # one block of rows a program, and part of a third
 def test_quantize_groups_gives_the_fp8_values_and_their_scales(m: int) -> None:
     x = torch.randn(m, 320, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    padded_rows, padded_scales = quantize_groups(x, 128, rows=m + 3)  # cuBLAS's groups of 4
+    assert not padded_rows[m:].float().any() and padded_scales.shape == (m + 3, 3)
     quantized, scales = quantize_groups(x, 128)
+    assert torch.equal(padded_rows[:m].float(), quantized.float())
+    assert torch.equal(padded_scales[:m], scales)
     assert quantized.dtype == torch.float8_e4m3fn and scales.shape == (m, 3)
     assert scales.stride() == (1, m)  # column by column, as cuBLAS reads them
     padded = F.pad(x, (0, 64)).reshape(m, 3, 128)
