@@ -66,7 +66,7 @@ def test_split_k_sums_every_part_once(tile: Tile) -> None:
         torch.testing.assert_close(out, expected, atol=EXACT, rtol=EXACT)
 
 
-@pytest.mark.parametrize("m", [1, 33])  # one block of rows a program, and part of a third
+@pytest.mark.parametrize("m", [1, 33])  # programs of several rows: the last one part-filled
 def test_quantize_groups_gives_the_fp8_values_and_their_scales(m: int) -> None:
     x = torch.randn(m, 320, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     padded_rows, padded_scales = quantize_groups(x, 128, rows=m + 3)  # cuBLAS's groups of 4

@@ -409,7 +409,7 @@ def _config(
     block_q = max(1, min(triton.next_power_of_2(max(1, max_q)), block_m // group))
     num_warps = 8 if block_m * head_dim >= wide_at else 4
     words = fp8_words(kv_fp8, head_dim, block_m)
-    if words and block_n == 64:
+    if words and block_n == 64:  # 16-bit dots, head_dim <= 128
         return _Config(block_q, block_m, 128, num_warps, num_stages=3, fp8_words=True)
     return _Config(block_q, block_m, block_n, num_warps, fp8_words=words)
 
