@@ -203,3 +203,23 @@ def test_a_moe_shape_writes_a_qwen3_moe_checkpoint(tmp_path: Path) -> None:
     assert loaded.shape.num_experts == 4 and loaded.shape.moe_intermediate_size == 32
     hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
     assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+
+
+def test_random_fp8_projections_dequantize_to_the_bf16_spread() -> None:
+    """`--fp8-weights` shapes (and `bench --fp8-gemm`'s weights): float8_e4m3fn values whose
+    scales bring them to the std 0.02 every other random weight has."""
+    from dataclasses import replace
+
+    from batchrun.bench.shapes import FP8_SCALE
+    from batchrun.layers.fp8_linear import Fp8Linear
+    from batchrun.models.fp8 import Fp8Scheme
+
+    fp8 = replace(SHAPE, hidden_size=256, intermediate_size=512, fp8=Fp8Scheme((32, 32)))
+    model = random_target(fp8, torch.float32, CPU)
+    kept = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(kept) == 4 * fp8.num_layers
+    for layer in kept:
+        assert layer.weight.dtype == torch.float8_e4m3fn
+        assert torch.all(layer.weight_scale_inv == FP8_SCALE)
+        std = (layer.weight.float() * layer.weight_scale_inv.max()).std().item()
+        assert 0.018 < std < 0.022, std

@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.bench.roofline import time_ms
+from batchrun.bench.shapes import FP8_BLOCK, FP8_SCALE, random_fp8
 from batchrun.kernels.triton_fp8 import Tile, fp8_block_matmul, tile_for
 from batchrun.layers.fp8_linear import cublas_blockwise, cublas_matmul, fp8_matmul
 from batchrun.models.qwen3 import Qwen3Shape
 
-BLOCK = (128, 128)
+BLOCK = FP8_BLOCK  # Qwen's -FP8 checkpoints
 COPIES = 4  # of each weight, read in turn: together past the L2 cache (50 MB)
 
 
@@ -91,12 +92,9 @@ def sweep_fp8_gemm(shape: Qwen3Shape, batches: tuple[int, ...]) -> dict[str, Any
 
 def _time_projection(n: int, k: int, batches: tuple[int, ...]) -> list[dict[str, Any]]:
     device = torch.device("cuda")
-    w8 = [
-        (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-        for _ in range(COPIES)
-    ]
-    scale = torch.full((n // BLOCK[0], k // BLOCK[1]), 0.02 / 64, device=device)
-    w16 = [(w.float() * 0.02 / 64).to(torch.bfloat16) for w in w8]
+    w8 = [random_fp8((n, k), device) for _ in range(COPIES)]
+    scale = torch.full((n // BLOCK[0], k // BLOCK[1]), FP8_SCALE, device=device)
+    w16 = [(w.float() * FP8_SCALE).to(torch.bfloat16) for w in w8]
     matmul = fp8_matmul()
     assert matmul is not None
     rows = []

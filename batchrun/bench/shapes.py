@@ -47,6 +47,17 @@ DRAFT_BLOCK = 16
 
 FP8_BLOCK = (128, 128)  # Qwen's -FP8 checkpoints
 FP8_SPREAD = 64.0  # random FP8 weights: normal with this std, scaled back to std 0.02
+FP8_SCALE = 0.02 / FP8_SPREAD  # their weight_scale_inv
+
+
+def random_fp8(
+    shape: torch.Size | tuple[int, ...],
+    device: torch.device,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """float8_e4m3fn values drawn normal with std FP8_SPREAD (times FP8_SCALE: std 0.02)."""
+    drawn = torch.empty(shape, device=device).normal_(generator=generator)
+    return (drawn * FP8_SPREAD).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def shape_from_flags(name: str | None, fp8_weights: bool = False, **flags: Any) -> Qwen3Shape:
@@ -70,10 +81,9 @@ def _randomize(module: torch.nn.Module, seed: int) -> None:
                 param.fill_(1.0)
             elif param.dtype == torch.float8_e4m3fn:
                 for rows in param.split(1024):  # no float32 copy of the whole weight
-                    drawn = torch.empty(rows.shape, device=device).normal_(generator=gen)
-                    rows.copy_((drawn * FP8_SPREAD).clamp(-FP8_MAX, FP8_MAX))
+                    rows.copy_(random_fp8(rows.shape, device, gen))
             elif name.endswith(SCALE_SUFFIX):
-                param.fill_(0.02 / FP8_SPREAD)
+                param.fill_(FP8_SCALE)
             else:
                 param.normal_(0.0, 0.02, generator=gen)
 
