@@ -23,3 +23,27 @@ def test_the_quick_start_is_two_commands_and_ci_runs_the_tests_one() -> None:
     assert tests.startswith("pip install") and tests.endswith("python -m pytest -q")
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in ci
+
+
+def test_the_install_commands_take_the_constraints_and_they_pin_every_dependency() -> None:
+    """Both quick-start commands install from constraints.txt, and it pins (==) every package
+    that pyproject.toml asks for, the test extra's included: a new machine gets what passed."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    assert all("-c constraints.txt" in command for command in quick_start_commands())
+    pinned = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not pinned with =="
+            pinned[canonicalize_name(name)] = version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"], *project["optional-dependencies"]["test"]]
+    for text in wanted:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        assert name in pinned, f"constraints.txt does not pin {name}"
+        assert requirement.specifier.contains(pinned[name]), (name, pinned[name])

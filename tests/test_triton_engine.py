@@ -212,22 +212,27 @@ def test_graph_buffers_and_padding_replay_like_eager(
     """On a CPU the graphs are emulated: each steady-state step is loaded into the persistent
     buffers, padded up to its ladder size (padding requests feed no rows and write no K/V; the
     draft's context rows padded to B per request) and run from there. Outputs and rounds are
-    the eager ones, at several ladder sizes and verify widths (at width 1 a draft's context is
-    stored inside the target's graph), and for a sliding draft (its blocks attend through a
-    second backend, over its rings) and a reduced vocabulary's."""
+    the eager ones, at ladder sizes 1, 4 and 8 and several verify widths (at width 1 a draft's
+    context is stored inside the target's graph), and for a sliding draft (its blocks attend
+    through a second backend, over its rings) and a reduced vocabulary's."""
     if CUDA:
         pytest.skip("the GPU runs real graphs: test_graphs_replay_like_eager_at_every_ladder_size")
     draft = draft_of(kind)
-    work = jobs(8, seed=4, max_tokens=16)
     host_planned = HostPlannedTorch() if backend == "host-planned" else None
-    config = {"attention_backend": "torch" if host_planned else backend, "cuda_graphs": False,
-              "verify_width": width}  # fmt: skip
-    _, eager = run(target, draft, work, **config)
-    engine, emulated = run(target, draft, work, emulate_graphs=True, backend=host_planned,
-                           **config)  # fmt: skip
-    sizes = {size for (_, size) in engine.runner.replays}
-    assert len(sizes) >= 3, sizes
-    assert_same(eager, emulated)
+    config = {
+        "attention_backend": "torch" if host_planned else backend,
+        "cuda_graphs": False,
+        "verify_width": width,
+        "max_batched_tokens": 8 * 16,
+        "num_pages": 200,
+    }
+    _, eager = run_in_waves(target, draft, **config)
+    engine, emulated = run_in_waves(
+        target, draft, emulate_graphs=True, backend=host_planned, **config
+    )
+    assert {1, 4, 8} <= {size for (_, size) in engine.runner.replays}
+    # `auto` picks widths from each run's own step times, so its rounds may differ; its outputs not.
+    assert_same(eager, emulated, rounds=width != "auto")
     spec = engine.speculator
     if host_planned is not None and isinstance(spec, DFlashSpeculator):  # planned from eager metas
         replays = engine.runner.replays
@@ -238,6 +243,37 @@ def test_graph_buffers_and_padding_replay_like_eager(
         if window is not None:  # a sliding draft's layers: their own backend and metas
             assert isinstance(window, HostPlannedTorch)
             assert window.replayed == Counter({k: n for k, n in replays.items() if k[0] == "draft"})
+
+
+# Rows added in waves of 1, 3 and 4, each wave's prefill then one decode-only step before the
+# next: the decoding batch is 1, then 3 (ladder size 4), then at least 7 (ladder size 8), whatever
+# the draft accepts. A row that must emit N tokens (ignore_eos keeps it to exactly N) decodes at
+# least ceil((N - 1) / 16) times at any width, so the second wave's rows (N = 34: three or more)
+# outlive the two steps that may decode them before the last wave decodes.
+WAVES = ((1, 18), (3, 34), (4, 2))
+STEPS_PER_WAVE = 2  # its prefill, then one decode-only step
+
+
+def run_in_waves(target: Path, draft: Path | None, **config: Any) -> tuple[Engine, list[Request]]:
+    engine, _ = run(target, draft, [], **config)
+    gen = torch.Generator().manual_seed(4)
+    finished: list[Request] = []
+    row = 0
+    for count, max_tokens in WAVES:
+        for _ in range(count):
+            length = int(torch.randint(4, 12, (1,), generator=gen))
+            prompt = torch.randint(3, 1000, (length,), generator=gen).tolist()
+            sampled = row % 3 == 2
+            params = SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, seed=row, temperature=0.8 * sampled
+            )
+            engine.add(Request(row_index=row, prompt_ids=prompt, params=params))
+            row += 1
+        for _ in range(STEPS_PER_WAVE):
+            finished += engine.step()
+    while engine.num_unfinished:
+        finished += engine.step()
+    return engine, sorted(finished, key=lambda r: r.row_index)
 
 
 @pytest.mark.gpu
