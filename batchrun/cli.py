@@ -19,6 +19,7 @@ from batchrun.bench.command import bench
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
 from batchrun.io.prompts import (
     CHAT_KWARGS_COLUMN,
+    CONSTRAINT_COLUMNS,
     DEFAULT_PROMPT_COLUMNS,
     OVERRIDE_COLUMNS,
     PromptKind,
@@ -116,6 +117,16 @@ _RUN_OPTIONS = [
     click.option("--regex", help="Every completion matches this regular expression."),
     click.option(
         "--choice", multiple=True, help="Every completion is one of these strings (repeatable)."
+    ),
+    click.option(
+        "--max-constraint-bytes",
+        type=int,
+        help="A constraint longer than this is not compiled: its row is an error row.",
+    ),
+    click.option(
+        "--grammar-compile-timeout",
+        type=float,
+        help="Seconds a constraint may take to compile; then its row is an error row.",
     ),
     click.option(
         "--ignore-eos/--no-ignore-eos",
@@ -398,7 +409,9 @@ def validate(job_file: Path | None, **flags: Any) -> None:
 
 def _input_lines(opened: OpenedJob) -> list[str]:
     source = opened.source
-    overrides = [c for c in source.schema.names if c in (*OVERRIDE_COLUMNS, CHAT_KWARGS_COLUMN)]
+    settings = (*OVERRIDE_COLUMNS, *CONSTRAINT_COLUMNS, CHAT_KWARGS_COLUMN)
+    overrides = [c for c in source.schema.names if c in settings]
+    passed = [c for c in source.schema.names if c not in (*overrides, opened.prompt.name)]
     done = int(opened.out.done_mask(source.total_rows).sum()) if opened.out.all_parts() else 0
     damaged = opened.out.damaged_parts()
     rows, shard = opened.rows, opened.job.shard
@@ -408,7 +421,7 @@ def _input_lines(opened: OpenedJob) -> list[str]:
         f"prompt column: {opened.prompt.name} ({opened.prompt.kind.value})",
         f"id column: {opened.id_column or '(none; row_index)'}",
         f"per-row overrides: {', '.join(overrides) or '(none)'}",
-        f"pass-through columns: {', '.join(source.schema.names)}",
+        f"pass-through columns: {', '.join(passed) or '(none)'}",
         f"output: {opened.job.output} ({done} of {source.total_rows} rows committed)",
     ] + (
         [f"output: {len(damaged)} damaged part(s): {', '.join(damaged)}; run will redo their rows"]

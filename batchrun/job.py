@@ -18,10 +18,12 @@ import pyarrow as pa
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.request import SamplingParams, row_seed
 from batchrun.errors import JobError
+from batchrun.io.chat_args import chat_kwargs_problem
 from batchrun.io.output_schema import output_schema
 from batchrun.io.overrides import BadOverride, logit_bias
-from batchrun.io.prompts import CONSTRAINT_COLUMNS, THINKING_WITH_LOGPROBS, chat_kwargs_problem
+from batchrun.io.prompts import CONSTRAINT_COLUMNS, THINKING_WITH_LOGPROBS
 from batchrun.sampling.grammar import Constraint
+from batchrun.sampling.grammar_compile import COMPILE_SECONDS, MAX_CONSTRAINT_BYTES, CompileBudget
 from batchrun.schemas import job_schema
 
 _FLOAT_CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
@@ -52,6 +54,9 @@ class JobSpec:
     json_schema: str | dict[str, Any] | None = None  # a JSON Schema, as JSON text or a table
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    # A constraint whose text is longer, or whose compile takes longer, is its row's error.
+    max_constraint_bytes: int = MAX_CONSTRAINT_BYTES
+    grammar_compile_timeout: float = COMPILE_SECONDS
     max_thinking_tokens: int | None = None  # a think block's budget; then its end is forced
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -99,6 +104,7 @@ class JobSpec:
         for name in ("top_p", *_FLOAT_CONTROLS):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "part_seconds", float(self.part_seconds))
+        object.__setattr__(self, "grammar_compile_timeout", float(self.grammar_compile_timeout))
         object.__setattr__(self, "gpu_memory_fraction", float(self.gpu_memory_fraction))
         if self.shard is not None:
             parse_shard(self.shard)
@@ -107,6 +113,10 @@ class JobSpec:
         set_keys = [k for k in CONSTRAINT_COLUMNS if getattr(self, k) is not None]
         if len(set_keys) > 1:
             raise JobError(f"job keys {set_keys[0]!r} and {set_keys[1]!r}: choose one")
+        constraint = self.constraint()  # one the grammar would not hold rows to, say
+        problem = constraint.problem() if constraint is not None else None
+        if constraint is not None and problem is not None:
+            raise JobError(f"job key {constraint.kind!r}: {problem}")
         problem = chat_kwargs_problem(self.chat_template_kwargs or {})
         if problem is not None:
             raise JobError(f"job key 'chat_template_kwargs': {problem}")
@@ -162,6 +172,7 @@ class JobSpec:
             max_batch_size=self.max_batch_size,
             max_batched_tokens=self.max_batched_tokens,
             gpu_memory_fraction=self.gpu_memory_fraction,
+            compile_budget=CompileBudget(self.grammar_compile_timeout, self.max_constraint_bytes),
         )
 
     def default_params(self, row_index: int | None = None) -> SamplingParams:
@@ -185,6 +196,7 @@ class JobSpec:
             logit_bias=logit_bias(self.logit_bias or {}),
             min_p=self.min_p,
             constraint=self.constraint(),
+            reasoning=self.reasoning_parser is not None,
         )
 
     def constraint(self) -> Constraint | None:

@@ -474,6 +474,8 @@ class _Run:
         """A finished sample; with the row's last one, the row's output rows are buffered."""
         self._count(request)
         inputs, done = self.pending[request.row_index]
+        if request.error is not None and request.sample_index == 0:  # its grammar's, say
+            self.error_log.log(request.row_index, inputs.to_pylist()[0], request.error)
         done.append(request)
         if len(done) == request.params.n:
             del self.pending[request.row_index]

@@ -37,9 +37,11 @@ from batchrun.engine.memory import (
 from batchrun.errors import JobError
 from batchrun.io.prompts import THINKING_NEEDS_TOKENS, PromptColumn, PromptKind
 from batchrun.io.reasoning import reasoning_split
+from batchrun.models.config_check import check_transformers_reads
 from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import DraftSpec, _draft_to_target, check_draft
 from batchrun.models.loader import (
+    config_file,
     fp8_weights,
     load_weights,
     qwen3_shape,
@@ -83,7 +85,8 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     device = resolve_device(config.device)
     backend = backend_name(config.attention_backend, device)
     target_config = read_config(config.target, "target model")
-    target = qwen3_shape(target_config)
+    target = qwen3_shape(target_config, "target", config_file(config.target))
+    check_transformers_reads(target_config, f"target: {config_file(config.target)}")
     dtype = resolve_dtype(config.dtype, target_config, device)
     check_backend_dtype(backend, dtype)
     check_backend_kv(backend, config.kv_cache_dtype)
@@ -107,7 +110,7 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     outside = job.default_params().vocab_problem(target.vocab_size)
     if outside is not None:
         raise JobError(f"job key 'logit_bias': {outside}")
-    _check_constraint(job, tokenizer, target.vocab_size)
+    _check_constraint(job, tokenizer, target.vocab_size, config)
     weights = check_checkpoints(config.target, target, config.draft, draft, dtype)
     footprint = batch_footprint(
         target, draft, dtype, weights, min(widths), job.tp, config.page_size,
@@ -132,15 +135,18 @@ def _check_kv_pool(
     usable_context(config, target, num_pages, draft.block_size if draft else 1, device)
 
 
-def _check_constraint(job: JobSpec, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
-    """The job's structured output compiles (a row's own is that row's error)."""
+def _check_constraint(
+    job: JobSpec, tokenizer: PreTrainedTokenizerBase, vocab_size: int, config: EngineConfig
+) -> None:
+    """The job's structured output compiles within the budget (a row's own is that row's
+    error)."""
     constraint = job.constraint()
     if constraint is None:
         return
     problem = constraint.problem()
     if problem is None:
         try:
-            Grammars(tokenizer, vocab_size, []).compile(constraint)
+            Grammars(tokenizer, vocab_size, [], config.compile_budget).compile(constraint)
         except GrammarError as exc:
             problem = str(exc)
     if problem is not None:

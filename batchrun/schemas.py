@@ -22,6 +22,7 @@ from batchrun.io.output_schema import (
     TOP_LOGPROBS_FIELD,
     output_fields,
 )
+from batchrun.sampling.grammar_compile import COMPILE_SECONDS, MAX_CONSTRAINT_BYTES
 
 _PATH_NOTE = "Relative paths in a job file resolve against the job file's directory."
 
@@ -160,7 +161,8 @@ def job_schema() -> dict[str, Any]:
             "description": "Every completion is JSON matching this JSON Schema (JSON text, or "
             'a table), written compactly (", " and ": " between items); a row\'s '
             "json_schema, regex or choice column replaces it. One of json_schema, regex and "
-            "choice.",
+            "choice. Keywords the grammar engine does not enforce are refused (the README "
+            "lists those it does).",
         },
         "regex": {
             "type": "string",
@@ -174,6 +176,20 @@ def job_schema() -> dict[str, Any]:
             "minItems": 1,
             "description": "Every completion is one of these strings; a row's json_schema, "
             "regex or choice column replaces it.",
+        },
+        "max_constraint_bytes": _integer(
+            "A json_schema, regex or choice (its grammar's text) longer than this many bytes is "
+            "not compiled: its row is an error row (a job key's: the job is refused).",
+            MAX_CONSTRAINT_BYTES,
+            1,
+        ),
+        "grammar_compile_timeout": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "default": COMPILE_SECONDS,
+            "description": "Seconds a constraint's grammar may take to compile (off the step "
+            "loop: other rows decode meanwhile); a longer compile is given up and its row is an "
+            "error row (a job key's: the job is refused).",
         },
         "ignore_eos": _flag(
             "Generate past end-of-sequence tokens (they are output) until max_tokens or a "

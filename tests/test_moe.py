@@ -1,9 +1,12 @@
 """Qwen3-MoE targets (model_type qwen3_moe) on the CPU: a tiny random checkpoint written by
 transformers (4 experts, top 2, one dense layer among sparse ones) loads, and greedy outputs equal
-transformers' generate(), with and without a DFlash draft."""
+transformers' generate(), with and without a DFlash draft, also where config.json leaves out a key
+(transformers' default holds)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,14 +51,30 @@ def test_greedy_outputs_are_transformers(
     moe_target: Path, tmp_path: Path, with_draft: bool
 ) -> None:
     draft = make_tiny_draft(tmp_path / "draft", moe_target, num_layers=1) if with_draft else None
-    engine = cpu_engine(moe_target, draft, max_batch_size=3, verify_width="full")
+    assert_greedy_outputs_are_transformers(moe_target, draft)
+
+
+def test_a_config_without_norm_topk_prob_runs_as_transformers(
+    moe_target: Path, tmp_path: Path
+) -> None:
+    """transformers' Qwen3-MoE leaves the top k's weights unnormalised unless config.json says
+    norm_topk_prob: true."""
+    target = Path(shutil.copytree(moe_target, tmp_path / "target"))
+    config = json.loads((target / "config.json").read_text())
+    del config["norm_topk_prob"]
+    (target / "config.json").write_text(json.dumps(config))
+    assert_greedy_outputs_are_transformers(target, None)
+
+
+def assert_greedy_outputs_are_transformers(target: Path, draft: Path | None) -> None:
+    engine = cpu_engine(target, draft, max_batch_size=3, verify_width="full")
     layers = engine.model.model.layers
     assert [isinstance(layer.mlp, SparseMoe) for layer in layers] == [True, False, True]
     requests = [
         Request(i, p, SamplingParams(max_tokens=MAX_TOKENS)) for i, p in enumerate(prompts())
     ]
     done = sorted(run_to_end(engine, requests), key=lambda r: r.row_index)
-    hf = AutoModelForCausalLM.from_pretrained(moe_target, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     for req in done:
         ids = torch.tensor([req.prompt_ids])
         with torch.no_grad():
@@ -66,9 +85,8 @@ def test_greedy_outputs_are_transformers(
 
 def test_a_bad_expert_count_is_one_line(moe_target: Path) -> None:
     config = {**read_config(moe_target, "target"), "num_experts_per_tok": 5}
-    with pytest.raises(
-        JobError, match=r"^target: num_experts_per_tok must be in \[1, num_experts = 4\], got 5$"
-    ):
+    message = r"^target: config.json: num_experts_per_tok must be in \[1, num_experts = 4\], got 5$"
+    with pytest.raises(JobError, match=message):
         qwen3_shape(config)
 
 

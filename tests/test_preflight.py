@@ -226,9 +226,9 @@ def test_validate_and_run_refuse_alike_before_loading_weights(
 
 def assert_refused_alike(
     flags: list[str], message: str, out: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+) -> str:
     """validate refuses the flags in one line holding `message`; run refuses them in the same
-    line, before loading any weights and writing anything to `out`."""
+    line, before loading any weights and writing anything to `out`. Returns the line."""
 
     def no_engine(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("run loaded weights for a job validate refuses")
@@ -238,6 +238,7 @@ def assert_refused_alike(
     assert message in refused
     assert one_line_error(CliRunner().invoke(cli, ["run", *flags])) == refused
     assert not out.exists()
+    return refused
 
 
 def test_check_batch_budget() -> None:

@@ -23,6 +23,7 @@ from batchrun.job import JobSpec
 from batchrun.pipeline import run_job
 from batchrun.sampling.grammar import Constraint, GrammarError, Grammars
 from batchrun.sampling.grammar_masks import ConstrainedRows, build_masks
+from batchrun.sampling.row_grammar import RowGrammar
 
 DEMO = Path(__file__).resolve().parent.parent / "batchrun" / "demo"
 TARGET, DRAFT = DEMO / "target", DEMO / "draft"
@@ -132,11 +133,12 @@ def test_masks_follow_the_drafts_and_leave_the_matcher_at_the_committed_output(
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     constraint = Constraint("choice", ("yes", "no"))
     matcher = grammars.matcher(constraint)
+    grammar = RowGrammar(matcher)
     y = tokenizer.encode("yes")
     forbidden = tokenizer.encode("x")[0]
     masks = build_masks(
         grammars,
-        [ConstrainedRows(matcher, 3, 3, [y[0], forbidden]), ConstrainedRows(matcher, 7, 1, [])],
+        [ConstrainedRows(grammar, 3, 3, [y[0], forbidden]), ConstrainedRows(grammar, 7, 1, [])],
         torch.device("cpu"),
     )
     assert masks.rows.tolist() == [3, 4, 5, 7]
@@ -217,7 +219,7 @@ def test_row_columns_constrain_their_rows_and_bad_cells_are_error_rows(tmp_path:
     assert matches(CONSTRAINTS[0], out[0]["completion"]) and out[0]["error"] is None
     assert matches(CONSTRAINTS[1], out[1]["completion"])
     assert out[2]["completion"] in ("yes", "no")
-    assert out[3]["error"].startswith("json_schema does not compile: Unsupported type")
+    assert out[3]["error"].startswith("json_schema is not a valid JSON Schema: 'objekt' is")
     assert out[4]["error"] == "json_schema and regex are both set; a row takes one of them"
     assert out[5]["error"].startswith("regex does not compile:")
     assert all(row["completion"] is None for row in out[3:])

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchrun.errors import JobError
+from batchrun.sampling.grammar_compile import CompileBudget
 from batchrun.speculative.verify_width import candidate_widths
 
 
@@ -30,6 +31,8 @@ class EngineConfig:
     logprobs: int | None = None  # score each output token and its k most probable; None: off
     # Score each prompt token and its K most probable (turns prefix caching off); None: off.
     prompt_logprobs: int | None = None
+    # Structured outputs: a constraint over its size or its compile time is its row's error.
+    compile_budget: CompileBudget = CompileBudget()
 
 
 def verify_widths(verify_width: int | str, block_size: int | None) -> tuple[int, ...]:

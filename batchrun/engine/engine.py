@@ -15,7 +15,7 @@ finishes or a preemption drops runs once more in step N+1; that result is droppe
 
 from __future__ import annotations
 
-import functools
+import threading
 import time
 from collections import Counter
 from dataclasses import replace
@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from batchrun.device import resolve_device
+from batchrun.engine.compiling import Compiling
 from batchrun.engine.config import EngineConfig, check_batch_budget
 from batchrun.engine.heap import collect_everything, freeze_heap
 from batchrun.engine.in_flight import Forward, Launched, copy_to_host
@@ -59,6 +60,7 @@ from batchrun.layers.moe import fused_kernel
 from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.grammar import Grammars
 from batchrun.sampling.grammar_masks import StepMasks, build_masks
+from batchrun.sampling.row_grammar import RowGrammar
 from batchrun.speculative.acceptance import RoundTrace
 
 
@@ -110,6 +112,8 @@ class Engine:
         self.stopper = Stopper(models.tokenizer, set(models.eos), self.max_model_len)
         self.runner.state.controls.eos_ids = frozenset(models.eos)  # min_tokens masks them
         self.instruments = Instruments(StepTimer(self.device))
+        self._grammars: Grammars | None = None
+        self._grammars_made = threading.Lock()  # the prefetch thread may ask for them first
         self._start_job()
         freeze_heap()  # what exists now lives as long as the job: no collection need walk it
         clock.lap("freeze_heap")
@@ -146,6 +150,7 @@ class Engine:
             recompute_tail=tail,
         )
         speculator.start_job(config.max_batch_size, config.max_batched_tokens)
+        self.compiling = Compiling(self.tp)  # constrained requests waiting for their grammar
         self.step_kinds: Counter[str] = Counter()  # prefill, mixed, decode -> steps
         self.step_seconds: dict[str, float] = {}  # the same kinds -> their pipeline periods
         self.decode_forwards = 0  # decode/verify rounds of a request, over every step
@@ -192,14 +197,15 @@ class Engine:
 
     @property
     def num_unfinished(self) -> int:
-        return self.scheduler.num_unfinished
+        return self.scheduler.num_unfinished + len(self.compiling)
 
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
     def add(self, request: Request) -> None:
-        """Queue the request's params.n samples (`sample_requests`): each finishes on its own."""
+        """Queue the request's params.n samples (`sample_requests`): each finishes on its own.
+        A constrained one waits for its grammar's compile (engine/compiling.py) apart."""
         block = self.block_size
         for req in sample_requests(request):
             if block and req.spec_hist is None:
@@ -208,13 +214,36 @@ class Engine:
             if req.logprobs is None:
                 req.logprobs = asked_logprobs(self.config.logprobs, self.config.prompt_logprobs)
             if req.params.constraint is not None and req.grammar is None:
-                req.grammar = self.grammars.matcher(req.params.constraint)
-            self.scheduler.add(req)
+                self.compiling.add(req, self.grammars.submit(req.params.constraint))
+            else:
+                self.scheduler.add(req)
 
-    @functools.cached_property
+    @property
     def grammars(self) -> Grammars:
-        """The structured outputs' compiler, made for the first constrained request."""
-        return Grammars(self.tokenizer, self.vocab_size, self.stopper.eos_ids)
+        """The structured outputs' compiler, made for the first constrained request. Only rank
+        0 holds compiles to the time budget (engine/compiling.py)."""
+        with self._grammars_made:
+            if self._grammars is None:
+                budget = self.config.compile_budget
+                if self.tp is not None and self.tp.rank != 0:
+                    budget = replace(budget, seconds=None)
+                eos = self.stopper.eos_ids
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, eos, budget)
+            return self._grammars
+
+    def _admit_compiled(self) -> list[Request]:
+        """Constrained requests whose compile is over join the queue with their grammar (the
+        answer's after a think block when a reasoning parser splits the output); returns those
+        finished as errors."""
+        if not self.compiling:
+            return []
+        ready, failed = self.compiling.settle(self.grammars)
+        for req, job in ready:
+            matcher = self.grammars.matcher_of(job)
+            think = self.stopper.think if req.params.reasoning else None
+            req.grammar = RowGrammar.of(matcher, think, req.prompt_ids)
+            self.scheduler.add(req)
+        return failed
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its pages (benchmarks between points)."""
@@ -227,6 +256,7 @@ class Engine:
         for req in self.scheduler.waiting:  # preempted ones may hold no pages; fresh ones none
             self.pool.release(req.pages)
         self.scheduler.waiting.clear()
+        self.compiling.clear()
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -235,6 +265,7 @@ class Engine:
         one finished. A step with constrained rows reads the one before it back between its
         forward and its sampling: its masks start from the tokens that step commits."""
         scheduler = self.scheduler
+        failed = self._admit_compiled()
         width = self.speculator.next_width(len(scheduler.running), scheduler.prefill_pending)
         batch = scheduler.schedule(width)
         forward = self._forward(batch, width) if batch else None
@@ -247,8 +278,10 @@ class Engine:
         launched = self._sample(forward, masks) if forward is not None else None
         if previous is not None:
             finished = self._read_back(previous)
+        elif forward is None and self.compiling:  # nothing runs but compiles: wait a bit
+            self.compiling.wait(self.grammars)
         self._launched = launched
-        return finished
+        return failed + finished
 
     @torch.inference_mode()
     def _forward(self, batch: list[Scheduled], width: int) -> Forward:
@@ -348,8 +381,8 @@ class Engine:
             if scores is not None:  # the rows of the tokens kept (stop rules cut the rest)
                 scores.commit(req, i, pos - k, len(req.output_ids) - before)
             if req.grammar is not None:  # the grammar follows the committed output
-                for token in req.output_ids[before:]:
-                    req.grammar.accept_token(token)
+                forced = len(self.stopper.think_end) if req.restart else 0
+                req.grammar.commit(req.output_ids[before:], forced)
             if req.finish_reason:
                 self.scheduler.finish(req)
                 finished.append(req)

@@ -7,12 +7,15 @@ import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from batchrun.engine.stop_scan import StopScan
 from batchrun.sampling.grammar import Constraint
+
+if TYPE_CHECKING:
+    from batchrun.sampling.row_grammar import RowGrammar
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class SamplingParams:
     # Tokens a think block may take before its end is forced (None: no limit).
     max_thinking_tokens: int | None = None
     constraint: Constraint | None = None  # structured output: what the output must match
+    # A reasoning parser splits the output: a constraint holds on the answer after the think
+    # block (sampling/row_grammar.py), not from the first token.
+    reasoning: bool = False
 
     def problem(self) -> str | None:
         """Why these parameters cannot run, or None. The engine samples in float32, so the
@@ -70,9 +76,13 @@ class SamplingParams:
         return None
 
     def _constraint_problem(self, constraint: Constraint) -> str | None:
-        # Tokens the grammar did not choose would leave it behind the output.
-        if self.max_thinking_tokens is not None:
-            return f"{constraint.kind} and max_thinking_tokens do not go together"
+        # Tokens the grammar did not choose would leave it behind the output; a thinking
+        # budget's forced end closes the think block, before a reasoning row's grammar starts.
+        if self.max_thinking_tokens is not None and not self.reasoning:
+            return (
+                f"{constraint.kind} and max_thinking_tokens do not go together without a "
+                "reasoning_parser (the grammar then holds after the think block)"
+            )
         if self.ignore_eos:
             return f"{constraint.kind} and ignore_eos do not go together"
         if self.min_tokens:  # its end-of-sequence mask could forbid all the grammar allows
@@ -175,7 +185,8 @@ class Request:
     # Filled in by the engine.
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "error" (then `error` says why)
+    error: str | None = None  # why it was not generated (its grammar did not compile)
     completion: str | None = None  # decoded text, set when finished
     spec_rounds: int = 0  # speculation rounds: steps that verified drafts (width > 1)
     spec_hist: list[int] | None = None  # entry k-1: rounds that committed k tokens
@@ -193,7 +204,7 @@ class Request:
     thinking: int | None = None  # tokens spent in an open think block (with a thinking budget)
     restart: bool = False  # the host forced tokens: the request resumes from its tokens
     logprobs: Logprobs | None = None  # set by the engine when the job asks for them
-    grammar: Any = None  # a constrained request's matcher, at its committed output
+    grammar: RowGrammar | None = None  # a constrained request's, at its committed output
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """tokens[start:end] without building the whole list."""

@@ -43,3 +43,13 @@ def _cell_value(array: pa.Array, i: int) -> Any:
         return BadCell("is not valid UTF-8")
     except Exception as exc:
         return BadCell(f"cannot be read: {exc}")
+
+
+def without_nulls(value: Any) -> Any:
+    """A struct cell's value with its null fields left out, at every depth (a struct column's
+    row has every field of the type: those it does not set are null); a list keeps its nulls."""
+    if isinstance(value, dict):
+        return {key: without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_nulls(item) for item in value]
+    return value

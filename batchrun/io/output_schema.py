@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from batchrun.engine.request import Request, round_tokens
 from batchrun.errors import JobError
+from batchrun.io.constraint_error import constraint_error
 
 if TYPE_CHECKING:  # the split needs transformers: a job that asks for it has it loaded
     from batchrun.io.reasoning import ReasoningSplit
@@ -96,10 +97,12 @@ OUTPUT_FIELDS: tuple[pa.Field, ...] = (
         pa.string(),
         True,
         'Null, or why this row failed (finish_reason "error": it was not generated). Also set '
-        "when an input column's cell was not valid UTF-8: the output holds it decoded with U+FFFD "
-        'replacements, and the message (appended after "; " to an error row\'s) is "invalid '
+        "on a generated row, which keeps its completion and finish_reason: when a stop row's "
+        "completion breaks its constraint (json_schema, regex or choice), and when an input "
+        "column's cell was not valid UTF-8: the output holds it decoded with U+FFFD "
+        'replacements, and the message (appended after "; " to the row\'s error) is "invalid '
         "UTF-8 replaced with U+FFFD in the output: COLUMNS (original bytes in "
-        'COLUMN__raw_bytes)"; a generated row keeps its completion and finish_reason.',
+        'COLUMN__raw_bytes)".',
     ),
 )
 
@@ -239,6 +242,8 @@ def finished_row(request: Request, reasoning: ReasoningSplit | None = None) -> O
     """The output of a request the engine finished; with `reasoning`, its think block apart."""
     if request.finish_reason is None:
         raise RuntimeError(f"engine returned row {request.row_index} without a finish_reason")
+    if request.error is not None:  # the engine could not generate it (its grammar)
+        return error_row(request.row_index, request.error, request.sample_index)
     completion_tokens = len(request.output_ids)
     tau = None
     if request.spec_hist is not None and request.spec_rounds > 0:
@@ -260,7 +265,7 @@ def finished_row(request: Request, reasoning: ReasoningSplit | None = None) -> O
         spec_accept_hist=list(request.spec_hist) if request.spec_hist is not None else None,
         spec_capped_hist=list(request.spec_capped) if request.spec_capped is not None else None,
         acceptance_length=tau,
-        error=None,
+        error=constraint_error(request, completion),
         reasoning=thought,
         reasoning_tokens=thought_tokens,
         completion_logprobs=list(tokens) if tokens is not None else None,

@@ -19,7 +19,8 @@ import pyarrow as pa
 
 from batchrun.engine.request import Request, SamplingParams
 from batchrun.errors import JobError
-from batchrun.io.cells import BadCell, row_values
+from batchrun.io.cells import BadCell, row_values, without_nulls
+from batchrun.io.chat_args import chat_kwargs_problem
 from batchrun.io.overrides import (
     OVERRIDE_COLUMNS,
     BadOverride,
@@ -30,7 +31,7 @@ from batchrun.io.overrides import (
 )
 from batchrun.io.prompt_bound import longest_token_chars, min_tokens
 from batchrun.models.tokenizer import think_token_ids
-from batchrun.sampling.grammar import KINDS, Constraint, GrammarError, Grammars
+from batchrun.sampling.grammar import KINDS, Constraint, Grammars
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -50,22 +51,6 @@ THINKING_NEEDS_TOKENS = "max_thinking_tokens needs <think> and </think> tokens i
 THINKING_WITH_LOGPROBS = (
     "max_thinking_tokens and logprobs do not go together: forced tokens have no probabilities"
 )
-# apply_chat_template's own arguments: batchrun sets them, a job's template arguments may not.
-_CHAT_ARGS_OF_BATCHRUN = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-})  # fmt: skip
-
-
-def chat_kwargs_problem(kwargs: Mapping[str, Any]) -> str | None:
-    """Why these chat template arguments cannot be used (None: they can)."""
-    taken = sorted(set(kwargs) & _CHAT_ARGS_OF_BATCHRUN)
-    if taken:
-        return f"{taken[0]!r} is set by batchrun, not by the template's arguments"
-    return None
-
-
 DEFAULT_PROMPT_COLUMNS = {
     PromptKind.TEXT: "prompt",
     PromptKind.MESSAGES: "messages",
@@ -169,7 +154,8 @@ class RequestBuilder:
         grammars: Callable[[], Grammars] | None = None,
     ) -> None:
         """grammars: the engine's structured-output compiler (made when first called), which
-        checks that a row's constraint compiles; its cache then serves the engine."""
+        starts compiling a row's constraint as the row is read; its cache then serves the
+        engine."""
         if prompt.kind is PromptKind.MESSAGES and not getattr(tokenizer, "chat_template", None):
             raise JobError(
                 f"prompt column {prompt.name!r} holds chat messages, "
@@ -262,7 +248,7 @@ class RequestBuilder:
                 return THINKING_WITH_LOGPROBS
         problem = params.problem() or params.vocab_problem(self.vocab_size)
         if problem is None and params.constraint is not None:
-            problem = self._compile_problem(params.constraint)
+            problem = self._start_compile(params.constraint)
         return problem or for_engine(params, self.vocab_size)
 
     def _row_constraint(self, values: Mapping[str, Any]) -> Constraint | None:
@@ -281,19 +267,18 @@ class RequestBuilder:
             if isinstance(cell, list) and all(isinstance(c, str) for c in cell):
                 return Constraint(kind, tuple(cell))
             raise BadOverride(f"choice must be a list of strings, got {show_value(cell)}")
-        if kind == "json_schema" and isinstance(cell, dict):  # a struct or map column
-            return Constraint(kind, json.dumps(cell, sort_keys=True))
+        if kind == "json_schema" and isinstance(cell, dict):  # a struct column
+            return Constraint(kind, json.dumps(without_nulls(cell), sort_keys=True))
         if isinstance(cell, str):
             return Constraint(kind, cell)
         raise BadOverride(f"{kind} must be a string, got {show_value(cell)}")
 
-    def _compile_problem(self, constraint: Constraint) -> str | None:
+    def _start_compile(self, constraint: Constraint) -> str | None:
         if self.grammars is None:
             return "structured outputs are not available here"
-        try:
-            self.grammars().compile(constraint)
-        except GrammarError as exc:
-            return str(exc)
+        # Not waited for: the engine admits the row once its grammar is ready, or makes it an
+        # error row when it does not compile, and no other row waits for it.
+        self.grammars().submit(constraint)
         return None
 
     def _prompt_ids(self, value: Any, row: Mapping[str, Any]) -> list[int] | str:

@@ -24,14 +24,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchrun.errors import JobError
+from batchrun.models.config_check import DFLASH_CONFIG, SPECULATORS, ZLAB
+from batchrun.models.config_fields import check_fields
 
 
 @dataclass(frozen=True)
 class DraftConfig:
-    """What a draft's config.json says, in either format, under one set of names (unchecked)."""
+    """What a draft's config.json says, in either format, under one set of names: each key
+    checked by type and range, not yet against the target (check_draft)."""
 
     format: str  # "z-lab" or "speculators"
     layers: dict[str, Any]  # the draft's own Qwen3 config: shape, layer types, window
+    layers_where: str  # where those keys are, for errors: "draft: /d/config.json"
     block_size: Any
     mask_token_id: Any
     layer_ids: Any  # the target layers whose outputs are features, as the config counts them
@@ -44,24 +48,31 @@ class DraftConfig:
     verifier_tensors: frozenset[str] = frozenset()  # copies of the target's, never loaded
 
 
-def draft_config(config: dict[str, Any]) -> DraftConfig:
-    """Reads either format; refuses, by name, what batchrun does not implement."""
+def draft_config(config: dict[str, Any], where: str) -> DraftConfig:
+    """Reads either format, its own keys checked by type and range (config_check's tables);
+    refuses, by name, what batchrun does not implement. where: the file, for errors."""
     if "speculators_model_type" in config:
-        return _speculators(config)
-    return _zlab(config)
+        return _speculators(config, where)
+    return _zlab(config, where)
 
 
-def _zlab(config: dict[str, Any]) -> DraftConfig:
+def _zlab(config: dict[str, Any], where: str) -> DraftConfig:
+    check_fields(config, ZLAB, where, "z-lab draft")
     dflash = dict(config.get("dflash_config") or {})
+    check_fields(dflash, DFLASH_CONFIG, where, "z-lab draft", "dflash_config.")
     arch = config.get("architectures") or []
     if arch != ["DFlashDraftModel"]:
         raise JobError(f"draft: architectures {arch} is not supported (only DFlashDraftModel)")
+    kind = config.get("model_type")
+    if kind != "qwen3":
+        raise JobError(f"{where}: model_type is {kind!r}; batchrun runs qwen3 drafts")
     if config.get("sample_from_anchor") or dflash.get("sample_from_anchor"):
         raise JobError("draft: sample_from_anchor: true is not supported")
     causal = config.get("is_causal", dflash.get("causal"))
     return DraftConfig(
         format="z-lab",
         layers=config,
+        layers_where=where,
         block_size=config.get("block_size", dflash.get("block_size")),
         mask_token_id=dflash.get("mask_token_id"),
         layer_ids=dflash.get("target_layer_ids"),
@@ -79,7 +90,8 @@ VERIFIER_TENSORS = frozenset(
 )
 
 
-def _speculators(config: dict[str, Any]) -> DraftConfig:
+def _speculators(config: dict[str, Any], where: str) -> DraftConfig:
+    check_fields(config, SPECULATORS, where, "speculators draft")
     kind = config.get("speculators_model_type")
     if kind != "dflash":
         raise JobError(
@@ -104,6 +116,7 @@ def _speculators(config: dict[str, Any]) -> DraftConfig:
     return DraftConfig(
         format="speculators",
         layers=layers,
+        layers_where=f"{where} transformer_layer_config",
         block_size=config.get("block_size"),
         mask_token_id=config.get("mask_token_id"),
         layer_ids=config["aux_hidden_state_layer_ids"],

@@ -3,22 +3,26 @@ tensor headers alone, then load it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from batchrun.errors import JobError
 from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.models.config_check import checked_config
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.dflash_formats import DraftConfig, draft_config
 from batchrun.models.loader import (
     checkpoint_weights,
+    config_file,
     load_weights,
-    qwen3_shape,
     read_config,
     release_staging,
+    shape_of,
 )
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
@@ -47,8 +51,9 @@ class DraftSpec:
 def check_draft(draft_dir: Path, target: Qwen3Shape) -> DraftSpec:
     """Every check of a draft against its target that needs no weights: its config.json and
     the tensor names and shapes in its safetensors headers. Raises JobError."""
-    fields = draft_config(read_config(draft_dir, "draft"))
-    shape = qwen3_shape(fields.layers, "draft")
+    fields = draft_config(read_config(draft_dir, "draft"), f"draft: {config_file(draft_dir)}")
+    layers = checked_config(fields.layers, fields.layers_where)
+    shape = shape_of(layers, "draft")
     if shape.hidden_size != target.hidden_size:
         raise JobError(
             f"draft: hidden_size {shape.hidden_size} does not match the target's "
@@ -58,11 +63,11 @@ def check_draft(draft_dir: Path, target: Qwen3Shape) -> DraftSpec:
         raise JobError(
             f"draft: vocab_size {shape.vocab_size} does not match the target's {target.vocab_size}"
         )
-    block_size = fields.block_size
-    if not isinstance(block_size, int) or block_size < 2:
-        raise JobError(f"draft: block_size must be an integer >= 2, got {block_size!r}")
+    block_size = fields.block_size  # its type and range: config_check's tables
+    if block_size is None:
+        raise JobError("draft: block_size is missing")
     mask_id = fields.mask_token_id
-    if not isinstance(mask_id, int):
+    if mask_id is None:
         raise JobError("draft: mask_token_id is missing")
     if not 0 <= mask_id < target.vocab_size:
         raise JobError(
@@ -76,7 +81,7 @@ def check_draft(draft_dir: Path, target: Qwen3Shape) -> DraftSpec:
         target_layer_ids=_target_layer_ids(fields, shape, target),
         block_size=block_size,
         mask_token_id=mask_id,
-        attention=_block_attention(fields, shape.num_layers, block_size),
+        attention=_block_attention(fields, layers, block_size),
         format=fields.format,
         head_rows=head_rows,
         vocab_map=vocab_map,
@@ -89,7 +94,7 @@ def _target_layer_ids(
 ) -> tuple[int, ...]:
     ids, base = fields.layer_ids, fields.layer_id_base
     if ids is None:
-        n_target = int(fields.num_target_layers or target.num_layers)
+        n_target = fields.num_target_layers or target.num_layers
         return tuple(default_target_layer_ids(shape.num_layers, n_target))
     top = target.num_layers - 1 + base
     ok = isinstance(ids, list) and all(
@@ -102,23 +107,21 @@ def _target_layer_ids(
     return tuple(i - base for i in ids)
 
 
-def _block_attention(fields: DraftConfig, num_layers: int, block_size: int) -> BlockAttention:
-    """Which layers slide, as transformers' Qwen3Config reads it: `sliding_window` counts only
-    with `use_sliding_window`, and `layer_types` (else the layers from `max_window_layers` on
-    when there is a window) says which layers use it."""
-    layers = fields.layers
-    window = layers.get("sliding_window") if layers.get("use_sliding_window") else None
-    types = layers.get("layer_types")
-    if types is None:
-        first = int(layers.get("max_window_layers", 28))
-        sliding = tuple(window is not None and i >= first for i in range(num_layers))
-    else:
-        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise JobError(f"draft: layer type {unknown[0]!r} is not supported")
-        if len(types) != num_layers:
-            raise JobError(f"draft: layer_types names {len(types)} layers, not {num_layers}")
-        sliding = tuple(t == "sliding_attention" for t in types)
+def _block_attention(
+    fields: DraftConfig, layers: Mapping[str, Any], block_size: int
+) -> BlockAttention:
+    """Which layers slide: `layer_types` of checked_config's settings, which read them as
+    transformers' Qwen3Config does (`sliding_window` counts only with `use_sliding_window`;
+    without layer_types, the layers from `max_window_layers` on slide when there is a window)."""
+    window, types = layers["sliding_window"], layers["layer_types"]
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise JobError(f"draft: layer type {unknown[0]!r} is not supported")
+    if len(types) != layers["num_hidden_layers"]:
+        raise JobError(
+            f"draft: layer_types names {len(types)} layers, not {layers['num_hidden_layers']}"
+        )
+    sliding = tuple(t == "sliding_attention" for t in types)
     if not any(sliding):
         return BlockAttention(sliding, None, fields.full_causal, fields.sliding_causal)
     if window is None:
@@ -126,7 +129,7 @@ def _block_attention(fields: DraftConfig, num_layers: int, block_size: int) -> B
             "draft: layer_types has sliding_attention layers but no window "
             "(sliding_window with use_sliding_window: true)"
         )
-    if not isinstance(window, int) or window < block_size:
+    if window < block_size:
         raise JobError(
             f"draft: sliding_window {window!r} smaller than the block size {block_size} is "
             "not supported"

@@ -10,7 +10,7 @@ block's scale, as transformers does) and runs in the job's dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ class Fp8Scheme:
         return f"FP8 ({blocks}, {how})"
 
 
-def fp8_scheme(config: dict[str, Any], what: str) -> Fp8Scheme | None:
+def fp8_scheme(config: Mapping[str, Any], what: str) -> Fp8Scheme | None:
     """The checkpoint's FP8 scheme (None: not quantized); other quantizations are refused."""
     quantization = config.get("quantization_config")
     if not quantization:

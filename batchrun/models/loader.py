@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from torch import nn
 from batchrun.errors import JobError
 from batchrun.layers.fp8_linear import Fp8Linear
 from batchrun.layers.rotary import RotaryEmbedding, Yarn
+from batchrun.models.config_check import checked_config
 from batchrun.models.fp8 import SCALE_SUFFIX, dequantized, fp8_scheme
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
@@ -24,101 +24,85 @@ from batchrun.parallel.group import TensorParallel
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def config_file(model_dir: Path) -> Path:
+    return model_dir / "config.json"
+
+
 def read_config(model_dir: Path, what: str = "model") -> dict[str, Any]:
-    path = model_dir / "config.json"
+    path = config_file(model_dir)
     if not model_dir.is_dir():
         raise JobError(f"{what} directory not found: {model_dir}")
     try:
-        return dict(json.loads(path.read_text()))
+        config = json.loads(path.read_text())
     except FileNotFoundError:
         raise JobError(f"{what} directory has no config.json: {model_dir}") from None
     except (OSError, ValueError) as e:
         raise JobError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise JobError(f"{path} holds {type(config).__name__}, not a JSON object")
+    return config
 
 
-def rope_theta(config: dict[str, Any], what: str) -> float:
-    """rope_theta from either config style (rope_parameters, or rope_theta beside rope_scaling)."""
-    params = config.get("rope_parameters") or {}
-    theta = config.get("rope_theta", params.get("rope_theta"))
-    if theta is None:
-        raise JobError(f"{what}: config.json has no rope_theta")
-    return float(theta)
+def qwen3_shape(
+    config: Mapping[str, Any], what: str = "target", source: Path | str = "config.json"
+) -> Qwen3Shape:
+    """The model a qwen3 or qwen3_moe config describes; `source` is where its keys are, for
+    the errors (config_check.checked_config's)."""
+    return shape_of(checked_config(config, f"{what}: {source}"), what)
 
 
-def rope_yarn(config: dict[str, Any], what: str) -> Yarn | None:
-    """The YaRN scaling of either config style (None: plain RoPE); other types are refused."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = params.get("rope_type") or params.get("type") or "default"
-    if kind == "default":
+def shape_of(settings: Mapping[str, Any], what: str) -> Qwen3Shape:
+    """The model checked_config's settings describe."""
+    if what == "target" and "sliding_attention" in (settings.get("layer_types") or ()):
+        # transformers would attend through a window in those layers; the target's attention
+        # is full, so its outputs would differ from the model's.
+        raise JobError(f"{what}: sliding-window attention layers are not supported in a target")
+    yarn = _yarn(settings["yarn"])
+    return Qwen3Shape(
+        vocab_size=settings["vocab_size"],
+        hidden_size=settings["hidden_size"],
+        intermediate_size=settings["intermediate_size"],
+        num_layers=settings["num_hidden_layers"],
+        num_heads=settings["num_attention_heads"],
+        num_kv_heads=settings["num_key_value_heads"],
+        head_dim=settings["head_dim"],
+        rms_norm_eps=float(settings["rms_norm_eps"]),
+        rope_theta=settings["rope_theta"],
+        # With YaRN the context is factor x original (as vLLM derives it).
+        max_position_embeddings=max(
+            settings["max_position_embeddings"], yarn.context if yarn else 0
+        ),
+        tie_word_embeddings=settings["tie_word_embeddings"],
+        yarn=yarn,
+        fp8=fp8_scheme(settings, what),
+        **_moe_fields(settings),
+    )
+
+
+def _yarn(params: Mapping[str, Any] | None) -> Yarn | None:
+    """checked_config's YaRN parameters as the rotary tables take them."""
+    if params is None:
         return None
-    if kind != "yarn":
-        raise JobError(f"{what}: rope type {kind!r} is not supported (plain RoPE or yarn)")
-    original = params.get("original_max_position_embeddings")
-    if not isinstance(original, int) or original < 1:
-        raise JobError(f"{what}: yarn needs original_max_position_embeddings, got {original!r}")
-    factor = params.get("factor") or config.get("max_position_embeddings", original) / original
-    optional = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
-    try:
-        yarn = Yarn(
-            factor=float(factor),
-            original_max_position_embeddings=original,
-            truncate=bool(params.get("truncate", True)),
-            **{k: float(params[k]) for k in optional if params.get(k) is not None},
-        )
-    except (TypeError, ValueError):
-        raise JobError(f"{what}: yarn parameters are not numbers: {params}") from None
-    if not (math.isfinite(yarn.factor) and yarn.factor >= 1):
-        raise JobError(f"{what}: yarn factor must be a number >= 1, got {factor!r}")
-    return yarn
+    numbers = ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+    given: dict[str, Any] = {key: float(params[key]) for key in numbers if key in params}
+    if "truncate" in params:
+        given["truncate"] = params["truncate"]
+    return Yarn(
+        original_max_position_embeddings=params["original_max_position_embeddings"], **given
+    )
 
 
-def qwen3_shape(config: dict[str, Any], what: str = "target") -> Qwen3Shape:
-    if config.get("model_type") not in ("qwen3", "qwen3_moe"):
-        raise JobError(
-            f"{what}: model_type is {config.get('model_type')!r}; batchrun runs qwen3 and qwen3_moe"
-        )
-    yarn = rope_yarn(config, what)
-    positions = int(config.get("max_position_embeddings", 40960))
-    try:
-        heads = int(config["num_attention_heads"])
-        return Qwen3Shape(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta(config, what),
-            # With YaRN the context is factor x original (as vLLM derives it).
-            max_position_embeddings=max(positions, yarn.context if yarn else 0),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            yarn=yarn,
-            fp8=fp8_scheme(config, what),
-            **_moe_fields(config, what),
-        )
-    except KeyError as e:
-        raise JobError(f"{what}: config.json lacks {e.args[0]!r}") from None
-
-
-def _moe_fields(config: dict[str, Any], what: str) -> dict[str, Any]:
+def _moe_fields(settings: Mapping[str, Any]) -> dict[str, Any]:
     """Qwen3-MoE's keys as Qwen3Shape's fields (none for a dense model)."""
-    if config.get("model_type") != "qwen3_moe":
+    if "num_experts" not in settings:
         return {}
-    key = "num_experts" if "num_experts" in config else "num_local_experts"
-    experts, top_k = int(config[key]), int(config["num_experts_per_tok"])
-    if not 1 <= top_k <= experts:
-        raise JobError(
-            f"{what}: num_experts_per_tok must be in [1, num_experts = {experts}], got {top_k}"
-        )
     return {
-        "num_experts": experts,
-        "num_experts_per_tok": top_k,
-        "moe_intermediate_size": int(config["moe_intermediate_size"]),
-        "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
-        "decoder_sparse_step": int(config.get("decoder_sparse_step", 1)),
-        "mlp_only_layers": tuple(int(i) for i in config.get("mlp_only_layers") or ()),
+        "num_experts": settings["num_experts"],
+        "num_experts_per_tok": settings["num_experts_per_tok"],
+        "moe_intermediate_size": settings["moe_intermediate_size"],
+        "norm_topk_prob": settings["norm_topk_prob"],
+        "decoder_sparse_step": settings["decoder_sparse_step"],
+        "mlp_only_layers": tuple(settings["mlp_only_layers"]),
     }
 
 
@@ -285,7 +269,7 @@ def load_qwen3(
 ) -> tuple[Qwen3ForCausalLM, dict[str, Any]]:
     """The target; with tp, this tensor-parallel rank's share of it."""
     config = read_config(model_dir, "target model")
-    shape = qwen3_shape(config)
+    shape = qwen3_shape(config, "target", config_file(model_dir))
     torch_dtype = resolve_dtype(dtype, config, device)
     with shapes_only():
         model = Qwen3ForCausalLM(shape) if tp is None else TensorParallelQwen3(shape, tp)

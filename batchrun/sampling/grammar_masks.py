@@ -2,23 +2,20 @@
 (while the GPU runs the step's forward), applied to the step's logits on the device.
 
 A decoding request samples rows 0 .. k-1 whose inputs are its anchor and drafts d1 .. d(k-1):
-row j samples the token after d1 .. dj, so its mask is the grammar's after those drafts. The
-matcher is walked along the drafts and taken back after, so it stays at the committed output.
-A draft the grammar forbids ends the walk: the target's token at the row before it is drawn
-from the masked logits, so it cannot equal that draft and acceptance stops there; the rows
-after it are never committed and keep every token allowed. So a constrained row's output is
-exactly constrained decoding without a draft.
+row j samples the token after d1 .. dj, so its mask is the grammar's after those drafts
+(RowGrammar.fill_masks: a forbidden draft ends the walk, rows inside a think block are left
+unmasked). So a constrained row's output is exactly constrained decoding without a draft.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from batchrun.sampling.grammar import Grammars
+from batchrun.sampling.row_grammar import RowGrammar
 
 # Rows unpacked at once: [rows, vocabulary] booleans and their int32 bits stay near 50 MB at
 # Qwen3's vocabulary.
@@ -29,7 +26,7 @@ ROWS_PER_CHUNK = 64
 class ConstrainedRows:
     """One request's constrained rows of a step."""
 
-    matcher: Any  # at the request's committed output
+    grammar: RowGrammar  # at the request's committed output
     first_row: int  # its first sampled row in the step
     num_rows: int
     drafts: Sequence[int]  # the drafts its rows 1 .. num_rows-1 take as input
@@ -58,14 +55,7 @@ def build_masks(
     bits = grammars.bitmask(sum(r.num_rows for r in requests))
     rows: list[int] = []
     for r in requests:
-        mask_row, walked = len(rows), 0
-        for j in range(r.num_rows):
-            if j and not r.matcher.accept_token(r.drafts[j - 1]):
-                break  # a forbidden draft: the rows after it keep every token allowed
-            walked += j > 0
-            r.matcher.fill_next_token_bitmask(bits, mask_row + j)
-        if walked:
-            r.matcher.rollback(walked)
+        r.grammar.fill_masks(bits, len(rows), r.num_rows, r.drafts)
         rows += range(r.first_row, r.first_row + r.num_rows)
     host_rows = torch.tensor(rows, dtype=torch.int64)
     if device.type == "cuda":  # pinned: the copies are asynchronous

@@ -1,0 +1,75 @@
+"""Constrained requests whose grammar is compiling (sampling/grammar_compile.py). The engine
+admits one once its grammar is ready and finishes it as an error when it has none (it does not
+compile, or breaks the budget); every other request decodes meanwhile, so a row waits only for
+its own grammar.
+
+With tensor parallelism the ranks must admit alike, and compile times differ between them:
+rank 0's view decides (its compiles alone keep a time budget), and a rank told a grammar is
+ready waits for its own compile of it, which rank 0 has finished."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from batchrun.engine.request import Request, Status
+from batchrun.errors import JobError
+from batchrun.sampling.grammar import Grammars
+from batchrun.sampling.grammar_compile import CompileJob
+
+if TYPE_CHECKING:
+    from batchrun.parallel.group import TensorParallel
+
+# An engine with nothing else to run waits this long for a compile at a time, then steps (so a
+# stop signal is seen between waits).
+WAIT_SECONDS = 0.05
+
+# A compile's state as ranks agree on it: under way (None), ready (True), or why not (str).
+State = bool | str | None
+
+
+class Compiling:
+    def __init__(self, tp: TensorParallel | None) -> None:
+        self.tp = tp
+        self.waiting: list[tuple[Request, CompileJob]] = []
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, req: Request, job: CompileJob) -> None:
+        self.waiting.append((req, job))
+
+    def clear(self) -> None:
+        self.waiting.clear()
+
+    def settle(self, grammars: Grammars) -> tuple[list[tuple[Request, CompileJob]], list[Request]]:
+        """Takes out the requests whose compile is over: those to admit with their compile,
+        and those finished as errors."""
+        if not self.waiting:
+            return [], []
+        states: list[State] = [_state(grammars, job) for _, job in self.waiting]
+        if self.tp is not None:
+            states = self.tp.of_first(states)
+        ready, failed, left = [], [], []
+        for (req, job), state in zip(self.waiting, states, strict=True):
+            if state is None:
+                left.append((req, job))
+            elif state is True:
+                grammars.wait([job], None)  # over on rank 0; on another, maybe not yet
+                if job.error is not None:
+                    raise JobError(f"tensor-parallel ranks disagree on a grammar: {job.error}")
+                ready.append((req, job))
+            else:
+                req.finish_reason, req.error, req.status = "error", str(state), Status.FINISHED
+                failed.append(req)
+        self.waiting = left
+        return ready, failed
+
+    def wait(self, grammars: Grammars) -> None:
+        """Until a compile is over, or WAIT_SECONDS."""
+        grammars.wait([job for _, job in self.waiting], WAIT_SECONDS)
+
+
+def _state(grammars: Grammars, job: CompileJob) -> State:
+    if not grammars.poll(job):
+        return None
+    return True if job.error is None else job.error
