@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from batchrun.engine.request import Request
+from batchrun.engine.core.requests import Request
 
 T = TypeVar("T")
 

@@ -53,13 +53,14 @@ from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.models.safetensors_reader import file_header
 from batchrun.models.tokenizer import eos_token_ids, load_tokenizer, think_token_ids
-from batchrun.sampling.grammar import GrammarError, Grammars
-from batchrun.speculative.sliding_window import ring_pages
+from batchrun.sampling.constraint import GrammarError
+from batchrun.sampling.grammar import Grammars
+from batchrun.spec_decode.dflash.rings import ring_pages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from batchrun.job import JobSpec
+    from batchrun.config.job import JobSpec
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,10 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
             "but the target's tokenizer has no chat template"
         )
     _check_eos(config.target, target_config, tokenizer)
-    reasoning_split(job, tokenizer)  # qwen3's think tokens, where the job asks for the split
-    if job.max_thinking_tokens is not None and think_token_ids(tokenizer) is None:
+    reasoning_split(
+        job.output.reasoning_parser, tokenizer
+    )  # qwen3's think tokens, where the job asks for the split
+    if job.sampling.max_thinking_tokens is not None and think_token_ids(tokenizer) is None:
         raise JobError(THINKING_NEEDS_TOKENS)
     outside = job.default_params().vocab_problem(target.vocab_size)
     if outside is not None:
@@ -113,9 +116,15 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     _check_constraint(job, tokenizer, target.vocab_size, config)
     weights = check_checkpoints(config.target, target, config.draft, draft, dtype)
     footprint = batch_footprint(
-        target, draft, dtype, weights, min(widths), job.tp, config.page_size,
+        target,
+        draft,
+        dtype,
+        weights,
+        min(widths),
+        job.run.tp,
+        config.page_size,
         config.kv_cache_dtype,
-    )  # fmt: skip
+    )
     check_batch_memory(footprint, config.max_batch_size, config.max_batched_tokens, device)
     _check_kv_pool(config, target, draft, dtype, device)
     return Preflight(device, dtype, backend, target, tokenizer, draft)
@@ -140,7 +149,7 @@ def _check_constraint(
 ) -> None:
     """The job's structured output compiles within the budget (a row's own is that row's
     error)."""
-    constraint = job.constraint()
+    constraint = job.sampling.constraint
     if constraint is None:
         return
     problem = constraint.problem()
@@ -187,9 +196,14 @@ def check_checkpoints(
     if draft_dir is not None and draft is not None:
         with shapes_only():
             module = DFlashDraft(
-                draft.shape, list(draft.target_layer_ids), draft.block_size,
-                draft.mask_token_id, 1, draft.attention, draft.head_rows,
-            ).to(dtype)  # fmt: skip
+                draft.shape,
+                list(draft.target_layer_ids),
+                draft.block_size,
+                draft.mask_token_id,
+                1,
+                draft.attention,
+                draft.head_rows,
+            ).to(dtype)
         tensors = header_weights(draft_dir, draft.shape, "draft")
         load_weights(module, tensors, "draft", skip=set(draft.not_loaded))
         if draft.vocab_map and draft.head_rows is not None:

@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TextIO
 
+from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
-from batchrun.job import JobSpec
 
 SLURM_KEYS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT")
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE")
@@ -113,15 +113,15 @@ def apply_env_shard(
     cuda_devices: Callable[[], int] = _cuda_devices,
 ) -> JobSpec:
     """The job with its shard (and torchrun's GPU) from the environment, if it names no shard."""
-    if job.shard is not None:
+    if job.run.shard is not None:
         return job  # --shard or the job file's shard wins
-    found = shard_from_env(environ, job.tp)
+    found = shard_from_env(environ, job.run.tp)
     if found is None:
         return job
-    shard, device = f"{found.index}/{found.count}", job.device
+    shard, device = f"{found.index}/{found.count}", job.engine.device
     line = f"batchrun: shard {shard} from {found.origin}"
     # A tensor-parallel group's processes take GPU LOCAL_RANK as they join it (parallel/group.py).
-    if found.local_rank >= 0 and job.device in ("auto", "cuda") and job.tp == 1:
+    if found.local_rank >= 0 and job.engine.device in ("auto", "cuda") and job.run.tp == 1:
         devices = cuda_devices()
         if devices > 1:  # one visible GPU: the launcher gave this process its own
             if found.local_rank >= devices:
@@ -131,4 +131,8 @@ def apply_env_shard(
             device = f"cuda:{found.local_rank}"
             line += f"; device {device} from LOCAL_RANK={found.local_rank}"
     print(line, file=log or sys.stderr)
-    return dataclasses.replace(job, shard=shard, device=device)
+    return dataclasses.replace(
+        job,
+        run=dataclasses.replace(job.run, shard=shard),
+        engine=dataclasses.replace(job.engine, device=device),
+    )

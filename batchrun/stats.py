@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import batchrun
-from batchrun.engine.request import round_tokens
+from batchrun.engine.core.requests import round_tokens
 
 # The output columns statistics are computed from.
 STATS_COLUMNS = [

@@ -20,7 +20,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.engine.request import round_tokens
+from batchrun.engine.core.requests import round_tokens
 from batchrun.errors import JobError
 from batchrun.io.output_dir import SUCCESS_FILE, OutputDir
 from batchrun.io.output_schema import output_fields

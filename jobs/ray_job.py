@@ -21,9 +21,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from batchrun.config.job import load_job
 from batchrun.errors import JobError
-from batchrun.job import load_job
-from batchrun.ray.run import run_job_ray
+from batchrun.runners.ray.run import run_job_ray
 
 DEMO_JOB = Path(__file__).resolve().parent / "demo.toml"
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"batchrun: {stats['rows']} rows ({stats['ok_rows']} ok, {stats['error_rows']} errors), "
         f"{stats['completion_tokens']} completion tokens, {stats['ray']['replicas']} replicas "
-        f"-> {job.output}"
+        f"-> {job.output.directory}"
     )
     return 0
 

@@ -18,11 +18,10 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU only in Triton's interpreter, chosen when triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dflash_reference import one_thread as single_thread  # noqa: E402
-from dflash_train import TARGET_SHAPE  # noqa: E402
-
 from batchrun.tools.bpe import build_tokenizer  # noqa: E402
 from batchrun.tools.tiny import make_tiny_model  # noqa: E402
+from tests.helpers.dflash_reference import one_thread as single_thread  # noqa: E402
+from tests.helpers.dflash_train import TARGET_SHAPE  # noqa: E402
 
 TOKENIZER_VOCAB = 1024
 # A smaller corpus than the default keeps the session's one training run around a second.

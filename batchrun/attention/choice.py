@@ -113,8 +113,9 @@ def _forward_ms(
     shape = (num_pages, w.page_size, w.num_kv_heads, w.head_dim)
     k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     v_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-    q = torch.randn(batch * q_len, w.num_heads, w.head_dim, generator=gen, device=device,
-                    dtype=dtype)  # fmt: skip
+    q = torch.randn(
+        batch * q_len, w.num_heads, w.head_dim, generator=gen, device=device, dtype=dtype
+    )
     table = torch.randperm(num_pages, generator=gen, device=device).view(batch, pages_each)
     meta = AttentionMeta(
         positions=(torch.arange(q_len, device=device) + w.context).repeat(batch),

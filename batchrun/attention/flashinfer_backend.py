@@ -177,11 +177,11 @@ class FlashInferAttention:
             buffers = {
                 "qo_indptr_buf": torch.zeros(n + 1, dtype=torch.int32, device=self.device),
                 "paged_kv_indptr_buf": torch.zeros(n + 1, dtype=torch.int32, device=self.device),
-                "paged_kv_indices_buf": torch.zeros(n * pages, dtype=torch.int32,
-                                                    device=self.device),
-                "paged_kv_last_page_len_buf": torch.zeros(n, dtype=torch.int32,
-                                                          device=self.device),
-            }  # fmt: skip
+                "paged_kv_indices_buf": torch.zeros(
+                    n * pages, dtype=torch.int32, device=self.device
+                ),
+                "paged_kv_last_page_len_buf": torch.zeros(n, dtype=torch.int32, device=self.device),
+            }
             wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, **buffers
             )
@@ -241,9 +241,16 @@ class FlashInferAttention:
         if k_cache.dtype == FP8:
             raise ValueError("the flashinfer backend reads no FP8 KV cache")
         params = Params(
-            q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], q.dtype, k_cache.dtype,
-            scale, self.causal, self.window_left,
-        )  # fmt: skip
+            q.shape[1],
+            k_cache.shape[2],
+            q.shape[2],
+            k_cache.shape[1],
+            q.dtype,
+            k_cache.dtype,
+            scale,
+            self.causal,
+            self.window_left,
+        )
         if self._bound is not None:
             return self._attend_graph(self._bound, params, q, k_cache, v_cache)
         plan = self.paged
@@ -282,11 +289,21 @@ class FlashInferAttention:
 
 def _plan(wrapper: Any, plan: PagedPlan, params: Params) -> None:
     wrapper.plan(
-        plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len,
-        params.num_heads, params.num_kv_heads, params.head_dim, params.page_size,
-        causal=params.causal, pos_encoding_mode="NONE", sm_scale=params.scale,
-        window_left=params.window_left, q_data_type=params.q_dtype, kv_data_type=params.kv_dtype,
-    )  # fmt: skip
+        plan.qo_indptr,
+        plan.kv_indptr,
+        plan.kv_indices,
+        plan.last_page_len,
+        params.num_heads,
+        params.num_kv_heads,
+        params.head_dim,
+        params.page_size,
+        causal=params.causal,
+        pos_encoding_mode="NONE",
+        sm_scale=params.scale,
+        window_left=params.window_left,
+        q_data_type=params.q_dtype,
+        kv_data_type=params.kv_dtype,
+    )
 
 
 def _pages(num_tokens: int, page_size: int) -> int:

@@ -112,8 +112,18 @@ class TritonAttention:
         first, end = requests.start or 0, requests.stop
         cu_q = meta.cu_q[first : end + 1 if end is not None else None]
         return paged_attention(
-            q, k_cache, v_cache, cu_q, meta.kv_lens[first:end], meta.page_table[first:end],
-            scale=scale, causal=meta.causal, max_q=max_q, window=meta.window, out=out,
-            num_splits=splits, workspace=self.workspace if splits > 1 else None,
+            q,
+            k_cache,
+            v_cache,
+            cu_q,
+            meta.kv_lens[first:end],
+            meta.page_table[first:end],
+            scale=scale,
+            causal=meta.causal,
+            max_q=max_q,
+            window=meta.window,
+            out=out,
+            num_splits=splits,
+            workspace=self.workspace if splits > 1 else None,
             kv_scale=kv_scale,
-        )  # fmt: skip
+        )

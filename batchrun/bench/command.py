@@ -238,8 +238,11 @@ def bench(out: Path | None, **opts: Any) -> None:
         from batchrun.bench.fp8_gemm import sweep_fp8_gemm
         from batchrun.bench.shapes import shape_from_flags
 
-        shape = shape_from_flags(opts["shape"], hidden_size=opts["hidden_size"],
-                                 intermediate_size=opts["intermediate_size"])  # fmt: skip
+        shape = shape_from_flags(
+            opts["shape"],
+            hidden_size=opts["hidden_size"],
+            intermediate_size=opts["intermediate_size"],
+        )
         result, leads = sweep_fp8_gemm(shape, _ints(opts["batch_sizes"])), True
     else:
         result, leads = _sweep(opts, write) if opts["shape"] else (_end_to_end(opts), True)
@@ -253,8 +256,16 @@ def _relaunch(tp: int) -> int:
     """This command again, as tp torchrun processes on this host; their exit status."""
     import subprocess
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={tp}", "-m", "batchrun.cli", *sys.argv[1:]]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={tp}",
+        "-m",
+        "batchrun.cli",
+        *sys.argv[1:],
+    ]
     return subprocess.call(command)
 
 

@@ -18,8 +18,9 @@ import torch
 from batchrun.bench.prompts import workload
 from batchrun.bench.steady import profile_point, sync
 from batchrun.engine.config import EngineConfig
+from batchrun.engine.core.requests import Request, row_seed, sample_seed
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import Request, SamplingParams, row_seed, sample_seed
+from batchrun.sampling.params import SamplingParams
 
 
 def run_engine(
@@ -41,8 +42,8 @@ def run_engine(
     sync(engine.device)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     finished.sort(key=lambda r: (r.row_index, r.sample_index))
-    tokens = sum(len(r.output_ids) for r in finished)
-    rounds = sum(r.spec_rounds for r in finished)
+    tokens = sum(len(r.output.token_ids) for r in finished)
+    rounds = sum(r.output.spec_rounds for r in finished)
     result: dict[str, Any] = {
         "wall_seconds": wall,
         "cpu_seconds": cpu,  # this process's CPU time: on a shared CPU, steadier than wall
@@ -50,7 +51,7 @@ def run_engine(
         "output_tokens_per_second": tokens / wall,
         "prompt_tokens_per_second": sum(len(r.prompt_ids) for r in requests) / wall,
         "steps": steps,
-        "outputs": [r.output_ids for r in finished],
+        "outputs": [r.output.token_ids for r in finished],
     }
     if engine.block_size:
         result["acceptance_length"] = (tokens - len(finished)) / rounds if rounds else None
@@ -89,9 +90,12 @@ def run_hf_generate(
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-            do_sample=False, pad_token_id=0,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     sync(device)
     wall = time.perf_counter() - start
     eos = model.generation_config.eos_token_id

@@ -36,17 +36,31 @@ def projections(s: Qwen3Shape) -> dict[str, tuple[int, int]]:
 def candidate_tiles(m: int, n: int, k: int) -> list[Tile]:
     default = tile_for(m, n, k, BLOCK[1])
     if m <= 16:
-        others = [Tile(16, bn, split, 4, stages) for bn in (64, 128)
-                  for split in (1, 2, 4, 8, 16) for stages in (3, 4)]  # fmt: skip
+        others = [
+            Tile(16, bn, split, 4, stages)
+            for bn in (64, 128)
+            for split in (1, 2, 4, 8, 16)
+            for stages in (3, 4)
+        ]
     elif m <= 256:
-        others = [Tile(bm, bn, split, warps, stages, ahead=True)
-                  for bm in (32, 64, 128) for bn in (64, 128) for split in (1, 2, 4)
-                  for warps, stages in ((4, 3), (4, 4), (8, 3)) if bm <= max(32, m)]  # fmt: skip
+        others = [
+            Tile(bm, bn, split, warps, stages, ahead=True)
+            for bm in (32, 64, 128)
+            for bn in (64, 128)
+            for split in (1, 2, 4)
+            for warps, stages in ((4, 3), (4, 4), (8, 3))
+            if bm <= max(32, m)
+        ]
         others.append(Tile(64, 128, 1, 4, 4))  # activations quantized in the loop
     else:
-        others = [Tile(128, 128, 1, 8, 3, True), Tile(128, 128, 1, 8, 4, True),
-                  Tile(128, 64, 1, 4, 4, True), Tile(64, 128, 1, 4, 4, True),
-                  Tile(128, 256, 1, 8, 3, True), Tile(128, 128, 1, 8, 4)]  # fmt: skip
+        others = [
+            Tile(128, 128, 1, 8, 3, True),
+            Tile(128, 128, 1, 8, 4, True),
+            Tile(128, 64, 1, 4, 4, True),
+            Tile(64, 128, 1, 4, 4, True),
+            Tile(128, 256, 1, 8, 3, True),
+            Tile(128, 128, 1, 8, 4),
+        ]
     return [default] + [t for t in others if t != default]
 
 
@@ -115,14 +129,21 @@ def _time_projection(n: int, k: int, batches: tuple[int, ...]) -> list[dict[str,
             graph_ms(lambda i, x=x: cublas_matmul(x, w8[i % COPIES], scale)) if cublas else None
         )
         layer_ms = graph_ms(lambda i, x=x: matmul(x, w8[i % COPIES], scale, BLOCK))
-        rows.append({
-            "n": n, "k": k, "m": m, "bf16_ms": bf16_ms,
-            "fp8_default_ms": tiles[default], "default_tile": default,
-            "fp8_best_ms": tiles[best], "best_tile": best,
-            "fp8_over_bf16": tiles[default] / bf16_ms,
-            "cublas_blockwise_ms": cublas_ms,
-            "fp8_linear_ms": layer_ms,  # the path Fp8Linear takes at this size
-            "fp8_linear_over_bf16": layer_ms / bf16_ms,
-            "tiles_ms": tiles,
-        })  # fmt: skip
+        rows.append(
+            {
+                "n": n,
+                "k": k,
+                "m": m,
+                "bf16_ms": bf16_ms,
+                "fp8_default_ms": tiles[default],
+                "default_tile": default,
+                "fp8_best_ms": tiles[best],
+                "best_tile": best,
+                "fp8_over_bf16": tiles[default] / bf16_ms,
+                "cublas_blockwise_ms": cublas_ms,
+                "fp8_linear_ms": layer_ms,  # the path Fp8Linear takes at this size
+                "fp8_linear_over_bf16": layer_ms / bf16_ms,
+                "tiles_ms": tiles,
+            }
+        )
     return rows

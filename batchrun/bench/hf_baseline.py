@@ -20,9 +20,14 @@ def _generate_seconds(model: Any, ids: torch.Tensor, new_tokens: int, static_cac
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
     if ids.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - start

@@ -25,16 +25,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from batchrun.bench.hooks import BenchHooks, installed
 from batchrun.bench.oracle import AcceptanceOracle
 from batchrun.bench.roofline import job_bound, measure_ceilings
 from batchrun.bench.scratch_models import write_scratch_models
 from batchrun.bench.shapes import DRAFT_LAYERS
 from batchrun.bench.workloads import Workload
+from batchrun.config.job import JobSpec, load_job
 from batchrun.engine.engine import Engine
 from batchrun.engine.heap import collect_everything
-from batchrun.job import JobSpec, load_job
 from batchrun.models.qwen3 import Qwen3Shape
-from batchrun.pipeline import run_job
+from batchrun.runners.local import run_job
 
 ORACLE_LABEL = (
     "benchmark-only acceptance oracle: the draft's forward runs, then its proposals are the "
@@ -167,7 +168,9 @@ class _Mode:
                 job = _job(self.plan, self.target, self.draft, self.mode, w, self.inputs, name)
                 if i == 0:
                     warm = replace(
-                        job, input=str(self.inputs[w.name][2]), output=job.output + "-warm"
+                        job,
+                        input=replace(job.input, path=str(self.inputs[w.name][2])),
+                        output=replace(job.output, directory=job.output.directory + "-warm"),
                     )
                     _run(self.engine, warm, w.batch, None)
                 oracle = None
@@ -181,7 +184,7 @@ class _Mode:
                 else:
                     stats = _run(self.engine, job, w.batch, oracle)
                 if self.mode == "none":  # a constrained workload's oracle replays "json"
-                    continuations[w.name] = outputs(Path(job.output))
+                    continuations[w.name] = outputs(Path(job.output.directory))
                 run = _figures(stats, entry.get("bound"))
                 if tau is not None:
                     run |= {"oracle": True, "designed_tau": tau}
@@ -246,11 +249,8 @@ def _run(
     engine: Engine, job: JobSpec, batch: int, oracle: AcceptanceOracle | None
 ) -> dict[str, Any]:
     engine.new_job(max_batch_size=batch)
-    engine.speculator.oracle = oracle
-    try:
+    with installed(engine.speculator, BenchHooks(oracle=oracle)):
         return run_job(job, engine=engine)
-    finally:
-        engine.speculator.oracle = None
 
 
 def _profiled(

@@ -11,11 +11,13 @@ fall below the design. The benchmark reports both."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from batchrun.bench.sweep import geometric_acceptance
-from batchrun.engine.request import Request
-from batchrun.engine.transfers import to_device
+from batchrun.device import to_device
+from batchrun.spec_decode.base import Admitted
 
 
 class AcceptanceOracle:
@@ -39,7 +41,7 @@ class AcceptanceOracle:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.offsets = torch.arange(block_size - 1, device=device)
 
-    def admit(self, requests: list[Request], slots: torch.Tensor) -> None:
+    def admit(self, requests: Sequence[Admitted], slots: torch.Tensor) -> None:
         rows = torch.zeros(len(requests), self.table.shape[1], dtype=torch.int64)
         for i, req in enumerate(requests):
             tokens = self.continuations.get(req.row_index, [])

@@ -33,11 +33,14 @@ def bench_penalties(
     model = random_target(shape, dtype, device)
     max_len = context + 4 * steps + 64
     config = EngineConfig(
-        target=Path(f"random-{shape_name}"), device=str(device),
-        dtype=str(dtype).removeprefix("torch."), cuda_graphs=cuda_graphs,
-        max_batch_size=max(batch_sizes), max_batched_tokens=max(8192, max(batch_sizes)),
+        target=Path(f"random-{shape_name}"),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        cuda_graphs=cuda_graphs,
+        max_batch_size=max(batch_sizes),
+        max_batched_tokens=max(8192, max(batch_sizes)),
         max_model_len=max_len,
-    )  # fmt: skip
+    )
     pages = max(batch_sizes) * (-(-max_len // config.page_size) + 2)
     engine = Engine(config, models=Models(model, None), num_pages=pages)
     points = []

@@ -78,32 +78,43 @@ def write_target(
     eos = eos_id(shape.vocab_size)
     name = _dtype_name(dtype)
     common: dict[str, Any] = dict(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim, rms_norm_eps=shape.rms_norm_eps,
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        rms_norm_eps=shape.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
         max_position_embeddings=shape.max_position_embeddings,
         tie_word_embeddings=shape.tie_word_embeddings,
-        eos_token_id=eos, pad_token_id=eos, dtype=name,
-    )  # fmt: skip
+        eos_token_id=eos,
+        pad_token_id=eos,
+        dtype=name,
+    )
     if shape.num_experts:
         config: Qwen3Config | Qwen3MoeConfig = Qwen3MoeConfig(
-            **common, num_experts=shape.num_experts,
+            **common,
+            num_experts=shape.num_experts,
             num_experts_per_tok=shape.num_experts_per_tok,
             moe_intermediate_size=shape.moe_intermediate_size,
-            norm_topk_prob=shape.norm_topk_prob, decoder_sparse_step=shape.decoder_sparse_step,
-            mlp_only_layers=list(shape.mlp_only_layers), architectures=["Qwen3MoeForCausalLM"],
-        )  # fmt: skip
+            norm_topk_prob=shape.norm_topk_prob,
+            decoder_sparse_step=shape.decoder_sparse_step,
+            mlp_only_layers=list(shape.mlp_only_layers),
+            architectures=["Qwen3MoeForCausalLM"],
+        )
     else:
         config = Qwen3Config(**common, architectures=["Qwen3ForCausalLM"])
     config.save_pretrained(str(out))
     if shape.fp8 is not None:  # as Qwen's -FP8 checkpoints say it
         written = json.loads((out / "config.json").read_text())
         written["quantization_config"] = {
-            "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
             "weight_block_size": list(shape.fp8.block) if shape.fp8.block else None,
-        }  # fmt: skip
+        }
         (out / "config.json").write_text(json.dumps(written, indent=2))
     GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(out))
     write_tokenizer(out, shape.vocab_size, eos)
@@ -193,9 +204,12 @@ def write_scratch_models(
     root = Path(root)
     target_dir, draft_dir = root / "target", root / "draft"
     target_key = {
-        "shape": asdict(shape), "dtype": _dtype_name(dtype), "seed": 0, "echo": echo,
+        "shape": asdict(shape),
+        "dtype": _dtype_name(dtype),
+        "seed": 0,
+        "echo": echo,
         "tokenizer": "bytes",  # a directory with the earlier word-level tokenizer is rewritten
-    }  # fmt: skip
+    }
     _reuse_or_write(
         target_dir, target_key, lambda: write_target(target_dir, shape, dtype, device, echo=echo)
     )

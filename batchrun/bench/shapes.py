@@ -19,28 +19,50 @@ from batchrun.models.qwen3_sharding import TensorParallelQwen3
 from batchrun.parallel.group import TensorParallel
 
 _QWEN3 = dict(
-    vocab_size=151936, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+    vocab_size=151936,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
     max_position_embeddings=40960,
-)  # fmt: skip
+)
 SHAPES = {
     "qwen3-4b": Qwen3Shape(
-        hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
-        tie_word_embeddings=True, **_QWEN3,  # type: ignore[arg-type]
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_layers=36,
+        num_heads=32,
+        tie_word_embeddings=True,
+        **_QWEN3,  # type: ignore[arg-type]
     ),
     "qwen3-8b": Qwen3Shape(
-        hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-        tie_word_embeddings=False, **_QWEN3,  # type: ignore[arg-type]
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        tie_word_embeddings=False,
+        **_QWEN3,  # type: ignore[arg-type]
     ),
     "qwen3-32b": Qwen3Shape(
-        hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
-        tie_word_embeddings=False, **_QWEN3,  # type: ignore[arg-type]
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_layers=64,
+        num_heads=64,
+        tie_word_embeddings=False,
+        **_QWEN3,  # type: ignore[arg-type]
     ),
     "qwen3-30b-a3b": Qwen3Shape(
-        hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
-        tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=768, **{**_QWEN3, "num_kv_heads": 4},  # type: ignore[arg-type]
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        tie_word_embeddings=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        **{**_QWEN3, "num_kv_heads": 4},  # type: ignore[arg-type]
     ),
-}  # fmt: skip
+}
 DRAFT_LAYERS = 5  # z-lab's Qwen3 DFlash drafts: 5 layers, block 16
 DRAFT_BLOCK = 16
 
@@ -134,14 +156,18 @@ def hf_twin(model: Qwen3ForCausalLM) -> torch.nn.Module:
 
     s = model.shape
     config = Qwen3Config(
-        vocab_size=s.vocab_size, hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size, num_hidden_layers=s.num_layers,
-        num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim,
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
         rms_norm_eps=s.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
         max_position_embeddings=s.max_position_embeddings,
         tie_word_embeddings=s.tie_word_embeddings,
-    )  # fmt: skip
+    )
     dtype = model.lm_head.weight.dtype
     with shapes_only():
         hf = HFQwen3(config)

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from batchrun.bench.prompts import random_prompts
+from batchrun.engine.core.requests import Request
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import Request, SamplingParams
+from batchrun.sampling.params import SamplingParams
 
 
 def sync(device: torch.device) -> None:
@@ -26,7 +27,7 @@ def start_decoding(engine: Engine, batch: int, context: int, **sampling: Any) ->
     reqs = [Request(i, p, params) for i, p in enumerate(prompts)]
     for req in reqs:
         engine.add(req)
-    while any(not r.output_ids for r in reqs):  # prefill, in chunks
+    while any(not r.output.token_ids for r in reqs):  # prefill, in chunks
         engine.step()
     for _ in range(2):
         engine.step()

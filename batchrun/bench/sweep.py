@@ -7,7 +7,7 @@ Random weights accept no draft, so DFlash throughput is projected: a round of wi
 expected_tokens(accept, w) tokens per request at a per-position acceptance profile (geometric
 ones at the given tau values, and optionally a real job's, from its stats.json), over the
 round's measured time. Full width is the block; adaptive is the width the engine's policy
-would pick from these costs (speculative/verify_width.py).
+would pick from these costs (spec_decode/dflash/width_policy.py).
 
 Each KV cache dtype asked for (auto, fp8) sweeps every backend with an engine of its own; an fp8
 run's points are labelled `<backend>-fp8kv` beside the backend's own (step_ms_by_backend), and
@@ -25,19 +25,20 @@ import torch
 
 from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.bench.hf_baseline import decode_ms_per_step
+from batchrun.bench.hooks import BenchHooks, installed
 from batchrun.bench.prompts import random_prompts
 from batchrun.bench.roofline import Ceilings, measure_ceilings, step_floor_ms
 from batchrun.bench.shapes import DRAFT_BLOCK, hf_twin, random_draft, random_target
 from batchrun.bench.steady import profile_point, start_decoding, sync
 from batchrun.engine.config import EngineConfig
+from batchrun.engine.core.requests import Request
 from batchrun.engine.engine import Engine
 from batchrun.engine.heap import collect_everything
-from batchrun.engine.request import Request
 from batchrun.engine.startup import Models
 from batchrun.errors import JobError
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.parallel.group import TensorParallel
-from batchrun.speculative.verify_width import best_width, expected_tokens
+from batchrun.spec_decode.dflash.width_policy import best_width, expected_tokens
 
 
 @dataclass(frozen=True)
@@ -72,26 +73,25 @@ def measure_point(engine: Engine, batch: int, context: int, steps: int) -> list[
     points = []
     speculator = engine.speculator
     for width in sorted(speculator.widths, reverse=True):
-        speculator.pinned_width = width
-        reqs = start_decoding(engine, batch, context)
-        point = {"batch": batch, "context": context, "width": width}
-        points.append(point | time_steps(engine, reqs, steps))
-        engine.abort_all()
-    speculator.pinned_width = None
+        with installed(speculator, BenchHooks(pinned_width=width)):
+            reqs = start_decoding(engine, batch, context)
+            point = {"batch": batch, "context": context, "width": width}
+            points.append(point | time_steps(engine, reqs, steps))
+            engine.abort_all()
     return points
 
 
 def time_steps(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
     engine.instruments.timer.reset(enabled=True)
     graphed = engine.runner.replays.total()
-    before = sum(len(r.output_ids) for r in reqs)
+    before = sum(len(r.output.token_ids) for r in reqs)
     sync(engine.device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync(engine.device)
     wall_ms = (time.perf_counter() - start) / steps * 1e3
-    committed = sum(len(r.output_ids) for r in reqs) - before
+    committed = sum(len(r.output.token_ids) for r in reqs) - before
     timing = engine.instruments.timer.reset(enabled=False)
     draft_ms, target_ms = _median(timing["draft_ms"]), _median(timing["target_ms"])
     return {
@@ -127,12 +127,17 @@ def run_sweep(
     element = model.lm_head.weight.element_size()
     for kv, backend in [(kv, b) for kv in plan.kv_cache_dtypes for b in plan.attention_backends]:
         config = EngineConfig(
-            target=Path(f"random-{plan.shape_name}"), device=str(device),
+            target=Path(f"random-{plan.shape_name}"),
+            device=str(device),
             dtype=str(plan.dtype).removeprefix("torch."),
-            attention_backend=backend, kv_cache_dtype=kv, cuda_graphs=plan.cuda_graphs,
-            max_batch_size=max_batch, max_batched_tokens=max(8192, max_batch * width),
-            max_model_len=max_len, verify_width="auto",
-        )  # fmt: skip
+            attention_backend=backend,
+            kv_cache_dtype=kv,
+            cuda_graphs=plan.cuda_graphs,
+            max_batch_size=max_batch,
+            max_batched_tokens=max(8192, max_batch * width),
+            max_model_len=max_len,
+            verify_width="auto",
+        )
         kv_element = kv_element_size(kv, element)
         for with_draft in [False, True] if draft is not None else [False]:
             models = Models(model, draft if with_draft else None)

@@ -76,26 +76,34 @@ def _log_uniform(rng: random.Random, low: int, high: int) -> int:
 
 # An extraction job's schema: a list of records that 256 tokens never finish, so a constrained
 # row generates as many tokens as the unconstrained one it is measured against.
-RECORDS_SCHEMA = json.dumps({
-    "type": "object",
-    "properties": {"items": {
-        "type": "array",
-        "minItems": 100,
-        "items": {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "minLength": 8, "maxLength": 24},
-                "price": {"type": "integer", "minimum": 0, "maximum": 9999},
-                "in_stock": {"type": "boolean"},
-                "tags": {"type": "array", "items": {"enum": ["new", "sale"]}, "maxItems": 3},
-            },
-            "required": ["name", "price", "in_stock", "tags"],
-            "additionalProperties": False,
+RECORDS_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": 100,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "minLength": 8, "maxLength": 24},
+                        "price": {"type": "integer", "minimum": 0, "maximum": 9999},
+                        "in_stock": {"type": "boolean"},
+                        "tags": {
+                            "type": "array",
+                            "items": {"enum": ["new", "sale"]},
+                            "maxItems": 3,
+                        },
+                    },
+                    "required": ["name", "price", "in_stock", "tags"],
+                    "additionalProperties": False,
+                },
+            }
         },
-    }},
-    "required": ["items"],
-    "additionalProperties": False,
-})  # fmt: skip
+        "required": ["items"],
+        "additionalProperties": False,
+    }
+)
 
 WORKLOADS = {
     w.name: w

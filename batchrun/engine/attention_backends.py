@@ -21,6 +21,10 @@ FLASHINFER_FP8_KV = (
     "attention backend 'flashinfer' does not read an fp8 KV cache; use --attention-backend "
     "triton (or auto) or --kv-cache-dtype auto"
 )
+TRITON_ON_CPU = (
+    "attention backend 'triton' runs on a CPU only in Triton's interpreter: set "
+    "TRITON_INTERPRET=1 before the process starts, or use --attention-backend torch"
+)
 FLASHINFER_NEEDS = (
     "attention backend 'flashinfer' needs a CUDA GPU and the flashinfer-python package "
     "(pip install 'batchrun[flashinfer]')"
@@ -30,16 +34,17 @@ FLASHINFER_NEEDS = (
 def backend_name(name: str, device: torch.device) -> str:
     """The backend `name` resolves to on `device`; JobError if it cannot run here. `auto` is
     Triton on a GPU (or flashinfer where it is installed and measures faster: `auto_candidates`)
-    and the torch reference on a CPU (where `triton` runs under Triton's interpreter, for tests).
+    and the torch reference on a CPU (where `triton` runs under Triton's interpreter, for tests:
+    the process chooses it before triton is first imported, as the CLI and the tests do).
     `flashinfer` runs on a CUDA GPU only; whether it is installed is checked here without
     importing it (its import is slow), the import itself when it is built."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
-        if device.type == "cpu":
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
         if not _has_triton():
             raise JobError("attention backend 'triton' needs the triton package")
+        if device.type == "cpu" and not triton_interpreted():
+            raise JobError(TRITON_ON_CPU)
     elif name == "flashinfer":
         if device.type != "cuda" or importlib.util.find_spec("flashinfer") is None:
             raise JobError(FLASHINFER_NEEDS)
@@ -76,6 +81,12 @@ def check_backend_kv(name: str, kv_cache_dtype: str) -> None:
     """JobError if backend `name` (resolved) cannot read a KV cache of kv_cache_dtype."""
     if name == "flashinfer" and kv_cache_dtype == "fp8":
         raise JobError(FLASHINFER_FP8_KV)
+
+
+def triton_interpreted() -> bool:
+    """Whether this process runs Triton kernels in Triton's interpreter (TRITON_INTERPRET, read
+    when triton is first imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _has_triton() -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from batchrun.engine.request import Request, Status
+from batchrun.engine.core.requests import Request, Status
 from batchrun.errors import JobError
 from batchrun.sampling.grammar import Grammars
 from batchrun.sampling.grammar_compile import CompileJob
@@ -59,7 +59,8 @@ class Compiling:
                     raise JobError(f"tensor-parallel ranks disagree on a grammar: {job.error}")
                 ready.append((req, job))
             else:
-                req.finish_reason, req.error, req.status = "error", str(state), Status.FINISHED
+                req.output.finish_reason, req.output.error = "error", str(state)
+                req.state.status = Status.FINISHED
                 failed.append(req)
         self.waiting = left
         return ready, failed

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from batchrun.errors import JobError
 from batchrun.sampling.grammar_compile import CompileBudget
-from batchrun.speculative.verify_width import candidate_widths
+from batchrun.spec_decode.dflash.width_policy import candidate_widths
 
 
 @dataclass(frozen=True)

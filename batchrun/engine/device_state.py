@@ -3,10 +3,11 @@
 The scheduler hands out slots as it hands out pages; a request keeps its slot until it
 finishes or is preempted. What a step needs about a request is read here on the device: its
 page table, how many tokens hold target KV (seq_len), its newest token (the next anchor), how
-many output tokens it has (the sampler's counter) and its sampling parameters. The host sends
-only what changes: a new request's row once, new pages as (slot, column, page) triples, and the
-step's own rows (engine/step_inputs.py). Every step's commit then updates the state on the device
-(`commit`), so the next step can be launched before the host has read this one's tokens.
+many output tokens it has (the sampler's counter) and, in `sampling`, its sampling parameters and
+logit controls (sampling/slot_tables.py). The host sends only what changes: a new request's row
+once, new pages as (slot, column, page) triples, and the step's own rows (engine/step_inputs.py).
+Every step's commit then updates the state on the device (`commit`), so the next step can be
+launched before the host has read this one's tokens.
 
 Slot `num_slots` is scratch: padded requests of a CUDA graph point at it.
 """
@@ -15,16 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from batchrun.engine.control_state import ControlState
-from batchrun.engine.request import Request
-from batchrun.engine.transfers import put
-from batchrun.sampling.sampler import SamplingBatch
+from batchrun.device import put
+from batchrun.engine.core.requests import Request
+from batchrun.sampling.slot_tables import SAMPLING_SLOT_BYTES, SlotTables
 
-
-def as_int64(value: int) -> int:
-    """A 64-bit seed (any integer, taken mod 2^64) as the int64 with the same bits."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
+# The int64 fields below, and the sampling tables': what a slot takes beside its page table.
+DEVICE_SLOT_BYTES = 3 * 8 + SAMPLING_SLOT_BYTES
 
 
 class DeviceState:
@@ -42,12 +39,7 @@ class DeviceState:
         self.seq_len = zeros(n)  # leading tokens whose target KV is written
         self.out_len = zeros(n)  # output tokens committed: the next one's sampling counter
         self.last_token = zeros(n)  # the newest token: the next decode/verify step's anchor
-        self.temperature = zeros(n, dtype=torch.float32)
-        self.top_p = torch.ones(n, dtype=torch.float32, device=device)
-        self.top_k = zeros(n)
-        self.seed = zeros(n)
-        self.min_p = zeros(n, dtype=torch.float32)
-        self.controls = ControlState(num_slots, vocab_size, device)  # penalties, bias, min_tokens
+        self.sampling = SlotTables(num_slots, vocab_size, device)
 
     # -- host -> device -----------------------------------------------------------------------
 
@@ -55,39 +47,19 @@ class DeviceState:
         """Fill the slots of requests that just took one (admitted, or resumed after a
         preemption: their KV is recomputed from the start, or from a cached prefix); returns
         those slots, on the device."""
-        slots = put([r.slot for r in reqs], torch.int64, self.device)
-        p = [r.params for r in reqs]
-        self.seq_len[slots] = put([r.num_cached for r in reqs], torch.int64, self.device)
-        self.out_len[slots] = put([len(r.output_ids) for r in reqs], torch.int64, self.device)
-        last = [r.output_ids[-1] if r.output_ids else 0 for r in reqs]
+        slots = put([r.state.slot for r in reqs], torch.int64, self.device)
+        self.seq_len[slots] = put([r.state.num_cached for r in reqs], torch.int64, self.device)
+        outputs = [r.output.token_ids for r in reqs]
+        self.out_len[slots] = put([len(ids) for ids in outputs], torch.int64, self.device)
+        last = [ids[-1] if ids else 0 for ids in outputs]
         self.last_token[slots] = put(last, torch.int64, self.device)
-        self.temperature[slots] = put([x.temperature for x in p], torch.float32, self.device)
-        self.top_p[slots] = put([x.top_p for x in p], torch.float32, self.device)
-        # A top_k of the vocabulary or more keeps every token, as 0 does.
-        top_k = [x.top_k if x.top_k < self.vocab_size else 0 for x in p]
-        self.top_k[slots] = put(top_k, torch.int64, self.device)
-        self.seed[slots] = put([as_int64(x.seed) for x in p], torch.int64, self.device)
-        self.min_p[slots] = put([x.min_p for x in p], torch.float32, self.device)
-        self.controls.admit(reqs, slots)
+        self.sampling.admit(reqs, slots)
         return slots
 
     def add_pages(self, updates: torch.Tensor) -> None:
         """updates [3, U] on the device: slot, column, page of each new page-table entry."""
         if updates.shape[1]:
             self.page_table[updates[0], updates[1]] = updates[2].to(torch.int32)
-
-    # -- device reads -------------------------------------------------------------------------
-
-    def sampling(self, slots: torch.Tensor, steps: torch.Tensor) -> SamplingBatch:
-        """The sampling parameters of rows owned by `slots`, drawing output token `steps`."""
-        return SamplingBatch(
-            temperature=self.temperature[slots],
-            top_p=self.top_p[slots],
-            top_k=self.top_k[slots],
-            seed=self.seed[slots],
-            step=steps,
-            min_p=self.min_p[slots],
-        )
 
     # -- the step's commit, on the device -----------------------------------------------------
 
@@ -119,7 +91,7 @@ class DeviceState:
         index = (d * width + chunk_sampled.cumsum(0) - 1).clamp(0, max(tokens.shape[0] - 1, 0))
         chunk_token = tokens[index] if tokens.shape[0] else last
         last = torch.where(chunk_sampled, chunk_token, last)
-        self.controls.commit(slots, post, accepted, chunk_token, chunk_sampled)
+        self.sampling.controls.commit(slots, post, accepted, chunk_token, chunk_sampled)
         self.seq_len.index_add_(0, slots, kv_rows)
         self.out_len.index_add_(0, slots, new_tokens)
         self.last_token.index_copy_(0, slots, last)

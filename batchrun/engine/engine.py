@@ -1,11 +1,13 @@
 """The engine: load the models, then step the continuous batch until every request finishes.
 
-A step, as `_launch` reads: the scheduler picks the requests and their rows (prefill chunks,
-decode rows, verify blocks); the speculator proposes drafts for the decoding ones (none at
-width 1: plain decoding is a verify round that drafts nothing, so both share one commit rule);
-the target runs over every row; its features go to the speculator; the sampled tokens, the
-drafts they accept and the commit into the per-slot device state are computed on the device, and
-one small copy per step brings back what was committed.
+A step, as `step` reads: the scheduler returns it as one `ScheduledStep` (core/step.py: the
+requests and their rows, prefill chunks, decode rows, verify blocks); the speculator proposes
+drafts for the decoding ones (none at width 1: plain decoding is a verify round that drafts
+nothing, so both share one commit rule); the target runs over every row; its features go to the
+speculator; the sampled tokens, the drafts they accept and the commit into the per-slot device
+state are computed on the device, and one small copy per step brings back what was committed,
+which the scheduler applies in one place (`Scheduler.update_from_output`: stop rules, token
+progress, statistics).
 
 Steps overlap: step N+1 is scheduled and launched before the host reads step N's tokens (its
 inputs come from the device state, which step N updates on the device), so the host's work of
@@ -19,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,20 +29,16 @@ from transformers import PreTrainedTokenizerBase
 
 from batchrun.device import resolve_device
 from batchrun.engine.compiling import Compiling
-from batchrun.engine.config import EngineConfig, check_batch_budget
+from batchrun.engine.config import EngineConfig, check_batch_budget, verify_widths
+from batchrun.engine.core.page_pool import PagePool
+from batchrun.engine.core.requests import Request, sample_requests
+from batchrun.engine.core.scheduler import Recorded, Scheduler
+from batchrun.engine.core.step import ScheduledStep, StepOutput
+from batchrun.engine.core.stopping import Stopper
 from batchrun.engine.heap import collect_everything, freeze_heap
 from batchrun.engine.in_flight import Forward, Launched, copy_to_host
 from batchrun.engine.instruments import Instruments, StepTimer
-from batchrun.engine.logprobs import (
-    ReadLogprobs,
-    asked_logprobs,
-    prompt_rows,
-)
 from batchrun.engine.model_runner import ModelRunner, RunnerSizes
-from batchrun.engine.page_pool import PagePool
-from batchrun.engine.request import Request, sample_requests
-from batchrun.engine.scheduler import Scheduled, Scheduler
-from batchrun.engine.speculator import make_speculator
 from batchrun.engine.startup import (
     Models,
     StartupClock,
@@ -48,20 +47,20 @@ from batchrun.engine.startup import (
     size_memory,
 )
 from batchrun.engine.step_inputs import plan_step, rows_sampled
-from batchrun.engine.step_sampling import (
-    SampledRows,
-    processed_logits,
-    sample_tokens,
-    score_tokens,
-)
-from batchrun.engine.stopping import Stopper
 from batchrun.errors import JobError
 from batchrun.layers.moe import fused_kernel
 from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.grammar import Grammars
 from batchrun.sampling.grammar_masks import StepMasks, build_masks
+from batchrun.sampling.logprobs import ReadLogprobs, prompt_rows
 from batchrun.sampling.row_grammar import RowGrammar
-from batchrun.speculative.acceptance import RoundTrace
+from batchrun.sampling.step_sampling import (
+    SampledRows,
+    processed_logits,
+    sample_tokens,
+    score_tokens,
+)
+from batchrun.spec_decode.dflash.speculator import DraftBackends, make_speculator
 
 
 class Engine:
@@ -96,10 +95,23 @@ class Engine:
         backend, self.backend_ms = choice.backend, choice.measured_ms
         clock.lap("choose_backend")
         sizes = RunnerSizes.of(config, self.num_pages, self.max_model_len, block)
-        self.runner = ModelRunner(
-            self.model, backend, sizes, self.device, kv_cache_dtype=config.kv_cache_dtype
+        speculate = partial(
+            make_speculator,
+            draft=draft,
+            backends=DraftBackends(backend, choice.window_backend),
+            widths=verify_widths(config.verify_width, block if draft is not None else None),
+            max_batch_size=config.max_batch_size,
+            tp=tp,
         )
-        self.speculator = make_speculator(draft, self.runner, choice, config, tp)
+        self.runner = ModelRunner(
+            self.model,
+            backend,
+            sizes,
+            self.device,
+            kv_cache_dtype=config.kv_cache_dtype,
+            speculate=speculate,
+        )
+        self.speculator = self.runner.speculator
         clock.lap("build_runner")
         # A MoE target's experts are graphed only fused (the reference reads routing on the host).
         graphable = backend.graphable and (not self.model.shape.num_experts or fused_kernel())
@@ -110,7 +122,8 @@ class Engine:
         self.prefix_caching = config.prefix_caching and config.prompt_logprobs is None
         self.built_batch_size = config.max_batch_size  # graphs and slots exist up to it
         self.stopper = Stopper(models.tokenizer, set(models.eos), self.max_model_len)
-        self.runner.state.controls.eos_ids = frozenset(models.eos)  # min_tokens masks them
+        # min_tokens masks the end-of-sequence ids.
+        self.runner.state.sampling.controls.eos_ids = frozenset(models.eos)
         self.instruments = Instruments(StepTimer(self.device))
         self._grammars: Grammars | None = None
         self._grammars_made = threading.Lock()  # the prefetch thread may ask for them first
@@ -148,14 +161,12 @@ class Engine:
             decode_width=speculator.block_size,
             min_width=speculator.widths[0],
             recompute_tail=tail,
+            recorded=Recorded(self.block_size, config.logprobs, config.prompt_logprobs),
         )
         speculator.start_job(config.max_batch_size, config.max_batched_tokens)
         self.compiling = Compiling(self.tp)  # constrained requests waiting for their grammar
         self.step_kinds: Counter[str] = Counter()  # prefill, mixed, decode -> steps
         self.step_seconds: dict[str, float] = {}  # the same kinds -> their pipeline periods
-        self.decode_forwards = 0  # decode/verify rounds of a request, over every step
-        self.decode_tokens = 0  # the tokens those rounds committed
-        self.prompt_tokens_computed = 0  # prefill chunks' rows (cached or shared ones are not)
         self._launched: Launched | None = None
         self._last_done: float | None = None  # when the host last read a step's results
 
@@ -182,16 +193,14 @@ class Engine:
             "kv_cache_dtype": str(self.runner.kv_caches[0][0].dtype).removeprefix("torch."),
             "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
             # What speculation buys: tokens a decoding request commits per target forward.
-            "tokens_per_target_forward": (
-                self.decode_tokens / self.decode_forwards if self.decode_forwards else None
-            ),
+            "tokens_per_target_forward": self.scheduler.tokens_per_round,
             "steps": dict(self.step_kinds),
             # Where the job's time went: each step's period (the time between its results and
             # the previous step's), summed by kind.
             "step_seconds": {k: round(v, 4) for k, v in self.step_seconds.items()},
             "cuda_graphs": bool(self.runner.target_graphs),
             "prefix_cache_hit_rate": self.pool.hit_rate,
-            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
             "startup_seconds": self.startup_seconds,
         } | self.speculator.info()
 
@@ -206,14 +215,8 @@ class Engine:
     def add(self, request: Request) -> None:
         """Queue the request's params.n samples (`sample_requests`): each finishes on its own.
         A constrained one waits for its grammar's compile (engine/compiling.py) apart."""
-        block = self.block_size
         for req in sample_requests(request):
-            if block and req.spec_hist is None:
-                req.spec_hist = [0] * block
-                req.spec_capped = [0] * block
-            if req.logprobs is None:
-                req.logprobs = asked_logprobs(self.config.logprobs, self.config.prompt_logprobs)
-            if req.params.constraint is not None and req.grammar is None:
+            if req.params.constraint is not None and req.output.grammar is None:
                 self.compiling.add(req, self.grammars.submit(req.params.constraint))
             else:
                 self.scheduler.add(req)
@@ -241,8 +244,7 @@ class Engine:
         for req, job in ready:
             matcher = self.grammars.matcher_of(job)
             think = self.stopper.think if req.params.reasoning else None
-            req.grammar = RowGrammar.of(matcher, think, req.prompt_ids)
-            self.scheduler.add(req)
+            self.scheduler.add(req, grammar=RowGrammar.of(matcher, think, req.prompt_ids))
         return failed
 
     def abort_all(self) -> None:
@@ -251,11 +253,7 @@ class Engine:
             self._launched.ready.synchronize()
         self._launched = self._last_done = None
         self.speculator.aborted()
-        for req in list(self.scheduler.running):
-            self.scheduler.finish(req)
-        for req in self.scheduler.waiting:  # preempted ones may hold no pages; fresh ones none
-            self.pool.release(req.pages)
-        self.scheduler.waiting.clear()
+        self.scheduler.abort_all()
         self.compiling.clear()
 
     # -- one step -----------------------------------------------------------------------------
@@ -267,8 +265,8 @@ class Engine:
         scheduler = self.scheduler
         failed = self._admit_compiled()
         width = self.speculator.next_width(len(scheduler.running), scheduler.prefill_pending)
-        batch = scheduler.schedule(width)
-        forward = self._forward(batch, width) if batch else None
+        scheduled = scheduler.schedule(width)
+        forward = self._forward(scheduled) if scheduled.items else None
         previous, self._launched = self._launched, None
         finished, masks = [], None
         if forward is not None and forward.constrained:
@@ -284,15 +282,16 @@ class Engine:
         return failed + finished
 
     @torch.inference_mode()
-    def _forward(self, batch: list[Scheduled], width: int) -> Forward:
+    def _forward(self, scheduled: ScheduledStep) -> Forward:
         """Launch the step's drafts and target forward."""
         runner, speculator = self.runner, self.speculator
+        batch, width = scheduled.items, scheduled.width
         started = time.perf_counter()
-        sampled = SampledRows(batch, [rows_sampled(it) for it in batch])
+        params = [it.req.params for it in batch]
+        sampled = SampledRows(params, [rows_sampled(it) for it in batch])
         decoding = all(it.decoding for it in batch)
-        self.prompt_tokens_computed += sum(it.num_new for it in batch if not it.decoding)
         pad_to = runner.graph_size(len(batch), width) if decoding else None
-        admitted = self.scheduler.admitted
+        admitted = scheduled.admitted
         if admitted:  # new slots' state, sent once
             speculator.admit(admitted, runner.state.admit(admitted))
         plan = plan_step(
@@ -301,21 +300,30 @@ class Engine:
         self.step_kinds[plan.kind] += 1
         prompt_k = self.config.prompt_logprobs
         prompt = prompt_rows(batch, prompt_k) if prompt_k is not None else None
-        self.scheduler.launched(batch)
-        epochs = [it.req.epoch for it in batch]
+        self.scheduler.launched(scheduled)
+        epochs = [it.req.state.epoch for it in batch]
         self.instruments.timer.mark()
         args = runner.load(plan)
-        drafts = speculator.propose(args, plan)
-        constrained = any(it.req.grammar is not None for it in batch)
+        drafts = speculator.propose(plan, args.slot)
+        constrained = any(it.req.output.grammar is not None for it in batch)
         # A constrained step's masks follow the drafts: they start for the host now.
         drafts_host = copy_to_host(drafts) if constrained and drafts is not None else None
         self.instruments.timer.mark()
         out = runner.target_step(args, plan, drafts)
         speculator.observe(out.features)
         return Forward(
-            batch, plan, sampled, epochs, args, out, drafts, constrained, drafts_host, prompt,
-            started,
-        )  # fmt: skip
+            batch=batch,
+            plan=plan,
+            sampled=sampled,
+            epochs=epochs,
+            args=args,
+            out=out,
+            drafts=drafts,
+            constrained=constrained,
+            drafts_host=drafts_host,
+            prompt=prompt,
+            started=started,
+        )
 
     @torch.inference_mode()
     def _sample(self, forward: Forward, masks: StepMasks | None) -> Launched:
@@ -323,13 +331,13 @@ class Engine:
         runner, speculator = self.runner, self.speculator
         plan, args, out, drafts = forward.plan, forward.args, forward.out, forward.drafts
         sampled, prompt, width = forward.sampled, forward.prompt, plan.width
-        state, d = runner.state, plan.num_decoding
-        logits = processed_logits(self.model, state, out, sampled, drafts, d, masks)
-        tokens = sample_tokens(self.model, state, out, sampled, logits)
+        tables, d = runner.state.sampling, plan.num_decoding
+        logits = processed_logits(self.model, tables, out, sampled, drafts, d, masks)
+        tokens = sample_tokens(self.model, tables, out, sampled, logits)
         scores = None
         if self.config.logprobs is not None or (prompt is not None and prompt.rows):
             k = self.config.logprobs
-            scores = score_tokens(self.model, state, out, sampled, tokens, k, prompt, logits)
+            scores = score_tokens(self.model, tables, out, sampled, tokens, k, prompt, logits)
         accepted = speculator.accept(drafts, tokens, plan)
         live = plan.num_live
         slots = args.slot[:live]
@@ -346,52 +354,42 @@ class Engine:
         seconds = None if ready is not None else time.perf_counter() - forward.started
         drafted = width - 1 if traced else 0
         return Launched(
-            forward.batch, plan, sampled, forward.epochs, host, ready, drafted, seconds, scores
+            batch=forward.batch,
+            plan=plan,
+            sampled=sampled,
+            epochs=forward.epochs,
+            host=host,
+            ready=ready,
+            num_drafts=drafted,
+            seconds=seconds,
+            logprobs=scores,
         )
 
     def _read_back(self, launched: Launched) -> list[Request]:
-        """Commit a launched step's tokens on the host: stop checks, outputs, finished ones."""
+        """Read a launched step's results back and have the scheduler apply them; returns the
+        requests it finished."""
         if launched.ready is not None:
             launched.ready.synchronize()
         values = launched.host.tolist()
         num_sampled = launched.sampled.total
         num_dec = launched.plan.num_decoding
-        post_all, values = values[:num_sampled], values[num_sampled:]
-        scores = ReadLogprobs(launched.logprobs) if launched.logprobs is not None else None
+        tokens, values = values[:num_sampled], values[num_sampled:]
         accepted, drafts = values[:num_dec], values[num_dec:]
         self._learn(launched, accepted)
-        d = launched.num_drafts
-        finished, pos, dec = [], 0, 0
-        items = zip(launched.batch, launched.sampled.counts, launched.epochs, strict=True)
-        for i, (it, k, epoch) in enumerate(items):
-            req = it.req
-            post = post_all[pos : pos + k]
-            pos += k
-            if it.decoding:
-                dec += 1
-            if req.epoch != epoch:  # finished or preempted since: this result is dropped
-                continue
-            before = len(req.output_ids)
-            if it.decoding:
-                self.scheduler.landed(it)
-                drafted = drafts[(dec - 1) * d : dec * d]
-                self._commit_round(req, post, accepted[dec - 1], drafted, launched.plan.width)
-            elif post:  # the first token, sampled from the prompt's last row
-                self.stopper.commit(req, post)
-            if scores is not None:  # the rows of the tokens kept (stop rules cut the rest)
-                scores.commit(req, i, pos - k, len(req.output_ids) - before)
-            if req.grammar is not None:  # the grammar follows the committed output
-                forced = len(self.stopper.think_end) if req.restart else 0
-                req.grammar.commit(req.output_ids[before:], forced)
-            if req.finish_reason:
-                self.scheduler.finish(req)
-                finished.append(req)
-            elif req.restart:  # forced tokens (a thinking budget): resume from them
-                req.restart = False
-                self.scheduler.restart(req)
-            else:
-                self.scheduler.keep(req)
-        return finished
+        output = StepOutput(
+            items=launched.batch,
+            epochs=launched.epochs,
+            counts=launched.sampled.counts,
+            tokens=tokens,
+            accepted=accepted,
+            drafts=drafts,
+            num_drafts=launched.num_drafts,
+            width=launched.plan.width,
+        )
+        scores = ReadLogprobs(launched.logprobs) if launched.logprobs is not None else None
+        return self.scheduler.update_from_output(
+            output, stopper=self.stopper, scores=scores, rounds=self.instruments.rounds
+        )
 
     def _learn(self, launched: Launched, accepted: list[int]) -> None:
         """A step's time, by kind, and what the speculator learns from it. On a GPU a step
@@ -403,24 +401,3 @@ class Engine:
         kind = launched.plan.kind
         self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
         self.speculator.learn(launched.plan, accepted, seconds)
-
-    def _commit_round(
-        self, req: Request, post: list[int], acc: int, drafts: list[int], width: int
-    ) -> None:
-        """Commits post[0 .. acc] (acc accepted drafts plus the target's own next token)."""
-        p, anchor = req.num_cached, req.output_ids[-1]
-        kept = self.stopper.commit(req, post[: acc + 1])
-        req.num_cached = p + acc + 1  # anchor .. d_acc now hold target KV; the bonus is next
-        self.decode_forwards += 1
-        self.decode_tokens += kept
-        if req.spec_hist is not None and req.spec_capped is not None:
-            if width > 1:  # a speculation round (width 1 is plain decoding: it drafts nothing)
-                req.spec_rounds += 1
-                req.spec_hist[kept - 1] += 1
-                if acc == width - 1 and kept == width:  # every draft it verified was accepted
-                    req.spec_capped[kept - 1] += 1
-            if self.instruments.rounds is not None:
-                committed = req.output_ids[len(req.output_ids) - kept :]
-                self.instruments.rounds.append(
-                    RoundTrace(req.row_index, p, anchor, drafts, committed)
-                )

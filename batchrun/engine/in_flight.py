@@ -7,20 +7,22 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.engine.logprobs import PromptRows, StepLogprobs
+from batchrun.device import to_host
+from batchrun.engine.core.step import Scheduled
 from batchrun.engine.model_runner import TargetOutput
-from batchrun.engine.scheduler import Scheduled
 from batchrun.engine.step_inputs import StepArgs, StepPlan
-from batchrun.engine.step_sampling import SampledRows
-from batchrun.engine.transfers import to_host
 from batchrun.sampling.grammar_masks import ConstrainedRows
+from batchrun.sampling.logprobs import PromptRows, StepLogprobs
+from batchrun.sampling.step_sampling import SampledRows
 
 HostCopy = tuple[torch.Tensor, torch.cuda.Event | None]  # values on their way, and when done
 
 
-@dataclass
+@dataclass(frozen=True)
 class Forward:
-    """A step whose forward is launched and whose rows are not sampled yet."""
+    """A step whose forward is launched and whose rows are not sampled yet. Invariants: batch,
+    sampled.counts and epochs run item by item; drafts (and drafts_host) exist only when the
+    step drafts, drafts_host only when it is constrained."""
 
     batch: list[Scheduled]
     plan: StepPlan
@@ -45,18 +47,20 @@ class Forward:
             drafts = host.tolist()
         requests, row, decoding = [], 0, 0
         for it, k, epoch in zip(self.batch, self.sampled.counts, self.epochs, strict=True):
-            req = it.req
-            if req.grammar is not None and k and req.epoch == epoch:  # else its result drops
+            grammar = it.req.output.grammar
+            if grammar is not None and k and it.req.state.epoch == epoch:  # else it drops
                 own = drafts[decoding] if it.decoding and drafts else []
-                requests.append(ConstrainedRows(req.grammar, row, k, own))
+                requests.append(ConstrainedRows(grammar, row, k, own))
             row += k
             decoding += it.decoding
         return requests
 
 
-@dataclass
+@dataclass(frozen=True)
 class Launched:
-    """A step on the GPU whose tokens the host has not read yet."""
+    """A step on the GPU whose tokens the host has not read yet (built by keyword, as
+    `Forward`); the host copy holds the sampled tokens, then one accepted count per decoding
+    item, then num_drafts drafts per decoding item."""
 
     batch: list[Scheduled]
     plan: StepPlan

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from batchrun.speculative.acceptance import RoundTrace
+from batchrun.spec_decode.acceptance import RoundTrace
 
 
 class StepTimer:

@@ -20,12 +20,14 @@ import torch
 
 from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.engine.config import EngineConfig, verify_widths
+from batchrun.engine.core.page_pool import pages_for
 from batchrun.engine.cuda_graphs import graph_rows, graph_sizes
-from batchrun.engine.model_runner import IN_FLIGHT_STEPS, step_in_size
-from batchrun.engine.page_pool import pages_for
+from batchrun.engine.device_state import DEVICE_SLOT_BYTES
+from batchrun.engine.step_inputs import IN_FLIGHT_STEPS, step_in_size
 from batchrun.errors import JobError
+from batchrun.models.block_attention import BlockAttention
 from batchrun.models.qwen3 import Qwen3Shape
-from batchrun.speculative.sliding_window import BlockAttention, ring_pages
+from batchrun.spec_decode.dflash.rings import ring_pages
 
 CPU_KV_BUDGET_BYTES = 2 << 30
 
@@ -182,10 +184,10 @@ def graph_outputs_bytes(
 
 # -- batch limits against the device's memory, before any weights load -------------------------
 
-# A DeviceState slot: its page-table row (int32 per page), five int64 fields (seq_len, out_len,
-# last_token, top_k, seed) and two float32 ones (temperature, top_p); a draft's context two more
-# int64 (speculative/drafter.py's DraftContext), counted for every job.
-_STATE_SLOT_BYTES = 7 * 8 + 2 * 4
+# A slot of the per-request device state beside its page-table row (int32 per page): the
+# DeviceState's fields with the sampling tables, and a draft's context (two int64, the
+# DraftContext of spec_decode/dflash/inputs.py), counted for every job.
+PER_SLOT_BYTES = DEVICE_SLOT_BYTES + 2 * 8
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -223,7 +225,7 @@ class BatchFootprint:
         slots, tokens = max_batch_size, max_batched_tokens
         # The engine refuses a context below 2 tokens: every page table holds this many pages.
         max_pages = pages_for(2 + IN_FLIGHT_STEPS * self.width, self.page_size)
-        buffers = (slots + 1) * (4 * max_pages + _STATE_SLOT_BYTES)
+        buffers = (slots + 1) * (4 * max_pages + PER_SLOT_BYTES)
         buffers += 8 * step_in_size(slots, tokens, max_pages)
         buffers += 8 * slots * max(self.width - 1, 1)  # the drafted tokens
         if self.draft is not None and self.ring_pages:
@@ -265,15 +267,23 @@ def check_batch_memory(
     token_part = footprint.bytes(1, max_batched_tokens) - smallest
     if token_part > batch_part:
         key, value, other, other_value, other_least = (
-            "max_batched_tokens", max_batched_tokens, "max_batch_size", max_batch_size, 1
-        )  # fmt: skip
+            "max_batched_tokens",
+            max_batched_tokens,
+            "max_batch_size",
+            max_batch_size,
+            1,
+        )
 
         def fits(n: int, o: int) -> bool:
             return footprint.bytes(o, n) <= available
     else:
         key, value, other, other_value, other_least = (
-            "max_batch_size", max_batch_size, "max_batched_tokens", max_batched_tokens, least
-        )  # fmt: skip
+            "max_batch_size",
+            max_batch_size,
+            "max_batched_tokens",
+            max_batched_tokens,
+            least,
+        )
 
         def fits(n: int, o: int) -> bool:
             return footprint.bytes(n, o) <= available

@@ -1,46 +1,44 @@
 """The model runner: owns the target model, its paged KV pool, the per-slot device state, the
 attention backend and the target's CUDA graphs, and runs the target's forward of a step.
 
-A step arrives as one packed host array (engine/step_inputs.py), copied once into a persistent
-device buffer; everything else is built on the device from it and the slots' state. A step in
-which every request decodes (W rows each: its anchor, then W - 1 drafts) replays a CUDA graph
-captured for its width and the smallest batch size that holds it, input building included; any
-other step (prefill chunks mixed in) runs the same code eagerly. What drafting needs happens in
-the engine's speculator (engine/speculator.py), which the forward hands the features of rows it
-commits.
+A step arrives as one packed host array (its layout: engine/step_inputs.py), copied once into a
+persistent device buffer; everything else is built on the device from it and the slots' state.
+A step in which every request decodes (W rows each: its anchor, then W - 1 drafts) replays a CUDA
+graph captured for its width and the smallest batch size that holds it, input building included;
+any other step (prefill chunks mixed in) runs the same code eagerly. What drafting needs happens
+in the speculator the runner builds (spec_decode/), handing it a view of the target; the forward
+hands it the features of rows it commits.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, cast
 
 import torch
 
-from batchrun.attention.base import AttentionBackend, GraphShape, HostPlanned
+from batchrun.attention.base import AttentionBackend
 from batchrun.attention.kv_dtype import FP8, kv_dtype, kv_scales
 from batchrun.attention.meta import AttentionMeta, allocate_kv
+from batchrun.device import staged
 from batchrun.engine.config import EngineConfig
-from batchrun.engine.cuda_graphs import GraphSet, graph_rows, graph_sizes
+from batchrun.engine.core.page_pool import pages_for
+from batchrun.engine.cuda_graphs import GraphHost, GraphSet, graph_rows
 from batchrun.engine.device_state import DeviceState
-from batchrun.engine.page_pool import pages_for
-from batchrun.engine.speculator import Speculator
 from batchrun.engine.step_inputs import (
+    IN_FLIGHT_STEPS,
     StepArgs,
     StepPlan,
     TargetInputs,
+    graph_step_args,
     step_args,
+    step_in_size,
     target_inputs,
 )
-from batchrun.engine.transfers import staged
 from batchrun.layers.attention import PagedAttention
 from batchrun.models.qwen3 import Qwen3ForCausalLM
-
-IN_FLIGHT_STEPS = 2  # a request's pages cover the step being read back and the one launched
+from batchrun.spec_decode.base import Speculator, TargetView
 
 
 @dataclass(frozen=True)
@@ -83,14 +81,14 @@ class ModelRunner:
         sizes: RunnerSizes,
         device: torch.device,
         kv_cache_dtype: str = "auto",
+        speculate: Callable[[TargetView], Speculator] | None = None,
     ) -> None:
-        """kv_cache_dtype: the pool's, auto (the model dtype) or fp8 (attention/kv_dtype.py)."""
+        """kv_cache_dtype: the pool's, auto (the model dtype) or fp8 (attention/kv_dtype.py);
+        speculate: builds the speculator from a view of the target (None: plain decoding)."""
         s = model.shape
         self.model, self.backend, self.device = model, backend, device
         self.page_size, self.num_pages = sizes.page_size, sizes.num_pages
         self.max_batched_tokens = sizes.max_batched_tokens
-        # The drafter, if any (the engine sets it: it needs this runner's state and buffers).
-        self.speculator = Speculator()
         pool = (sizes.num_pages, sizes.page_size, s.num_kv_heads, s.head_dim)
         dtype = kv_dtype(kv_cache_dtype, model.lm_head.weight.dtype)
         self.kv_caches = allocate_kv(s.num_layers, *pool, dtype, device)
@@ -103,9 +101,27 @@ class ModelRunner:
         self.state = DeviceState(sizes.max_batch_size, max_pages, s.vocab_size, device)
         words = step_in_size(sizes.max_batch_size, sizes.max_batched_tokens, max_pages)
         self.step_in = torch.zeros(words, dtype=torch.int64, device=device)
+        self.graph_host = GraphHost(
+            self.step_in,
+            scratch_slot=self.state.num_slots,
+            max_kv=self.max_kv,
+            page_size=self.page_size,
+            max_batched_tokens=self.max_batched_tokens,
+        )
+        self.replays = self.graph_host.replays  # (graph set, batch size) -> replays
         self.target_graphs: dict[int, GraphSet] = {}  # verify width -> its graphs
         self.graph_logits: torch.Tensor | None = None  # every target graph's logits, [rows, V]
-        self.replays: Counter[tuple[str, int]] = Counter()  # (graph set, batch size) -> replays
+        view = TargetView(
+            model=model,
+            state=self.state,
+            device=device,
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            max_kv=self.max_kv,
+            max_pages=max_pages,
+            graphs=self.graph_host,
+        )
+        self.speculator = speculate(view) if speculate is not None else Speculator()
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
@@ -118,63 +134,19 @@ class ModelRunner:
         vocab = self.model.lm_head.weight.shape[0]  # a tensor-parallel rank's: its slice
         self.graph_logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
         for width in sorted(widths, reverse=True):
-            name = f"target{width}"
-            graphs = GraphSet(
-                name, partial(self._target_graph, width=width), self.clear, self.device
+            self.target_graphs[width] = self.graph_host.capture(
+                f"target{width}",
+                partial(self._target_graph, width=width),
+                self.graph_host.sizes(max_batch_size, width),
+                ([self.backend], width),
+                pool,
             )
-            sizes = graph_sizes(max_batch_size, width, self.max_batched_tokens)
-            graphs.capture(sizes, pool, self.capture_scope([self.backend], name, width))
-            self.target_graphs[width] = graphs
-        self.speculator.capture_graphs(max_batch_size, self.max_batched_tokens, pool)
-
-    def capture_scope(
-        self, backends: list[AttentionBackend], name: str, q_len: int
-    ) -> Callable[[int], AbstractContextManager[Any]] | None:
-        """The host-planned backends' scopes around a graph's capture (None: no such backend)."""
-        planned = _host_planned(backends)
-        if not planned:
-            return None
-
-        def scope(size: int) -> ExitStack:
-            stack = ExitStack()
-            shape = GraphShape(size, q_len, self.max_kv, self.page_size)
-            for backend in planned:
-                stack.enter_context(backend.capturing((name, size), shape))
-            return stack
-
-        return scope
-
-    def replay_scope(
-        self,
-        backends: list[AttentionBackend],
-        name: str,
-        size: int,
-        metas: Callable[[], list[AttentionMeta]],
-    ) -> AbstractContextManager[Any]:
-        """Host-planned backends plan a replay from the step's metas (one per backend, in
-        order), built eagerly by the same code the graph runs."""
-        stack = ExitStack()
-        planned = _host_planned(backends)
-        for backend, meta in zip(planned, metas() if planned else [], strict=True):
-            stack.enter_context(backend.replaying((name, size), meta))
-        return stack
+        self.speculator.capture_graphs(max_batch_size, pool)
 
     def graph_size(self, num_requests: int, width: int) -> int | None:
         """The graph size a step of num_requests decoding requests replays at (None: eager)."""
         graphs = self.target_graphs.get(width)
         return graphs.bucket(num_requests) if graphs is not None else None
-
-    def clear(self, size: int) -> None:
-        """A step of `size` padding requests (the state graphs are captured in)."""
-        head = self.step_in[: 4 * size].view(4, size)
-        head.zero_()
-        head[0] = self.state.num_slots
-
-    def head(self, size: int) -> StepArgs:
-        """A graph step's args: the packed step's request fields, for `size` requests."""
-        head = self.step_in[: 4 * size].view(4, size)
-        empty = self.step_in[:0]
-        return StepArgs(head[0], head[1], head[2], head[3], empty.view(3, 0), empty, None)
 
     # -- a step -------------------------------------------------------------------------------
 
@@ -194,12 +166,11 @@ class ModelRunner:
         the speculator reads."""
         width = plan.width
         graphs = self.target_graphs.get(width)
-        if plan.uniform and graphs is not None and plan.num_requests in graphs:
+        if graphs is not None and self.graph_host.replayable(graphs, plan):
             size = plan.num_requests
             metas = partial(self._graph_target_metas, size, width)
-            with self.replay_scope([self.backend], graphs.name, size, metas):
-                logits, row_slot, row_step, *captured = graphs.replay(size)
-            self.replays[graphs.name, size] += 1
+            replayed = self.graph_host.replay(graphs, size, [self.backend], metas)
+            logits, row_slot, row_step, *captured = replayed
             return TargetOutput(logits, row_slot, row_step, captured[0] if captured else None)
         chunks = plan.num_rows > plan.num_decoding * width
         inputs = target_inputs(
@@ -237,7 +208,7 @@ class ModelRunner:
 
     def _graph_target_inputs(self, size: int, width: int) -> TargetInputs:
         return target_inputs(
-            self.head(size),
+            graph_step_args(self.step_in, size),
             self.state,
             self.speculator.graph_drafts(size),
             num_rows=size * width,
@@ -269,14 +240,3 @@ def _bind_kv_scales(model: Qwen3ForCausalLM, scales: torch.Tensor | None) -> Non
     assert scales is None or len(layers) == scales.shape[0], "one attention per layer"
     for i, layer in enumerate(layers):
         layer.kv_scale = None if scales is None else scales[i]
-
-
-def _host_planned(backends: list[AttentionBackend]) -> list[HostPlanned]:
-    return [cast(HostPlanned, b) for b in backends if b.host_planned]
-
-
-def step_in_size(max_batch_size: int, max_batched_tokens: int, max_pages: int) -> int:
-    """The packed step's largest size: request fields, the page-table entries a step can add
-    (a request admitted onto a cached prefix receives a whole table at once, and each entry is
-    sent once), chunk ids and logit rows."""
-    return 4 * max_batch_size + 3 * max_batch_size * max_pages + 2 * max_batched_tokens

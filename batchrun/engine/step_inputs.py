@@ -12,7 +12,8 @@ transfer:
     [slot R | q_len R | sampled R | decoding R | page updates 3 x U | chunk ids T | logit rows N]
 
 For a CUDA-graph step R is the graph's padded size: padding requests sit in the scratch slot,
-feed no rows and write nothing.
+feed no rows and write nothing. A graph reads only the request fields (`graph_step_args`), as
+every step it replays is uniform: no chunk ids, and every row sampled.
 """
 
 from __future__ import annotations
@@ -23,9 +24,20 @@ import numpy as np
 import torch
 
 from batchrun.attention.meta import AttentionMeta, kv_indices
+from batchrun.engine.core.requests import RequestState
+from batchrun.engine.core.step import Scheduled
 from batchrun.engine.device_state import DeviceState
-from batchrun.engine.request import Request
-from batchrun.engine.scheduler import Scheduled
+
+REQUEST_FIELDS = 4  # slot, q_len, sampled, decoding
+IN_FLIGHT_STEPS = 2  # a request's pages cover the step being read back and the one launched
+
+
+def step_in_size(max_batch_size: int, max_batched_tokens: int, max_pages: int) -> int:
+    """The packed step's largest size: request fields, the page-table entries a step can add
+    (a request admitted onto a cached prefix receives a whole table at once, and each entry is
+    sent once), chunk ids and logit rows."""
+    fields = REQUEST_FIELDS * max_batch_size
+    return fields + 3 * max_batch_size * max_pages + 2 * max_batched_tokens
 
 
 def rows_sampled(it: Scheduled) -> int:
@@ -33,7 +45,8 @@ def rows_sampled(it: Scheduled) -> int:
     if it.decoding:
         return it.num_new
     req = it.req
-    return int(not req.output_ids and req.num_cached + it.num_new == len(req.prompt_ids))
+    first = not req.output.token_ids  # the prompt's last row samples the first token
+    return int(first and req.state.num_cached + it.num_new == len(req.prompt_ids))
 
 
 @dataclass(frozen=True)
@@ -74,22 +87,22 @@ def plan_step(
     (the caller marks them sent). pad_to: the graph size to pad a uniform step to."""
     live = len(batch)
     num_req = pad_to if pad_to is not None else live
-    head = np.zeros((4, num_req), dtype=np.int64)
+    head = np.zeros((REQUEST_FIELDS, num_req), dtype=np.int64)
     head[0] = scratch_slot
     updates: list[np.ndarray] = []
     chunks: list[list[int]] = []
     logit_rows: list[np.ndarray] = []
     row = max_kv = num_dec = 0
     for r, (it, k) in enumerate(zip(batch, samples, strict=True)):
-        req = it.req
-        head[:, r] = (req.slot, it.num_new, k, it.decoding)
-        updates.append(_new_pages(req))
+        req, state = it.req, it.req.state
+        head[:, r] = (state.slot, it.num_new, k, it.decoding)
+        updates.append(_new_pages(state))
         if it.decoding:
             num_dec += 1
-            max_kv = max(max_kv, req.num_cached + req.in_flight + it.num_new)
+            max_kv = max(max_kv, state.num_cached + state.in_flight + it.num_new)
         else:
-            chunks.append(req.token_slice(req.num_cached, req.num_cached + it.num_new))
-            max_kv = max(max_kv, req.num_cached + it.num_new)
+            chunks.append(req.token_slice(state.num_cached, state.num_cached + it.num_new))
+            max_kv = max(max_kv, state.num_cached + it.num_new)
         logit_rows.append(np.arange(row + it.num_new - k, row + it.num_new))
         row += it.num_new
     update = np.concatenate(updates, axis=1) if updates else np.zeros((3, 0), np.int64)
@@ -117,11 +130,11 @@ def plan_step(
     )
 
 
-def _new_pages(req: Request) -> np.ndarray:
+def _new_pages(state: RequestState) -> np.ndarray:
     """(slot, column, page) of the pages the device's table lacks."""
-    first, end = req.pages_on_device, len(req.pages)
+    first, end = state.pages_on_device, len(state.pages)
     out = np.empty((3, end - first), dtype=np.int64)
-    out[0], out[1], out[2] = req.slot, np.arange(first, end), req.pages[first:]
+    out[0], out[1], out[2] = state.slot, np.arange(first, end), state.pages[first:]
     return out
 
 
@@ -140,8 +153,8 @@ class StepArgs:
 
 def step_args(packed: torch.Tensor, plan: StepPlan) -> StepArgs:
     r, u = plan.num_requests, plan.num_updates
-    head = packed[: 4 * r].view(4, r)
-    at = 4 * r + 3 * u
+    head = packed[: REQUEST_FIELDS * r].view(REQUEST_FIELDS, r)
+    at = REQUEST_FIELDS * r + 3 * u
     chunk = plan.num_rows - plan.num_decoding * plan.width if not plan.uniform else 0
     logit = packed[at + chunk : at + chunk + plan.num_logit_rows] if plan.num_logit_rows else None
     return StepArgs(
@@ -149,10 +162,24 @@ def step_args(packed: torch.Tensor, plan: StepPlan) -> StepArgs:
         q_len=head[1],
         sampled=head[2],
         decoding=head[3],
-        updates=packed[4 * r : at].view(3, u),
+        updates=packed[REQUEST_FIELDS * r : at].view(3, u),
         chunk_ids=packed[at : at + chunk],
         logit_rows=logit,
     )
+
+
+def graph_step_args(packed: torch.Tensor, size: int) -> StepArgs:
+    """A graph step's args: the request fields of `size` requests, nothing else."""
+    head = packed[: REQUEST_FIELDS * size].view(REQUEST_FIELDS, size)
+    empty = packed[:0]
+    return StepArgs(head[0], head[1], head[2], head[3], empty.view(3, 0), empty, None)
+
+
+def pad_graph_step(packed: torch.Tensor, size: int, scratch_slot: int) -> None:
+    """`size` padding requests in the scratch slot (the step graphs are captured in)."""
+    head = packed[: REQUEST_FIELDS * size].view(REQUEST_FIELDS, size)
+    head.zero_()
+    head[0] = scratch_slot
 
 
 @dataclass(frozen=True)

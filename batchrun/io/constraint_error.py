@@ -9,7 +9,7 @@ the grammar took as text (the last output id), else a stop string (the text is c
 
 from __future__ import annotations
 
-from batchrun.engine.request import Request
+from batchrun.engine.core.requests import Request
 from batchrun.sampling.constraint_check import violation
 
 
@@ -17,7 +17,8 @@ def constraint_error(request: Request, completion: str | None) -> str | None:
     """Why the row's completion (with a reasoning parser, the answer after its think block)
     breaks its constraint, or None: it holds, the row has none, or the row is not `stop`."""
     constraint = request.params.constraint
-    if constraint is None or request.finish_reason != "stop" or request.completion is None:
+    out = request.output
+    if constraint is None or out.finish_reason != "stop" or out.completion is None:
         return None  # (no text without a tokenizer: engines built for benchmarks)
     detail = (
         "the row ended inside its think block, before any answer"
@@ -26,7 +27,7 @@ def constraint_error(request: Request, completion: str | None) -> str | None:
     )
     if detail is None:
         return None
-    kind, ids = constraint.kind, request.output_ids
+    kind, ids = constraint.kind, out.token_ids
     if ids and ids[-1] in request.params.stop_token_ids:
         return f"stop token id {ids[-1]} cut the completion before its {kind} was met: {detail}"
     if request.params.stop:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from batchrun.engine.request import Request, round_tokens
+from batchrun.engine.core.requests import Request, round_tokens
 from batchrun.errors import JobError
 from batchrun.io.constraint_error import constraint_error
 
@@ -240,30 +240,31 @@ class OutputRow:
 
 def finished_row(request: Request, reasoning: ReasoningSplit | None = None) -> OutputRow:
     """The output of a request the engine finished; with `reasoning`, its think block apart."""
-    if request.finish_reason is None:
+    out = request.output
+    if out.finish_reason is None:
         raise RuntimeError(f"engine returned row {request.row_index} without a finish_reason")
-    if request.error is not None:  # the engine could not generate it (its grammar)
-        return error_row(request.row_index, request.error, request.sample_index)
-    completion_tokens = len(request.output_ids)
+    if out.error is not None:  # the engine could not generate it (its grammar)
+        return error_row(request.row_index, out.error, request.sample_index)
+    completion_tokens = len(out.token_ids)
     tau = None
-    if request.spec_hist is not None and request.spec_rounds > 0:
-        tau = round_tokens(request.spec_hist) / request.spec_rounds
-    scored = request.logprobs
+    if out.spec_hist is not None and out.spec_rounds > 0:
+        tau = round_tokens(out.spec_hist) / out.spec_rounds
+    scored = out.logprobs
     tokens = scored.tokens if scored is not None else None
-    thought, completion, thought_tokens = None, request.completion, None
+    thought, completion, thought_tokens = None, out.completion, None
     if reasoning is not None:
         thought, completion, thought_tokens = reasoning.split(request)
     return OutputRow(
         row_index=request.row_index,
         sample_index=request.sample_index,
         completion=completion,
-        completion_token_ids=list(request.output_ids),
-        finish_reason=request.finish_reason,
+        completion_token_ids=list(out.token_ids),
+        finish_reason=out.finish_reason,
         prompt_tokens=len(request.prompt_ids),
         completion_tokens=completion_tokens,
-        spec_rounds=request.spec_rounds,
-        spec_accept_hist=list(request.spec_hist) if request.spec_hist is not None else None,
-        spec_capped_hist=list(request.spec_capped) if request.spec_capped is not None else None,
+        spec_rounds=out.spec_rounds,
+        spec_accept_hist=list(out.spec_hist) if out.spec_hist is not None else None,
+        spec_capped_hist=list(out.spec_capped) if out.spec_capped is not None else None,
         acceptance_length=tau,
         error=constraint_error(request, completion),
         reasoning=thought,

@@ -12,19 +12,19 @@ import json
 from decimal import Decimal
 from typing import Any
 
-from batchrun.engine.request import SamplingParams
 from batchrun.io.cells import BadCell
+from batchrun.sampling.option import Kind, declared
+from batchrun.sampling.params import SamplingParams
 
-# Optional input columns whose non-null cells override the job's sampling defaults.
-OVERRIDE_COLUMNS = (
-    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
-    "ignore_eos", "max_thinking_tokens", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_tokens", "logit_bias", "min_p",
-)  # fmt: skip
-_INT_OVERRIDES = ("max_tokens", "top_k", "seed", "n", "max_thinking_tokens", "min_tokens")
-_FLOAT_OVERRIDES = (
-    "temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-)  # fmt: skip
+
+def override_kinds(params: type = SamplingParams) -> dict[str, Kind]:
+    """The optional input columns whose non-null cells override the job's sampling defaults
+    (the fields declared with column=True), each with the kind of value it takes."""
+    return {item.name: spec.kind for item, spec in declared(params) if spec.column}
+
+
+_COLUMN_KINDS = override_kinds()
+OVERRIDE_COLUMNS = tuple(_COLUMN_KINDS)
 # As in vLLM: below this, 1/T overflows float32 logits (or T is 0 or subnormal in float32).
 GREEDY_BELOW = 1e-5
 
@@ -58,56 +58,69 @@ def output_rows(n_cell: Any, job_n: int) -> int:
 
 def convert_override(name: str, value: Any) -> Any:
     """The cell as the type SamplingParams wants; BadOverride when it has the wrong type."""
+    return convert_cell(_COLUMN_KINDS[name], name, value)
+
+
+def convert_cell(kind: Kind, name: str, value: Any) -> Any:
+    """A cell of column `name`, which takes values of this kind, as the type its field wants;
+    BadOverride when it has the wrong type."""
     if isinstance(value, BadCell):
         raise BadOverride(f"{name} {value.reason}")
-    if name in _INT_OVERRIDES:
+    if kind is Kind.INT:
         number = _as_int(value)
         if number is None:
             raise BadOverride(f"{name} must be an integer, got {show_value(value)}")
         return number
-    if name in _FLOAT_OVERRIDES:
+    if kind is Kind.FLOAT:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         raise BadOverride(f"{name} must be a number, got {show_value(value)}")
-    if name == "ignore_eos":
+    if kind is Kind.BOOL:
         if isinstance(value, bool):
             return value
-        raise BadOverride(f"ignore_eos must be true or false, got {show_value(value)}")
-    if name == "logit_bias":
-        return logit_bias(value)
-    if name == "stop":
+        raise BadOverride(f"{name} must be true or false, got {show_value(value)}")
+    if kind is Kind.TOKEN_BIAS:
+        return token_bias(name, value)
+    if kind is Kind.STRINGS:
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return tuple(value)
-        raise BadOverride(f"stop must be a list of strings, got {show_value(value)}")
+        raise BadOverride(f"{name} must be a list of strings, got {show_value(value)}")
+    if kind is not Kind.TOKEN_IDS:
+        raise ValueError(f"no per-row column takes values of kind {kind.value}")
     ids = [_as_int(token) for token in value] if isinstance(value, list) else [None]
     if any(token is None for token in ids):
-        raise BadOverride(f"stop_token_ids must be a list of integers, got {show_value(value)}")
+        raise BadOverride(f"{name} must be a list of integers, got {show_value(value)}")
     return tuple(ids)
 
 
-def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """A logit_bias cell, a JSON object string of token id (a decimal string) -> number, or a
-    struct (its fields null in this row left out), as sorted (id, bias) pairs; the range of
-    each is SamplingParams.problem's."""
+def token_bias(name: str, value: Any) -> tuple[tuple[int, float], ...]:
+    """A token-bias cell or job key `name`: a JSON object string of token id (a decimal
+    string) -> number, or a struct (its fields null in this row left out), as sorted (id, bias)
+    pairs; the range of each is SamplingParams.problem's."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError:
-            raise BadOverride(f"logit_bias is not JSON: {value[:80]!r}") from None
+            raise BadOverride(f"{name} is not JSON: {value[:80]!r}") from None
     if not isinstance(value, dict):
-        raise BadOverride(f"logit_bias must be a JSON object, got {show_value(value)}")
+        raise BadOverride(f"{name} must be a JSON object, got {show_value(value)}")
     pairs: dict[int, float] = {}
     for key, bias in value.items():
         if bias is None:
             continue
         if not (isinstance(key, str) and key.isascii() and key.isdecimal()):
-            raise BadOverride(f"logit_bias keys must be token ids, got {show_value(key)}")
+            raise BadOverride(f"{name} keys must be token ids, got {show_value(key)}")
         if not isinstance(bias, (int, float)) or isinstance(bias, bool):
-            raise BadOverride(f"logit_bias values must be numbers, got {show_value(bias)}")
+            raise BadOverride(f"{name} values must be numbers, got {show_value(bias)}")
         if int(key) in pairs:
-            raise BadOverride(f"logit_bias names token id {int(key)} twice")
+            raise BadOverride(f"{name} names token id {int(key)} twice")
         pairs[int(key)] = bias  # its range is checked with the row's other parameters
     return tuple(sorted(pairs.items()))
+
+
+def token_bias_keys(pairs: tuple[tuple[int, float], ...]) -> dict[str, float]:
+    """(id, bias) pairs as the job key writes them: token id (a decimal string) -> bias."""
+    return {str(token): bias for token, bias in pairs}
 
 
 def show_value(value: Any, limit: int = 100) -> str:

@@ -1,10 +1,11 @@
-"""A one-line progress bar on stderr: rows done of total, output tokens/s, tau with a draft."""
+"""A one-line progress bar on stderr (rows done of total, output tokens/s, tau with a draft) and
+the error rows logged above it."""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 _WIDTH = 24
 _REFRESH_SECONDS = 0.2
@@ -55,3 +56,27 @@ class ProgressBar:
         self._line = line
         self.stream.write("\r\x1b[2K" + line)
         self.stream.flush()
+
+
+MAX_LOGGED_ERRORS = 10
+
+
+class ErrorLog:
+    """Error rows on the progress bar's log: the first MAX_LOGGED_ERRORS, then one line saying
+    more follow (nothing when quiet)."""
+
+    def __init__(self, bar: ProgressBar, quiet: bool, id_column: str | None) -> None:
+        self.bar, self.quiet, self.id_column = bar, quiet, id_column
+        self.count = 0
+
+    def log(self, row_index: int, values: dict[str, Any], message: str) -> None:
+        if self.quiet:
+            return
+        self.count += 1
+        if self.count > MAX_LOGGED_ERRORS + 1:
+            return
+        if self.count > MAX_LOGGED_ERRORS:
+            self.bar.log("batchrun: more error rows follow; see the output's error column")
+            return
+        name = f" ({self.id_column}={values[self.id_column]!r})" if self.id_column else ""
+        self.bar.log(f"batchrun: row {row_index}{name}: {message}")

@@ -13,11 +13,11 @@ import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
-from batchrun.engine.request import Request, SamplingParams
+from batchrun.engine.core.requests import Request, row_seed
 from batchrun.errors import JobError
 from batchrun.io.cells import BadCell, row_values, without_nulls
 from batchrun.io.chat_args import chat_kwargs_problem
@@ -31,12 +31,12 @@ from batchrun.io.overrides import (
 )
 from batchrun.io.prompt_bound import longest_token_chars, min_tokens
 from batchrun.models.tokenizer import think_token_ids
-from batchrun.sampling.grammar import KINDS, Constraint, Grammars
+from batchrun.sampling.constraint import KINDS, Constraint
+from batchrun.sampling.grammar import Grammars
+from batchrun.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-    from batchrun.job import JobSpec
 
 
 class PromptKind(enum.Enum):
@@ -69,12 +69,37 @@ class PromptColumn:
     name: str
 
 
-def find_prompt_column(schema: pa.Schema, job: JobSpec) -> PromptColumn:
+class PromptSettings(Protocol):
+    """The job's prompt column settings (its input part): at most one is set."""
+
+    @property
+    def prompt_column(self) -> str | None: ...
+    @property
+    def messages_column(self) -> str | None: ...
+    @property
+    def token_ids_column(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class RowDefaults:
+    """What a row gets where its cells say nothing: the job's sampling defaults (seeded with
+    the job seed), its chat template arguments, and whether the job asks for logprobs."""
+
+    sampling: SamplingParams
+    chat_kwargs: Mapping[str, Any]
+    logprobs: bool
+
+    def params(self, row_index: int) -> SamplingParams:
+        """The defaults seeded for this row."""
+        return dataclasses.replace(self.sampling, seed=row_seed(self.sampling.seed, row_index))
+
+
+def find_prompt_column(schema: pa.Schema, settings: PromptSettings) -> PromptColumn:
     """The one prompt column: named by a flag, else whichever default name exists."""
     named = [
-        PromptColumn(kind, getattr(job, flag))
+        PromptColumn(kind, getattr(settings, flag))
         for kind, flag in _KIND_FLAGS.items()
-        if getattr(job, flag) is not None
+        if getattr(settings, flag) is not None
     ]
     if len(named) > 1:
         raise JobError("set only one of prompt_column, messages_column and token_ids_column")
@@ -131,13 +156,13 @@ def _is_list(arrow_type: pa.DataType) -> bool:
     return pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
 
 
-def find_id_column(schema: pa.Schema, job: JobSpec) -> str | None:
-    if job.id_column is not None and job.id_column not in schema.names:
+def find_id_column(schema: pa.Schema, id_column: str | None) -> str | None:
+    if id_column is not None and id_column not in schema.names:
         raise JobError(
-            f"id_column {job.id_column!r} is not an input column "
+            f"id_column {id_column!r} is not an input column "
             f"(input columns: {', '.join(schema.names)})"
         )
-    return job.id_column
+    return id_column
 
 
 class RequestBuilder:
@@ -145,7 +170,7 @@ class RequestBuilder:
 
     def __init__(
         self,
-        job: JobSpec,
+        defaults: RowDefaults,
         prompt: PromptColumn,
         schema: pa.Schema,
         tokenizer: PreTrainedTokenizerBase,
@@ -161,12 +186,12 @@ class RequestBuilder:
                 f"prompt column {prompt.name!r} holds chat messages, "
                 "but the target's tokenizer has no chat template"
             )
-        self.job = job
+        self.defaults = defaults
         self.prompt = prompt
         self.overrides = tuple(name for name in OVERRIDE_COLUMNS if name in schema.names)
         self.constraints = tuple(name for name in CONSTRAINT_COLUMNS if name in schema.names)
         self.grammars = grammars
-        self.chat_kwargs = job.chat_kwargs()
+        self.chat_kwargs = dict(defaults.chat_kwargs)
         # A messages row's own template arguments, over the job's.
         self.kwargs_column = (
             CHAT_KWARGS_COLUMN
@@ -211,7 +236,7 @@ class RequestBuilder:
     def output_rows(self, values: Mapping[str, Any]) -> int:
         """How many output rows the row makes, whether it runs or is an error: its n, or 1
         when that n is itself invalid."""
-        return output_rows(values["n"] if "n" in self.overrides else None, self.job.n)
+        return output_rows(values["n"] if "n" in self.overrides else None, self.defaults.sampling.n)
 
     def _too_long(self, tokens: str) -> str:
         return f"prompt is too long: {tokens}; the model's context is {self.max_model_len}"
@@ -240,11 +265,11 @@ class RequestBuilder:
             return str(exc)
         if constraint is not None:
             changes["constraint"] = constraint
-        params = dataclasses.replace(self.job.default_params(row_index), **changes)
+        params = dataclasses.replace(self.defaults.params(row_index), **changes)
         if params.max_thinking_tokens is not None:
             if self.think is None:
                 return THINKING_NEEDS_TOKENS
-            if self.job.logprobs is not None:
+            if self.defaults.logprobs:
                 return THINKING_WITH_LOGPROBS
         problem = params.problem() or params.vocab_problem(self.vocab_size)
         if problem is None and params.constraint is not None:

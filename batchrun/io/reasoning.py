@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from batchrun.engine.request import Request
-from batchrun.engine.stopping import cut_at_stops, text_ids
+from batchrun.engine.core.requests import Request
+from batchrun.engine.core.stopping import cut_at_stops, text_ids
 from batchrun.errors import JobError
 from batchrun.models.tokenizer import THINK_END, THINK_START, think_opened, think_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from batchrun.job import JobSpec
 
 REASONING_PARSERS = ("qwen3", "auto")  # auto: qwen3 where the tokenizer has the think tokens
 
@@ -41,13 +40,13 @@ class ReasoningSplit:
     def split(self, request: Request) -> tuple[str | None, str | None, int]:
         """(reasoning, completion, reasoning_tokens) of a finished request."""
         if not self.active:
-            return None, request.completion, 0
+            return None, request.output.completion, 0
         ids = text_ids(request, {*request.params.stop_token_ids, *self.special})
         thinking = think_opened(request.prompt_ids, (self.start, self.end))
         if not thinking and ids and ids[0] == self.start:
             ids, thinking = ids[1:], True
         if not thinking:
-            return None, request.completion, 0
+            return None, request.output.completion, 0
         if self.end not in ids:  # ended inside the block: no answer
             return self._text(ids).strip(), None, len(ids)
         cut = ids.index(self.end)
@@ -58,7 +57,9 @@ class ReasoningSplit:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def reasoning_split(job: JobSpec, tokenizer: PreTrainedTokenizerBase) -> ReasoningSplit | None:
-    """The job's split (None: it asks for none). Raises JobError as ReasoningSplit does."""
-    parser = job.reasoning_parser
+def reasoning_split(
+    parser: str | None, tokenizer: PreTrainedTokenizerBase
+) -> ReasoningSplit | None:
+    """The split the job's reasoning_parser asks for (None: none). Raises JobError as
+    ReasoningSplit does."""
     return ReasoningSplit(tokenizer, parser) if parser is not None else None

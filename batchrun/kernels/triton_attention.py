@@ -1,7 +1,7 @@
 """Paged attention in Triton: one kernel family for prefill/extend, decode, verify and the DFlash
 draft block, plus the K/V page write.
 
-Semantics are those of `TorchAttention` (kernels/torch_attention.py) without the K/V write, which
+Semantics are those of `TorchAttention` (attention/torch_backend.py) without the K/V write, which
 is `write_kv` here:
 
 - q [T, Hq, D] holds the packed rows of R requests: request r owns rows cu_q[r]:cu_q[r+1]
@@ -62,8 +62,8 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 # Fewest kv positions worth a split of their own: shorter splits cost more in partials and in the
-# combine than their parallelism saves. On an H200 (Qwen3-8B, batch 1, context 512), 256 left 16
-# programs busy and the attention took 8.8 us a layer; 64 keeps 64 busy.
+# combine than their parallelism saves, longer ones leave programs idle at batch 1 (measured:
+# docs/benchmarks.md, Kernel tuning).
 MIN_SPLIT_KV = 64
 
 
@@ -395,9 +395,9 @@ def _config(
 ) -> _Config:
     """Tile shapes per case, checked free of register spills on sm_90 (Triton 3.6, compiled
     ahead of time). float32 dots run as exact FMA ("ieee"), so their tiles are smaller. A
-    one-byte cache read in words (decode) takes 128 positions a tile in three stages: H200,
-    Qwen3-8B heads, batch 128, context 4,096, 0.369 ms a layer against 0.393 with bf16's 64 in
-    two (bf16: 0.507); its other tiles are bf16's (128 positions there made W1 slower)."""
+    one-byte cache read in words (decode) takes 128 positions a tile in three stages, which
+    measured faster than bf16's 64 in two; its other tiles are bf16's (128 positions there made
+    the W1 job slower; docs/benchmarks.md, Kernel tuning)."""
     if dtype == torch.float32:
         max_rows, block_n, wide_at = max(16, 4096 // head_dim), 16, 4096
     elif head_dim > 128:
@@ -417,8 +417,9 @@ def _config(
 def fp8_words(fp8: bool, head_dim: int, block_m: int) -> bool:
     """Whether the kernel reads an fp8 cache's tiles in words (FP8_WORDS): for the dots that
     take register operands (under 64 rows: decode), whose halved columns still make a dot's
-    16. H200, Qwen3-8B heads, batch 128, context 4,096: 0.46 ms a layer against bf16's 0.62
-    (byte reads: 0.62 against 0.61); the W1 job slower with words for every tile."""
+    16: Triton reads such a tile's operand from shared memory a byte at a time otherwise. The
+    other dots keep byte reads: words for every tile made the W1 job slower (docs/benchmarks.md,
+    Kernel tuning)."""
     return fp8 and head_dim >= 32 and block_m < 64
 
 

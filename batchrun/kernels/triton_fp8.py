@@ -34,8 +34,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # quantize_groups: rows per program, in two warps. One row a program (256 bytes) made it 15% of
-# the FP8 W1 job's GPU time; H200, 4,096 x 12,288: 44 us against 242, and 128 x 4,096: 5.5 us
-# against 6.7 (bench/results/quantize-groups-sweep-h200.json).
+# the FP8 W1 job's GPU time; eight is faster at prefill's thousands of rows and at decode's
+# hundred (docs/benchmarks.md, Kernel tuning).
 QUANTIZE_ROWS = 8
 
 
@@ -79,9 +79,18 @@ def quantize_groups(
     quantized = torch.empty(rows, k, device=x.device, dtype=torch.float8_e4m3fn)
     scales = torch.empty(groups, rows, device=x.device, dtype=torch.float32)
     _quantize_groups[(triton.cdiv(rows, QUANTIZE_ROWS), groups)](
-        x, quantized, scales, m, k, x.stride(0), rows,
-        GROUP=group, BLOCK_R=QUANTIZE_ROWS, INTERPRET=_INTERPRET, num_warps=2,
-    )  # fmt: skip
+        x,
+        quantized,
+        scales,
+        m,
+        k,
+        x.stride(0),
+        rows,
+        GROUP=group,
+        BLOCK_R=QUANTIZE_ROWS,
+        INTERPRET=_INTERPRET,
+        num_warps=2,
+    )
     return quantized, scales.t()
 
 
@@ -113,12 +122,31 @@ def fp8_block_matmul(
     else:
         partials = counters = out  # unread
     _fp8_block_matmul[grid](
-        x, x_scales, weight, scale, out, partials, counters,
-        m, n, k, x.stride(0), stride_xs, weight.stride(0), scale.stride(0), steps_per_split,
-        block_n, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
-        X_FP8=tile.ahead, SPLIT=split > 1, INTERPRET=_INTERPRET,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
-    )  # fmt: skip
+        x,
+        x_scales,
+        weight,
+        scale,
+        out,
+        partials,
+        counters,
+        m,
+        n,
+        k,
+        x.stride(0),
+        stride_xs,
+        weight.stride(0),
+        scale.stride(0),
+        steps_per_split,
+        block_n,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=block_k,
+        X_FP8=tile.ahead,
+        SPLIT=split > 1,
+        INTERPRET=_INTERPRET,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
     return out
 
 
@@ -138,11 +166,29 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 @triton.jit
 def _fp8_block_matmul(
-    x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, stride_x, stride_xs, stride_w, stride_s, steps_per_split, block_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    X_FP8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    stride_x,
+    stride_xs,
+    stride_w,
+    stride_s,
+    steps_per_split,
+    block_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    X_FP8: tl.constexpr,
+    SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -168,8 +214,9 @@ def _fp8_block_matmul(
             x_q = e4m3_rounded(x_q) if INTERPRET else x_q.to(tl.float8e4nv)
         w = tl.load(
             w_ptr + cols[None, :] * stride_w + k[:, None],
-            mask=col_ok[None, :] & k_ok[:, None], other=0.0,
-        )  # fmt: skip
+            mask=col_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
         w_scale = tl.load(scale_rows + step, mask=col_ok, other=0.0)
         dot = tl.dot(x_q, w.to(tl.float32)) if INTERPRET else tl.dot(x_q, w)
         acc += dot * x_scale[:, None] * w_scale[None, :]
@@ -192,16 +239,25 @@ def _fp8_block_matmul(
 
 @triton.jit
 def _quantize_groups(
-    x_ptr, q_ptr, s_ptr, M, K, stride_x, ROWS,
-    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_x,
+    ROWS,
+    GROUP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     k_ok = k < K
     x = tl.load(
         x_ptr + rows[:, None] * stride_x + k[None, :],
-        mask=(rows < M)[:, None] & k_ok[None, :], other=0.0,
-    ).to(tl.float32)  # fmt: skip
+        mask=(rows < M)[:, None] & k_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
     q = x / scale[:, None]
     q = e4m3_rounded(q) if INTERPRET else q

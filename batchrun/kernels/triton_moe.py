@@ -115,8 +115,8 @@ def align(
     padded_size = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
     # A counting sort: a pair's rank among its expert's pairs from a running count per expert
     # (a device argsort costs more launches). The count runs along the last dimension: torch
-    # scans an outer one column by column, one element after another (0.16 ms a layer at
-    # batch 128 on the H200).
+    # scans an outer one column by column, one element after another, a cost that shows in
+    # every MoE layer (docs/benchmarks.md, Kernel tuning).
     chosen = torch.arange(num_experts, device=device)[:, None] == experts
     running = chosen.cumsum(1)  # [experts, pairs] (a one_hot could check its input on the host)
     counts = running[:, -1]
@@ -176,10 +176,29 @@ def _matmul(
         scales, scale_n = (c, c, 0, 0, 0), 1  # unread
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
     _expert_matmul_kernel[grid](
-        a, b, c, sorted_ids, block_expert, total, weights if weights is not None else c,
-        scales[0], scales[1], c.shape[0], n, depth, a.stride(0), b.stride(0), b.stride(1),
-        c.stride(0), *scales[2:], scale_n,
-        A_PER_ROW=a_per_row, MUL_WEIGHT=weights is not None, FP8=b_scale is not None,
+        a,
+        b,
+        c,
+        sorted_ids,
+        block_expert,
+        total,
+        weights if weights is not None else c,
+        scales[0],
+        scales[1],
+        c.shape[0],
+        n,
+        depth,
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        *scales[2:],
+        scale_n,
+        A_PER_ROW=a_per_row,
+        MUL_WEIGHT=weights is not None,
+        FP8=b_scale is not None,
         FP32_DOT=interpret or a.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-    )  # fmt: skip
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )

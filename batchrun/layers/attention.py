@@ -51,10 +51,15 @@ class PagedAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.head_dim
         return self.ops.qk_norm_rope(
-            q.reshape(-1, self.num_heads, d), k.reshape(-1, self.num_kv_heads, d),
-            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-            rope.cos, rope.sin, positions,
-        )  # fmt: skip
+            q.reshape(-1, self.num_heads, d),
+            k.reshape(-1, self.num_kv_heads, d),
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.q_norm.eps,
+            rope.cos,
+            rope.sin,
+            positions,
+        )
 
     def attend(
         self,

@@ -20,9 +20,8 @@ from torch import nn
 Fp8Matmul = Callable[..., torch.Tensor]
 
 # From this many rows, cuBLAS's blockwise scaled matmul (torch._scaled_mm with 1 x 128 activation
-# and 128 x 128 weight scales) is used: up to 64 rows the Triton kernel is as fast or faster
-# (Qwen3-8B's four projections at 64 rows: 0.099 vs 0.113 ms), from 128 cuBLAS is
-# (bench/results/fp8-gemm-h200.json).
+# and 128 x 128 weight scales) is used: up to 64 rows the Triton kernel is as fast or faster,
+# from 128 cuBLAS is (docs/benchmarks.md, FP8).
 CUBLAS_MIN_ROWS = 65
 
 

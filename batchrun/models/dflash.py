@@ -1,7 +1,7 @@
 """The DFlash drafter (docs/dflash.md section 3): a few Qwen3-shaped layers whose block queries see
 the context K/V computed from target features plus the block's own K/V: without a mask in the
 z-lab drafts; sliding-window layers see only the positions in their window, and a layer may be
-causal inside the block (speculative/sliding_window.py, BlockAttention).
+causal inside the block (models/block_attention.py).
 
 It has no embedding: it borrows the target's. Nor an lm_head, unless it drafts from a reduced
 vocabulary: then its own head scores draft_vocab_size tokens and `draft_to_target` maps each to
@@ -23,8 +23,8 @@ from batchrun.attention.base import AttentionBackend
 from batchrun.layers.attention import PagedAttention
 from batchrun.layers.norm import RMSNorm
 from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.models.block_attention import BlockAttention
 from batchrun.models.qwen3 import LayerWeights, Qwen3ForCausalLM, Qwen3Shape
-from batchrun.speculative.sliding_window import BlockAttention
 
 
 def default_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> list[int]:
@@ -114,9 +114,13 @@ class DFlashDraft(nn.Module):
             k = kv[:, 2 * i * kv_size : (2 * i + 1) * kv_size]
             v = kv[:, (2 * i + 1) * kv_size : (2 * i + 2) * kv_size]
             k = attn.ops.norm_rope(
-                k.reshape(-1, attn.num_kv_heads, attn.head_dim), attn.k_norm.weight,
-                attn.k_norm.eps, self.rope.cos, self.rope.sin, positions,
-            )  # fmt: skip
+                k.reshape(-1, attn.num_kv_heads, attn.head_dim),
+                attn.k_norm.weight,
+                attn.k_norm.eps,
+                self.rope.cos,
+                self.rope.sin,
+                positions,
+            )
             layer_kv_index = window_kv_index if sliding else kv_index
             assert layer_kv_index is not None, "a sliding layer's context goes to its ring"
             backend.write_kv(k, v.reshape_as(k), cache[0], cache[1], layer_kv_index)

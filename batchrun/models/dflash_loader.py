@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from batchrun.errors import JobError
 from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.models.block_attention import BlockAttention
 from batchrun.models.config_check import checked_config
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.dflash_formats import DraftConfig, draft_config
@@ -26,7 +27,6 @@ from batchrun.models.loader import (
 )
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
-from batchrun.speculative.sliding_window import BlockAttention
 
 VOCAB_MAPS = ("d2t", "t2d")
 
@@ -175,9 +175,14 @@ def load_dflash(
     dtype = target.lm_head.weight.dtype
     with shapes_only():
         draft = DFlashDraft(
-            shape, list(spec.target_layer_ids), spec.block_size, spec.mask_token_id,
-            max_positions, spec.attention, spec.head_rows,
-        ).to(dtype)  # fmt: skip
+            shape,
+            list(spec.target_layer_ids),
+            spec.block_size,
+            spec.mask_token_id,
+            max_positions,
+            spec.attention,
+            spec.head_rows,
+        ).to(dtype)
     draft.to_empty(device=device)
     tensors = checkpoint_weights(draft_dir, shape, device, "draft")
     load_weights(draft, tensors, "draft", skip=set(spec.not_loaded))

@@ -89,7 +89,7 @@ class LayerWeights(nn.Module):
                 s.num_experts_per_tok,
                 s.norm_topk_prob,
                 s.fp8_block,
-            )  # fmt: skip
+            )
             if s.sparse(index)
             else SwiGLU(s.hidden_size, s.intermediate_size, s.fp8_block)
         )

@@ -34,10 +34,13 @@ from batchrun.parallel.group import TensorParallel
 # FP8 weight's block scales split along the same dimension (each rank's share: whole blocks).
 SPLIT_DIM = {
     f"{proj}.{leaf}": dim
-    for projs, dim in ((("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), 0),
-                       (("o_proj", "down_proj"), 1))
-    for proj in projs for leaf in ("weight", "weight" + SCALE_SUFFIX)
-} | {"embed_tokens.weight": 0, "lm_head.weight": 0}  # fmt: skip
+    for projs, dim in (
+        (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), 0),
+        (("o_proj", "down_proj"), 1),
+    )
+    for proj in projs
+    for leaf in ("weight", "weight" + SCALE_SUFFIX)
+} | {"embed_tokens.weight": 0, "lm_head.weight": 0}
 
 
 def local_shape(shape: Qwen3Shape, tp: TensorParallel) -> Qwen3Shape:

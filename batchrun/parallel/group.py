@@ -106,8 +106,10 @@ def init_from_env(
         dist.init_process_group(
             "nccl" if kind == "cuda" else "gloo",
             init_method=f"tcp://{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}",
-            rank=rank, world_size=world, device_id=device if kind == "cuda" else None,
-        )  # fmt: skip
+            rank=rank,
+            world_size=world,
+            device_id=device if kind == "cuda" else None,
+        )
     group, control = _groups(rank, world, size, gloo_default=kind != "cuda")
     return TensorParallel(rank % size, size, device, group, control)
 

@@ -62,7 +62,7 @@ def main() -> None:
     questions = sys.stdin.buffer
     import xgrammar
 
-    from batchrun.sampling import grammar
+    from batchrun.sampling import constraint as compiling
 
     try:
         info = xgrammar.TokenizerInfo.deserialize_json(receive(questions))
@@ -76,8 +76,8 @@ def main() -> None:
         except EOFError:
             return
         try:  # looked up each time: a test may hold a compile back
-            compiled = grammar.compile_constraint(compiler, constraint)
-        except grammar.GrammarError as exc:
+            compiled = compiling.compile_constraint(compiler, constraint)
+        except compiling.GrammarError as exc:
             send(answers, (None, str(exc)))
         else:
             send(answers, (compiled.serialize_json(), None))

@@ -17,7 +17,7 @@ from typing import Any
 import jsonschema
 from jsonschema.protocols import Validator
 
-from batchrun.sampling.grammar import Constraint
+from batchrun.sampling.constraint import Constraint
 from batchrun.sampling.json_schema_support import validator_class
 from batchrun.sampling.regex_dialect import python_regex
 

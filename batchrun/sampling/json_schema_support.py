@@ -9,8 +9,8 @@ warning on stderr), so a completion could finish `stop` and break its schema. ba
 such a schema instead, naming the keyword and where it is; also a schema JSON Schema itself
 rejects (jsonschema's check_schema: a maxLength of -1), and one xgrammar warns about.
 
-SUPPORTED is the one declaration of the subset: the refusal reads it, and so does the README's
-table (support_table; a test holds the README to it).
+SUPPORTED is the one declaration of the subset: the refusal reads it, and so does the docs' table
+(support_table; a test holds docs/structured-outputs.md to it).
 """
 
 from __future__ import annotations
@@ -40,9 +40,21 @@ _DRAFT_NAMES = ", ".join(
 )
 # The `format`s whose strings xgrammar's grammar holds to the format (others it lets be anything).
 FORMATS = (
-    "date", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "json-pointer",
-    "relative-json-pointer", "time", "uri", "uri-reference", "uri-template", "uuid",
-)  # fmt: skip
+    "date",
+    "date-time",
+    "duration",
+    "email",
+    "hostname",
+    "ipv4",
+    "ipv6",
+    "json-pointer",
+    "relative-json-pointer",
+    "time",
+    "uri",
+    "uri-reference",
+    "uri-template",
+    "uuid",
+)
 
 Check = Callable[[Any, dict[str, Any], Validator], str | None]
 
@@ -188,7 +200,7 @@ def validator_class(schema: Any) -> type[Validator] | None:
 
 
 def support_table() -> str:
-    """The README's table of SUPPORTED: keywords of one kind and limits share a row."""
+    """The docs' table of SUPPORTED: keywords of one kind and limits share a row."""
     rows: list[tuple[list[str], Keyword]] = []
     for name, keyword in SUPPORTED.items():
         if rows and _row_key(rows[-1][1]) == _row_key(keyword):

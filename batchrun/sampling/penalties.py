@@ -3,7 +3,7 @@ then the repetition penalty (over prompt and output tokens: a seen token's logit
 when positive, multiplied when negative), then the frequency and presence penalties (over output
 tokens: logit -= frequency x count + presence x (count > 0)).
 
-A row reads its request's per-slot tables (engine/control_state.py): output-token counts, the
+A row reads its request's per-slot tables (control_state.py): output-token counts, the
 prompt's tokens, the bias, the ids min_tokens masks; the tables a job needs no control for are
 None and cost nothing. A speculative verify row j of a decoding request samples output position
 out_len + j, so its counts are the committed ones plus drafts d1 .. dj: the tables hold the
@@ -18,25 +18,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class LogitControls:
-    """The step's rows and the per-slot tables (indexed by slot) they read."""
-
-    slot: torch.Tensor  # [N] each row's slot
-    step: torch.Tensor  # [N] the output position it samples (min_tokens masks below it)
-    presence: torch.Tensor  # [S] float32
-    frequency: torch.Tensor  # [S] float32
-    repetition: torch.Tensor  # [S] float32, 1 = off
-    min_tokens: torch.Tensor  # [S] int64
-    counts: torch.Tensor | None  # [S, V] int32: committed output tokens
-    prompt: torch.Tensor | None  # [S, V] bool: the prompt's tokens (repetition)
-    bias: torch.Tensor | None  # [S, V] float32
-    stop: torch.Tensor | None  # [S, V] bool: ids masked before min_tokens
+from batchrun.sampling.control_state import LogitControls
 
 
 def apply_controls(

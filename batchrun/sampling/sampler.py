@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchrun.sampling.params import SamplingParams
 from batchrun.sampling.philox import philox_uniform
 
 # Peak temporaries per logit of a chunk, measured: 68 bytes drawing noise for every logit (eight
@@ -46,6 +47,19 @@ class SamplingBatch:
         """[N] bool: the rows that filter their candidates (top-k, top-p or min-p)."""
         rows = (self.top_k > 0) | (self.top_p < 1)
         return rows if self.min_p is None else rows | (self.min_p > 0)
+
+    def candidates(
+        self, scaled: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """filter_candidates of the temperature-scaled logits [R, V] of the batch's `rows`."""
+        min_p = self.min_p[rows] if self.min_p is not None else None
+        return filter_candidates(scaled, self.top_k[rows], self.top_p[rows], min_p)
+
+
+def draws_filtered(params: SamplingParams) -> bool:
+    """A row of these parameters draws among filtered candidates (SamplingBatch.filtered, at
+    a temperature above 0), known on the host."""
+    return params.temperature > 0 and bool(params.top_k or params.top_p < 1 or params.min_p > 0)
 
 
 def rows_per_chunk(num_rows: int, vocab: int) -> int:
@@ -119,10 +133,7 @@ def _draw_plain(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) 
 
 def _draw_filtered(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
     """Draws among each row's candidates (filter_candidates)."""
-    min_p = batch.min_p[rows] if batch.min_p is not None else None
-    values, ids = filter_candidates(
-        _scaled(logits, batch, rows), batch.top_k[rows], batch.top_p[rows], min_p
-    )
+    values, ids = batch.candidates(_scaled(logits, batch, rows), rows)
     choice = values.add_(gumbel_noise(batch.seed[rows], batch.step[rows], ids)).argmax(dim=-1)
     return ids.gather(1, choice[:, None]).squeeze(1)
 

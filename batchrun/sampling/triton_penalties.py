@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.sampling.penalties import LogitControls
+from batchrun.sampling.control_state import LogitControls
 
 BLOCK = 2048
 

@@ -31,8 +31,8 @@ from batchrun.sampling import philox
 
 __all__ = ["BLOCK", "philox_debug", "sample_plain"]
 
-# Logits per loop step and warps per row: 16 warps fill an SM with four rows in flight, measured
-# best of 256..4096 x 4..16 on an H200 at 512 x 151936 bfloat16 (0.39 ms; 1024 x 4 warps: 0.50 ms).
+# Logits per loop step and warps per row: 16 warps fill an SM with four rows in flight, the
+# fastest of 256..4096 x 4..16 at a Qwen3 vocabulary (docs/benchmarks.md, Kernel tuning).
 BLOCK = 4096
 _WARPS = 16
 _DEBUG_BLOCK = 1024

@@ -93,10 +93,12 @@ def make_tiny_model(
     )
     if num_experts:
         fields |= {
-            "num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+            "num_experts": num_experts,
+            "num_experts_per_tok": num_experts_per_tok,
             "moe_intermediate_size": moe_intermediate_size,
-            "mlp_only_layers": list(mlp_only_layers), "decoder_sparse_step": 1,
-        }  # fmt: skip
+            "mlp_only_layers": list(mlp_only_layers),
+            "decoder_sparse_step": 1,
+        }
     config = Qwen3MoeConfig(**fields) if num_experts else Qwen3Config(**fields)
     if rope_parameters is not None:
         config.rope_parameters = rope_parameters

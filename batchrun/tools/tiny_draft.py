@@ -148,8 +148,13 @@ def vocabulary_tensors(
 
 
 # Keys of the z-lab config that the speculators format keeps out of transformer_layer_config.
-DFLASH_KEYS = ("architectures", "block_size", "dflash_config", "num_target_layers",
-               "draft_vocab_size")  # fmt: skip
+DFLASH_KEYS = (
+    "architectures",
+    "block_size",
+    "dflash_config",
+    "num_target_layers",
+    "draft_vocab_size",
+)
 
 
 def speculators_config(zlab: dict[str, Any], target_dir: Path | str) -> dict[str, Any]:

@@ -1,0 +1,34 @@
+"""The `batchrun` command: run a job, validate a job file, summarize or report on an output
+directory, benchmark. Job flags are derived from the options' declarations (options.py)."""
+
+from __future__ import annotations
+
+import os
+
+import click
+import torch
+
+import batchrun
+from batchrun.bench.command import bench
+from batchrun.cli.group import Group
+from batchrun.cli.outputs import report, stats
+from batchrun.cli.run import run
+from batchrun.cli.validate import validate
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(batchrun.__version__, prog_name="batchrun")
+def cli() -> None:
+    """Offline batch inference over Parquet."""
+
+
+for command in (run, validate, stats, report, bench):
+    cli.add_command(command)
+
+
+def main() -> None:
+    # Triton's kernels run on a CPU only in its interpreter, which triton chooses when it is
+    # first imported: the entry point asks for it before anything imports triton.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    cli(prog_name="batchrun")

@@ -1,0 +1,5 @@
+"""`python -m batchrun.cli`: the `batchrun` command (torchrun relaunches use it)."""
+
+from batchrun.cli import main
+
+main()

@@ -1,0 +1,401 @@
+"""The job's parts other than sampling (batchrun/sampling/params.py declares that one), each
+setting declared once: its type, range, default, help and where it may be set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchrun.errors import JobError
+from batchrun.io.prompts import DEFAULT_PROMPT_COLUMNS, PromptKind
+from batchrun.io.reasoning import REASONING_PARSERS
+from batchrun.sampling.grammar_compile import COMPILE_SECONDS, MAX_CONSTRAINT_BYTES
+from batchrun.sampling.option import Kind, option
+
+_PATH_NOTE = "Relative paths in a job file resolve against the job file's directory."
+_NAME = {"minLength": 1}  # a column name or path: not empty
+
+# Sanity maxima of the batch limits, so that an absurd number is refused before any model file
+# is read; what a device can really hold is checked at start-up, from the model's shapes
+# (engine/memory.py, check_batch_memory). 65,536 requests in flight: each holds at least a page
+# of K/V and samples a row of float32 logits, which at Qwen3's vocabulary of 151,936 are 40 GB
+# for 65,536 rows alone, and vLLM's default is 256 (its largest CUDA graph 512). 2^24 tokens per
+# forward: 400 full 40,960-token contexts; at Qwen3-8B's hidden size (4,096, bfloat16) the
+# residual stream of such a forward alone is 128 GiB.
+MAX_BATCH_SIZE = 1 << 16
+MAX_BATCHED_TOKENS = 1 << 24
+# Most probable tokens listed per position (logprobs = k, prompt_logprobs = K), vLLM's default.
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class InputPart:
+    """Where the rows come from and how a row becomes a prompt. At most one of the three prompt
+    columns is set (job rules); chat_template_kwargs never names batchrun's own arguments."""
+
+    path: str = option(
+        key="input",
+        kind=Kind.TEXT,
+        schema=_NAME,
+        doc="Parquet file, directory of Parquet files, or glob; files are read sorted by path. "
+        + _PATH_NOTE,
+        help="Parquet file, directory of Parquet files, or glob.",
+    )
+    prompt_column: str | None = option(
+        None,
+        kind=Kind.TEXT,
+        schema=_NAME,
+        doc="Text prompt column (default: `prompt` if it exists).",
+        help="Text prompt column.",
+        unset=f"{DEFAULT_PROMPT_COLUMNS[PromptKind.TEXT]}, if the input has it",
+    )
+    messages_column: str | None = option(
+        None,
+        kind=Kind.TEXT,
+        schema=_NAME,
+        doc="Chat column, list<struct<role, content>>, rendered with the target's chat template "
+        "(default: `messages` if it exists).",
+        help="Chat messages column.",
+        unset=f"{DEFAULT_PROMPT_COLUMNS[PromptKind.MESSAGES]}, if the input has it",
+    )
+    token_ids_column: str | None = option(
+        None,
+        kind=Kind.TEXT,
+        schema=_NAME,
+        doc="Column of prompt token ids, list<int> (default: `prompt_token_ids` if it exists).",
+        help="Prompt token ids column.",
+        unset=f"{DEFAULT_PROMPT_COLUMNS[PromptKind.TOKEN_IDS]}, if the input has it",
+    )
+    id_column: str | None = option(
+        None,
+        kind=Kind.TEXT,
+        schema=_NAME,
+        doc="Column that names rows in logs (row_index serves when unset; need not be unique).",
+        help="Column naming rows in logs.",
+        unset="none; rows are named by row_index",
+    )
+    chat_template_kwargs: dict[str, Any] | None = option(
+        None,
+        kind=Kind.OBJECT,
+        doc="Arguments to the chat template of messages rows, e.g. "
+        "{enable_thinking = false} for Qwen3; a row's chat_template_kwargs column (a JSON "
+        "object or a struct) adds to them.",
+        help="Arguments to the chat template, a JSON object, e.g. '{\"enable_thinking\": false}'.",
+        metavar="JSON",
+        unset="none",
+    )
+    thinking: bool | None = option(
+        None,
+        kind=Kind.BOOL,
+        doc="Shorthand for chat_template_kwargs.enable_thinking (Qwen3's switch); "
+        "unset: the template's default.",
+        help="Turn the chat template's thinking on or off (enable_thinking; Qwen3 thinks by "
+        "default).",
+        unset="the chat template's default",
+    )
+
+    def chat_kwargs(self) -> dict[str, Any]:
+        """The chat template's arguments: chat_template_kwargs, with thinking as enable_thinking."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.thinking is not None:
+            kwargs["enable_thinking"] = self.thinking
+        return kwargs
+
+
+@dataclass(frozen=True)
+class StructuredPart:
+    """The structured output every row must match, as the job file writes it: at most one of
+    json_schema, regex and choice (job rules); a row's own columns replace it."""
+
+    json_schema: str | dict[str, Any] | None = option(
+        None,
+        kind=Kind.SCHEMA,
+        schema={"type": ["string", "object"]},
+        doc="Every completion is JSON matching this JSON Schema (JSON text, or "
+        'a table), written compactly (", " and ": " between items); a row\'s '
+        "json_schema, regex or choice column replaces it. One of json_schema, regex and "
+        "choice. Keywords the grammar engine does not enforce are refused (the README "
+        "lists those it does).",
+        help="Every completion is JSON matching this JSON Schema (structured output).",
+        metavar="JSON",
+        unset="none",
+    )
+    regex: str | None = option(
+        None,
+        kind=Kind.TEXT,
+        schema=_NAME,
+        doc="Every completion matches this regular expression (whole); a row's "
+        "json_schema, regex or choice column replaces it.",
+        help="Every completion matches this regular expression.",
+        unset="none",
+    )
+    choice: tuple[str, ...] | None = option(
+        None,
+        kind=Kind.STRINGS,
+        schema={"minItems": 1},
+        doc="Every completion is one of these strings; a row's json_schema, "
+        "regex or choice column replaces it.",
+        help="Every completion is one of these strings (repeatable).",
+        unset="none",
+    )
+
+
+@dataclass(frozen=True)
+class OutputPart:
+    """Where and how the output is written, and which optional columns it has."""
+
+    directory: str = option(
+        key="output",
+        kind=Kind.TEXT,
+        schema=_NAME,
+        doc=f"Output directory for part files, progress and stats. {_PATH_NOTE}",
+        help="Output directory.",
+    )
+    logprobs: int | None = option(
+        None,
+        kind=Kind.INT,
+        low=0,
+        high=MAX_LOGPROBS,
+        doc="Adds completion_logprobs and completion_logprob_sum (each completion "
+        "token's log-probability under the distribution it was sampled from: after "
+        "logit_bias, min_tokens, the penalties, temperature, min_p, top_k and top_p) "
+        "and, when above 0, top_logprobs: that many most probable tokens per position. "
+        "Unset: off.",
+        help=f"Write each completion token's log-probability, and with K > 0 its K (up to "
+        f"{MAX_LOGPROBS}) most probable tokens.",
+        metavar="K",
+        unset="off",
+    )
+    # None: off; K: each prompt token's log-probability and its top K (true is 0, false None)
+    prompt_logprobs: int | None = option(
+        None,
+        kind=Kind.SCHEMA,
+        schema={
+            "anyOf": [
+                {"type": "boolean"},
+                {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+            ]
+        },
+        doc="true or K (true is 0): adds prompt_logprobs, each prompt token's "
+        "log-probability under the target given the tokens before it, and when K is above "
+        "0, prompt_top_logprobs: that many most probable tokens per position. Prompts are "
+        "then computed in full (no prefix caching). false or unset: off.",
+        help=f"Write each prompt token's log-probability, and with K > 0 its K (up to "
+        f"{MAX_LOGPROBS}) most probable tokens (turns prefix caching off); alone: K = 0. Write "
+        "it after JOB_FILE.",
+        metavar="[K]",
+        unset="off",
+    )
+    reasoning_parser: str | None = option(  # qwen3 | auto: the think block apart from the answer
+        None,
+        kind=Kind.TEXT,
+        schema={"enum": list(REASONING_PARSERS)},
+        doc="Split each completion's think block from its answer: columns "
+        "reasoning and reasoning_tokens, completion the answer only. auto: qwen3 where the "
+        "tokenizer has <think> and </think> tokens.",
+        help="Split the think block from the answer: columns reasoning, reasoning_tokens.",
+        flag_choices=True,
+        unset="none",
+    )
+    overwrite: bool = option(
+        False,
+        kind=Kind.BOOL,
+        doc="Delete this job's earlier output in the output directory first.",
+        help="Delete earlier output in the output directory first (default: off; --no-overwrite "
+        "turns off a job file's overwrite = true).",
+    )
+    rows_per_part: int = option(
+        1000, kind=Kind.INT, low=1, doc="Rows per output part file.", help="Rows per part file."
+    )
+    part_seconds: float = option(
+        60.0,
+        kind=Kind.FLOAT,
+        low=0,
+        low_open=True,
+        doc="Commit a part after this many seconds even if it is not full, "
+        "so a killed job loses little work.",
+        help="Commit a part at least this often.",
+    )
+
+
+@dataclass(frozen=True)
+class EnginePart:
+    """The models and how the engine runs them; engine settings, not what a row asks."""
+
+    target: str = option(
+        kind=Kind.TEXT,
+        schema=_NAME,
+        doc=f"Target model directory (Hugging Face layout). {_PATH_NOTE}",
+        help="Target model directory.",
+    )
+    draft: str | None = option(  # None: no draft ("none" in a job file or flag)
+        None,
+        kind=Kind.TEXT,
+        schema=_NAME,
+        doc='DFlash draft model directory, or "none" for plain decoding (the default). '
+        + _PATH_NOTE,
+        help='DFlash draft model directory, or "none".',
+        unset="none",
+    )
+    # A constraint whose text is longer, or whose compile takes longer, is its row's error.
+    max_constraint_bytes: int = option(
+        MAX_CONSTRAINT_BYTES,
+        kind=Kind.INT,
+        low=1,
+        doc="A json_schema, regex or choice (its grammar's text) longer than this many bytes is "
+        "not compiled: its row is an error row (a job key's: the job is refused).",
+        help="A constraint longer than this is not compiled: its row is an error row.",
+    )
+    grammar_compile_timeout: float = option(
+        COMPILE_SECONDS,
+        kind=Kind.FLOAT,
+        low=0,
+        low_open=True,
+        doc="Seconds a constraint's grammar may take to compile (off the step "
+        "loop: other rows decode meanwhile); a longer compile is given up and its row is an "
+        "error row (a job key's: the job is refused).",
+        help="Seconds a constraint may take to compile; then its row is an error row.",
+    )
+    dtype: str = option(
+        "auto",
+        kind=Kind.TEXT,
+        schema={"enum": ["auto", "float32", "bfloat16", "float16"]},
+        doc="Model weight and activation dtype.",
+        help="auto, float32, bfloat16 or float16.",
+    )
+    device: str = option(
+        "auto",
+        kind=Kind.TEXT,
+        schema={"pattern": "^(auto|cpu|cuda(:[0-9]+)?)$"},
+        doc="Device to run on: auto, cpu, cuda or cuda:N (under torchrun, auto "
+        "and cuda become cuda:LOCAL_RANK).",
+        help="auto, cpu, cuda or cuda:N.",
+    )
+    attention_backend: str = option(
+        "auto",
+        kind=Kind.TEXT,
+        schema={"enum": ["auto", "torch", "triton", "flashinfer"]},
+        doc="Attention implementation.",
+        help="auto (triton on a GPU, torch on a CPU), torch, triton or flashinfer (GPU, eager).",
+    )
+    kv_cache_dtype: str = option(  # auto (the model dtype) | fp8
+        "auto",
+        kind=Kind.TEXT,
+        schema={"enum": ["auto", "fp8"]},
+        doc="The target's KV cache: auto (the model dtype) or fp8 (float8_e4m3fn with a scale "
+        "per layer for K and one for V, 1.0 uncalibrated: half the bytes of bfloat16, so "
+        "about twice the pages; attention reads the values rounded to 3 mantissa bits, so "
+        "outputs may differ from auto's). fp8 runs on the torch and triton backends.",
+        help="The target's KV cache: auto (the model dtype) or fp8 (float8_e4m3fn, per-layer "
+        "scales: about twice the pages; torch and triton backends).",
+    )
+    cuda_graphs: bool = option(
+        True,
+        kind=Kind.BOOL,
+        doc="Capture CUDA graphs for decode steps (GPU only).",
+        help="CUDA graphs for decode/verify steps.",
+    )
+    prefix_caching: bool = option(
+        True,
+        kind=Kind.BOOL,
+        doc="Reuse the K/V of full pages of prompt tokens that rows share (automatic prefix "
+        "caching).",
+        help="Reuse the K/V of prompt prefixes that rows share.",
+    )
+    verify_width: int | str = option(
+        "auto",
+        kind=Kind.SCHEMA,
+        schema={"anyOf": [{"enum": ["auto", "full"]}, {"type": "integer", "minimum": 1}]},
+        doc="Tokens verified per request and step with a draft: auto (chosen each "
+        "step from measured step costs and acceptance), full (the draft's block size) or "
+        "1 up to the block size.",
+        help="Tokens verified per request and step with a draft: auto (chosen each step from "
+        "measured costs and acceptance), full (the block) or 1 .. the draft's block size.",
+    )
+    max_batch_size: int = option(
+        64,
+        kind=Kind.INT,
+        low=1,
+        high=MAX_BATCH_SIZE,
+        doc=f"Requests in flight in the engine at once (at most {MAX_BATCH_SIZE}, and what the "
+        "device's memory holds).",
+        help="Requests in flight.",
+    )
+    max_batched_tokens: int = option(
+        4096,
+        kind=Kind.INT,
+        low=1,
+        high=MAX_BATCHED_TOKENS,
+        doc=f"Tokens per forward pass (prefill chunks + decode; at most {MAX_BATCHED_TOKENS}, "
+        "and what the device's memory holds).",
+        help="Tokens per forward pass.",
+    )
+    gpu_memory_fraction: float = option(
+        0.9,
+        kind=Kind.FLOAT,
+        low=0,
+        low_open=True,
+        high=1,
+        doc="Fraction of the GPU's memory batchrun may use: the KV pools get "
+        "what is left of it after weights, CUDA graphs and activations.",
+        help="GPU memory batchrun may use (KV pools last).",
+    )
+
+
+@dataclass(frozen=True)
+class RunPart:
+    """How this process takes part in the job: its rows, its processes, its progress."""
+
+    schedule_window: int = option(
+        4096,
+        kind=Kind.INT,
+        low=0,
+        doc="Input rows read ahead and admitted sorted: rows sharing a prompt prefix side by "
+        "side, the longest first; 0 admits rows in input order. Outputs do not change.",
+        help="Input rows read ahead and admitted shared prefixes together, longest first; "
+        "0 = input order.",
+    )
+    tp: int = option(  # tensor-parallel processes
+        1,
+        kind=Kind.INT,
+        low=1,
+        doc="Tensor parallel size: the target's heads, MLP rows and vocabulary split across this "
+        "many processes, one per GPU (gloo processes on a CPU), run under torchrun "
+        "(re-executed under it when not launched so). Under a torchrun of WORLD_SIZE "
+        "processes, each tp consecutive ranks form one group, a data-parallel shard of "
+        "WORLD_SIZE / tp. Outputs do not change.",
+        help="Tensor parallel size: processes (one per GPU) the target is split across, "
+        "launched with torchrun.",
+    )
+    shard: str | None = option(  # "I/N"
+        None,
+        kind=Kind.TEXT,
+        schema={"pattern": "^[0-9]+/[0-9]+$"},
+        doc='Process shard I of N, given as "I/N": whole row groups, one '
+        "contiguous run of them with about 1/N of the rows; shards share one output "
+        "directory. Unset: from SLURM_ARRAY_TASK_ID/COUNT or RANK/WORLD_SIZE (each "
+        "tensor-parallel group one shard) if set, else every row.",
+        help='Run shard I of N, as "I/N": about 1/N of the rows, as whole row groups (unset: '
+        "from a Slurm array task or a torchrun rank, if any).",
+        unset="from SLURM_ARRAY_TASK_ID/COUNT or RANK/WORLD_SIZE, else every row",
+    )
+    quiet: bool = option(
+        False,
+        kind=Kind.BOOL,
+        doc="No progress bar on stderr.",
+        help="No progress bar (the summary still prints).",
+        negatable=False,
+    )
+
+    @property
+    def shard_spec(self) -> tuple[int, int] | None:
+        """(I, N) of --shard I/N, or None."""
+        return parse_shard(self.shard) if self.shard is not None else None
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """(I, N) of "I/N"; the schema has already checked the form."""
+    index, count = (int(part) for part in text.split("/"))
+    if count < 1 or index >= count:
+        raise JobError(f"job key 'shard': {text!r} needs 0 <= I < N")
+    return index, count

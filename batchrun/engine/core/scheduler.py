@@ -1,0 +1,379 @@
+"""Continuous batching: which requests run in the next forward, and how many tokens each feeds
+(`schedule` returns the step as one `ScheduledStep`), and what a step's results do to them
+(`update_from_output` applies them in one place: the scheduler alone advances token progress).
+
+Every step gives each running request past its prefill its decode (1 row) or verify (B rows)
+step first; prefill chunks of running requests take what is left of the token budget, then new
+requests are admitted in arrival order. At most max_batched_tokens // width requests run, so the
+decode/verify rows always fit. Prefill chunks and admissions leave a reserve of free pages, the
+pages of one decode/verify step for every request scheduled in the pass, so that taking pages
+now does not preempt a request in the next step. When the pool still runs dry, the most recently
+admitted request not yet scheduled in this pass is preempted: its pages are freed and it is
+recomputed later from its tokens, which changes no output (sampling is keyed by position). A
+request preempted in a pass waits at least until the next one.
+
+The samples of one row (n > 1) share the full pages of their prompt, by reference count: the
+first admitted prefills the prompt; the others wait, keeping their slots (later requests may go
+ahead), until a running sibling has launched those pages, then take them and prefill only the
+rest, at least the prompt's last token. A page is freed when its last holder lets go, so
+preempting or finishing one sample never frees what another still reads; a preempted sample
+shares again from a running sibling when it comes back, or prefills alone if none runs.
+
+The engine launches a step before it reads the previous one's tokens, so a decoding request's
+pages cover its in-flight rows too, and each running request holds a slot of the device state.
+The engine may verify fewer than B rows in a step (the verify width): budgets and reserves are
+those of full blocks, so a narrower step always fits; its pages still cover the full block the
+draft writes (its K/V rows are read back within the step).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from batchrun.engine.config import check_batch_budget
+from batchrun.engine.core.page_pool import PagePool, pages_for
+from batchrun.engine.core.requests import Request, RequestOutput, Status
+from batchrun.engine.core.step import Scheduled, ScheduledStep, StepOutput
+from batchrun.engine.core.stopping import Stopper
+from batchrun.sampling.logprobs import ReadLogprobs, asked_logprobs
+from batchrun.spec_decode.acceptance import RoundTrace
+
+if TYPE_CHECKING:
+    from batchrun.sampling.row_grammar import RowGrammar
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a request records besides its tokens: speculation histograms over the draft's
+    block (spec_block None: no draft) and log-probabilities (logprobs = k, prompt_logprobs =
+    K; None: off)."""
+
+    spec_block: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+NOTHING_RECORDED = Recorded()
+
+
+def prefill_len(req: Request) -> int:
+    """Tokens to prefill before decoding: the prompt, or after a preemption every token but
+    the newest (which the next decode/verify step feeds as its first row)."""
+    return req.num_tokens - 1 if req.output.token_ids else len(req.prompt_ids)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: PagePool,
+        max_batch_size: int,
+        max_batched_tokens: int,
+        decode_width: int,
+        recompute_tail: int = 1,
+        min_width: int | None = None,
+        recorded: Recorded = NOTHING_RECORDED,
+    ) -> None:
+        """recompute_tail: prefill tokens a request admitted onto a cached prefix computes at
+        least (a draft with sliding-window layers refills its window from them); min_width:
+        the narrowest verify width the engine may ask for (default decode_width), which bounds
+        how many requests can decode in one step's token budget; recorded: what each request
+        records besides its tokens."""
+        check_batch_budget(max_batched_tokens, decode_width)
+        self.pool = pool
+        self.recompute_tail = recompute_tail
+        self.max_batched_tokens = max_batched_tokens
+        self.decode_width = decode_width  # 1, or the draft's block size B
+        self.max_running = min(max_batch_size, max_batched_tokens // (min_width or decode_width))
+        self.recorded = recorded
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.decode_forwards = 0  # decode/verify rounds of a request, over every step
+        self.decode_tokens = 0  # the tokens those rounds committed
+        self.prompt_tokens_computed = 0  # prefill chunks' rows (cached or shared ones are not)
+        # Pages kept free per request scheduled in a pass: its growth in the next step.
+        self._step_pages = pages_for(decode_width, pool.page_size)
+        self._planned: set[Request] = set()  # requests scheduled in this pass
+        self._preempted: set[Request] = set()  # requests preempted in this pass
+        self._free_slots = list(range(self.max_running - 1, -1, -1))
+
+    def add(self, req: Request, grammar: RowGrammar | None = None) -> None:
+        """Queue a request, its output made ready for what the job records; a constrained
+        one comes with its compiled grammar."""
+        output, recorded = req.output, self.recorded
+        if grammar is not None:
+            output.grammar = grammar
+        if recorded.spec_block and output.spec_hist is None:
+            output.spec_hist = [0] * recorded.spec_block
+            output.spec_capped = [0] * recorded.spec_block
+        if output.logprobs is None:
+            output.logprobs = asked_logprobs(recorded.logprobs, recorded.prompt_logprobs)
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def tokens_per_round(self) -> float | None:
+        """What speculation buys: tokens a decoding request commits per target forward."""
+        return self.decode_tokens / self.decode_forwards if self.decode_forwards else None
+
+    @property
+    def prefill_pending(self) -> bool:
+        """Whether the next step may carry prefill chunks: a running request has not finished
+        its prefill, or a waiting one has a slot to take."""
+        if self.waiting and len(self.running) < self.max_running:
+            return True
+        return any(req.state.num_cached < prefill_len(req) for req in self.running)
+
+    def schedule(self, width: int | None = None) -> ScheduledStep:
+        """The next step; decoding requests feed `width` rows each (default: the full block);
+        the caller keeps width * len(running) within the token budget."""
+        self._planned, self._preempted = set(), set()
+        width = width or self.decode_width
+        batch: list[Scheduled] = []
+        admitted: list[Request] = []  # requests given a slot in this pass
+        # A step that drafts writes the draft's whole block at the anchor, whatever it verifies.
+        rows = self.decode_width if width > 1 else 1
+        for req in list(self.running):  # oldest first; preempting the newest if pages run out
+            state = req.state
+            decoding = state.status is Status.RUNNING and state.num_cached == prefill_len(req)
+            if decoding and self._grow_or_preempt(req, state.in_flight + rows):
+                batch.append(self._plan(req, width, decoding=True))
+        budget = self.max_batched_tokens - width * len(batch)
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req in self._planned or req.state.status is not Status.RUNNING:
+                continue
+            n = self._chunk(req, budget, self._step_pages * len(batch))
+            if n <= 0 and not batch:  # nothing else can run: the oldest request goes on
+                n = min(prefill_len(req) - req.state.num_cached, budget)
+                n = n if self._grow_or_preempt(req, n) else 0
+            if n > 0:
+                batch.append(self._plan(req, n, decoding=False))
+                budget -= n
+        held: list[Request] = []  # samples waiting for a sibling's prompt pages, slots kept
+        while self.waiting and len(self.running) + len(held) < self.max_running and budget > 0:
+            req = self.waiting[0]
+            if req in self._preempted:
+                break
+            shared = self._sibling_pages(req)
+            if shared is None:
+                held.append(self.waiting.popleft())
+                continue
+            state = req.state
+            looked_up = self._reuse_prefix(req, shared)
+            n = self._chunk(req, budget, self._step_pages * len(batch))
+            if n <= 0:
+                self.pool.release(state.pages)  # cached pages it matched stay cached
+                state.num_cached = 0
+                break
+            if looked_up:  # a cache lookup (a sibling's pages are shared without one)
+                self.pool.queried_tokens += looked_up
+                self.pool.hit_tokens += state.num_cached
+            self.waiting.popleft()
+            state.status = Status.RUNNING
+            state.slot = self._free_slots.pop()
+            state.pages_on_device = 0  # a slot taken afresh: the step sends its whole table
+            self.running.append(req)
+            admitted.append(req)
+            batch.append(self._plan(req, n, decoding=False))
+            budget -= n
+        self.waiting.extendleft(reversed(held))
+        return ScheduledStep(items=batch, admitted=admitted, width=width)
+
+    def launched(self, step: ScheduledStep) -> None:
+        """The step is on its way: its page-table entries are on the device, its decode rows
+        in flight, its chunks' tokens hold K/V (their full pages join the prefix cache)."""
+        for it in step.items:
+            state = it.req.state
+            state.pages_on_device = len(state.pages)
+            if it.decoding:
+                state.in_flight += it.num_new
+            else:
+                start, state.num_cached = state.num_cached, state.num_cached + it.num_new
+                self.prompt_tokens_computed += it.num_new
+                prefix = it.req.token_slice(0, state.num_cached)
+                self.pool.register(state.pages, prefix, start, state.num_cached)
+
+    def update_from_output(
+        self,
+        output: StepOutput,
+        *,
+        stopper: Stopper,
+        scores: ReadLogprobs | None = None,
+        rounds: list[RoundTrace] | None = None,
+    ) -> list[Request]:
+        """Apply a step's results read back by the host: commit each request's tokens under
+        the stop rules (with their log-probabilities, speculation statistics and grammar),
+        advance its token progress, then finish, restart or keep it. A result launched under
+        an older epoch (finished or preempted since) is dropped. Returns the finished ones;
+        rounds: when a list, every verify round is appended to it."""
+        finished, pos, dec = [], 0, 0
+        d = output.num_drafts
+        items = zip(output.items, output.counts, output.epochs, strict=True)
+        for i, (it, k, epoch) in enumerate(items):
+            req = it.req
+            post = output.tokens[pos : pos + k]
+            pos += k
+            if it.decoding:
+                dec += 1
+            if req.state.epoch != epoch:  # finished or preempted since: this result is dropped
+                continue
+            out = req.output
+            before = len(out.token_ids)
+            if it.decoding:
+                req.state.in_flight -= it.num_new  # read back: no longer in flight
+                drafted = output.drafts[(dec - 1) * d : dec * d]
+                accepted = output.accepted[dec - 1]
+                self._commit_round(req, post, accepted, drafted, output.width, stopper, rounds)
+            elif post:  # the first token, sampled from the prompt's last row
+                stopper.commit(req, post)
+            if scores is not None:  # the rows of the tokens kept (stop rules cut the rest)
+                scores.commit(out.logprobs, i, pos - k, len(out.token_ids) - before)
+            if out.grammar is not None:  # the grammar follows the committed output
+                forced = len(stopper.think_end) if out.forced else 0
+                out.grammar.commit(out.token_ids[before:], forced)
+            if out.finish_reason:
+                self.finish(req)
+                finished.append(req)
+            elif out.forced:  # forced tokens (a thinking budget): resume from them
+                out.forced = False
+                self.restart(req)
+            else:
+                self._keep(req)
+        return finished
+
+    def _commit_round(
+        self,
+        req: Request,
+        post: list[int],
+        acc: int,
+        drafts: list[int],
+        width: int,
+        stopper: Stopper,
+        rounds: list[RoundTrace] | None,
+    ) -> None:
+        """Commits post[0 .. acc] (acc accepted drafts plus the target's own next token)."""
+        state, out = req.state, req.output
+        p, anchor = state.num_cached, out.token_ids[-1]
+        kept = stopper.commit(req, post[: acc + 1])
+        state.num_cached = p + acc + 1  # anchor .. d_acc now hold target KV; the bonus is next
+        self.decode_forwards += 1
+        self.decode_tokens += kept
+        if out.spec_hist is not None and out.spec_capped is not None:
+            if width > 1:  # a speculation round (width 1 is plain decoding: it drafts nothing)
+                _count_round(out, kept, capped=acc == width - 1 and kept == width)
+            if rounds is not None:
+                committed = out.token_ids[len(out.token_ids) - kept :]
+                rounds.append(RoundTrace(req.row_index, p, anchor, drafts, committed))
+
+    def _keep(self, req: Request) -> None:
+        """A request that goes on after a step: K/V past its committed tokens and the rows
+        still in flight is released."""
+        state = req.state
+        self.pool.shrink(state.pages, state.num_cached + state.in_flight)
+        state.pages_on_device = min(state.pages_on_device, len(state.pages))
+
+    def _sibling_pages(self, req: Request) -> list[int] | None:
+        """The full pages of the prompt that a running sibling (a sample of the same row) has
+        launched, for `req` to share (leaving recompute_tail tokens to compute): [] when no
+        sibling runs or the prompt fills no page (req prefills it itself), None while the
+        sibling is still prefilling them (req waits: a request admitted in the same step would
+        prefill them again)."""
+        shareable = min(prefill_len(req) - self.recompute_tail, len(req.prompt_ids))
+        full = max(shareable, 0) // self.pool.page_size
+        running = [s for s in req.siblings if s.state.status is Status.RUNNING]
+        if not full or not running:
+            return []
+        source = max(running, key=lambda s: s.state.num_cached)
+        if source.state.num_cached < full * self.pool.page_size:
+            return None
+        return source.state.pages[:full]
+
+    def _reuse_prefix(self, req: Request, shared: list[int]) -> int:
+        """Start a request being admitted from the pages its sibling shares, else from the
+        longest cached prefix of its tokens (the pool's prefix cache); at least recompute_tail
+        tokens are left to compute. Returns how many tokens were looked up in the cache."""
+        state = req.state
+        if shared:
+            state.pages = self.pool.share(shared)
+            state.num_cached = len(shared) * self.pool.page_size
+            return 0
+        tokens = req.token_slice(0, max(prefill_len(req) - self.recompute_tail, 0))
+        state.pages = self.pool.match(tokens)
+        state.num_cached = len(state.pages) * self.pool.page_size
+        return len(tokens)
+
+    def _plan(self, req: Request, n: int, *, decoding: bool) -> Scheduled:
+        self._planned.add(req)
+        return Scheduled(req, n, decoding)
+
+    def _chunk(self, req: Request, budget: int, reserve: int) -> int:
+        """The prefill chunk the request takes now (as much of its prefill as the budget
+        allows), its pages grown for it, if that leaves `reserve` pages free and, when the
+        chunk completes the prefill, room for the request's first decode step; else 0."""
+        state = req.state
+        remaining = prefill_len(req) - state.num_cached
+        n = min(remaining, budget)
+        end = state.num_cached + n + (self.decode_width if n == remaining else 0)
+        if self.pool.extra_pages(state.pages, end) > self.pool.num_free - reserve:
+            return 0
+        self.pool.grow(state.pages, state.num_cached + n)
+        return n
+
+    def _grow_or_preempt(self, req: Request, num_new: int) -> bool:
+        while not self.pool.grow(req.state.pages, req.state.num_cached + num_new):
+            victim = next(r for r in reversed(self.running) if r not in self._planned)
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        self.restart(req)
+        self._preempted.add(req)
+        self.num_preemptions += 1
+
+    def restart(self, req: Request) -> None:
+        """Off the running list, first to come back: its K/V is recomputed from its tokens (a
+        preempted request, or one whose tokens the host forced after its rounds launched)."""
+        self._leave(req)
+        req.state.num_cached = 0
+        req.state.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        self._leave(req)
+        req.state.status = Status.FINISHED
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request and free its pages."""
+        for req in list(self.running):
+            self.finish(req)
+        for req in self.waiting:  # preempted ones may hold no pages; fresh ones none
+            self.pool.release(req.state.pages)
+        self.waiting.clear()
+
+    def _leave(self, req: Request) -> None:
+        """Off the running list: pages and slot back, in-flight results to be dropped."""
+        state = req.state
+        self.running.remove(req)
+        self.pool.release(state.pages)
+        self._free_slots.append(state.slot)
+        state.slot, state.in_flight = -1, 0
+        state.epoch += 1
+
+
+def _count_round(out: RequestOutput, kept: int, *, capped: bool) -> None:
+    """A speculation round that committed `kept` tokens; capped: it accepted every draft it
+    verified."""
+    assert out.spec_hist is not None and out.spec_capped is not None
+    out.spec_rounds += 1
+    out.spec_hist[kept - 1] += 1
+    if capped:
+        out.spec_capped[kept - 1] += 1

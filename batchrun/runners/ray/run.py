@@ -1,0 +1,196 @@
+"""`batchrun run JOB --ray [ADDRESS]`: one job over a Ray cluster, with Ray Data as the engine.
+
+    read      ray.data.from_items(row groups with rows to do) -> map_batches(read_row_groups)
+    generate  map_batches(BatchrunProcessor): an actor pool, one actor per GPU (--replicas)
+    commit    this process (the driver, committer.py): parts, _progress, stats.json, _SUCCESS
+
+Exactly once per input row, as in a local run, because only the driver writes the output, under
+its claim, through the output sink every runner writes with (batchrun.io.sink):
+- each row carries its row_index from the read stage, numbered as a local run numbers it (files
+  sorted by path, rows in file order); row groups whose rows are all committed are not read, and
+  committed rows of the others are dropped as they are read;
+- a row is done when a committed part holds it. An actor that dies mid-batch returns nothing for
+  that batch; Ray restarts the actor and runs the batch again, so its rows come once more;
+- the driver drops any row it already has (a batch that Ray ran twice) and passes a row's n
+  samples on together (committer.py).
+The driver reads the input's footers and the models' config files, and the actors read the input
+and the models: their paths must be the same on every node (a shared filesystem). The output
+directory is written by the driver alone.
+
+Why not ray.data.read_parquet: its blocks do not say where in a file their rows are, and the row
+index (resume, seeds, the output's row_index) must be the local run's. The read stage reads the
+same Parquet row groups with pyarrow inside Ray tasks instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchrun.config.job import JobSpec
+from batchrun.errors import JobError
+from batchrun.io.output_dir import row_ranges
+from batchrun.io.prompts import PromptColumn, find_prompt_column
+from batchrun.io.reader import open_input
+from batchrun.runners.engine_feed import QUEUE_FACTOR
+from batchrun.runners.opened_job import OpenedJob, open_job
+from batchrun.runners.ray.committer import commit_outputs
+from batchrun.runners.ray.errors import job_error
+from batchrun.runners.ray.processor import ROW_INDEX, BatchrunProcessor, processor_settings
+from batchrun.stats import RunClock
+
+CRASH_ONCE_ENV = "BATCHRUN_TEST_RAY_CRASH_ONCE"  # test hook: see BatchrunProcessor._crash_once
+READ_BATCH_ROWS = 1024  # rows per block of the read stage
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+        import ray.data
+    except ImportError:
+        raise JobError("--ray needs Ray: pip install 'batchrun[ray]'") from None
+    return ray
+
+
+def run_job_ray(
+    job: JobSpec, address: str | None = None, replicas: int | None = None
+) -> dict[str, Any]:
+    """Run the job on the Ray cluster at `address` (None: the one this machine or RAY_ADDRESS
+    names, else a new local one) with `replicas` engine actors (None: one per GPU, or 1 without
+    GPUs); returns its stats.json content. Raises JobError."""
+    ray = import_ray()
+    if job.run.shard is not None:
+        raise JobError("--ray runs every row of the job; leave out shard")
+    if replicas is not None and replicas < 1:
+        raise JobError(f"--replicas must be at least 1, got {replicas}")
+    clock = RunClock()
+    # These checks need no cluster.
+    source = open_input(job.input.path, exclude=Path(job.output.directory))
+    prompt = find_prompt_column(source.schema, job.input)
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level=logging.WARNING)
+    gpus = int(ray.cluster_resources().get("GPU", 0)) if job.engine.device != "cpu" else 0
+    resources: dict[str, Any] = {"num_gpus": 1} if gpus else {"num_cpus": 1}
+    found = _probe(ray, job, prompt, resources)
+    if job.engine.dtype == "auto":  # the fingerprint holds the dtype the actors resolve, not ours
+        engine = dataclasses.replace(job.engine, dtype=found["dtype"])
+        job = dataclasses.replace(job, engine=engine)
+    opened = open_job(job)
+    count = replicas or max(gpus, 1)
+
+    def outputs(done: np.ndarray) -> Iterable[pa.Table]:
+        dataset = _dataset(ray, opened, done, count, resources)
+        batches: Iterable[pa.Table] = dataset.iter_batches(batch_format="pyarrow", batch_size=None)
+        return batches
+
+    clock.engine_ready()  # the actors load their models within generation_seconds
+    return commit_outputs(opened, found, clock, outputs, {"replicas": count})
+
+
+def _probe(
+    ray: Any, job: JobSpec, prompt: PromptColumn, resources: dict[str, Any]
+) -> dict[str, Any]:
+    """The start-up checks of preflight, run where an actor runs (a GPU node if actors get
+    GPUs): what device, dtype and backend the actors will resolve."""
+    task = ray.remote(max_retries=0, **resources)(preflight_info)
+    try:
+        found: dict[str, Any] = ray.get(task.remote(job, prompt))
+    except Exception as exc:
+        error = job_error(exc)
+        if error is None:
+            raise
+        raise error from None
+    return found
+
+
+def preflight_info(job: JobSpec, prompt: PromptColumn) -> dict[str, Any]:
+    """What commit_outputs needs to know of the engine, found by preflight (no weights)."""
+    from batchrun.attention.kv_dtype import kv_dtype
+    from batchrun.preflight import preflight
+
+    found = preflight(job, prompt)
+    return {
+        "target": job.engine.target,
+        "draft": job.engine.draft,
+        "device": str(found.device),
+        "dtype": str(found.dtype).removeprefix("torch."),
+        "attention_backend": found.attention_backend,
+        "kv_cache_dtype": str(kv_dtype(job.engine.kv_cache_dtype, found.dtype)).removeprefix(
+            "torch."
+        ),
+        "block_size": found.block_size,
+    }
+
+
+def read_row_groups(units: pa.Table) -> Iterator[pa.Table]:
+    """The read stage: the rows of each unit (one row group) that are not done, with their
+    row_index column; one table per READ_BATCH_ROWS rows read."""
+    for unit in units.to_pylist():
+        done = np.zeros(unit["rows"], dtype=bool)
+        for start, stop in json.loads(unit["done"]):
+            done[start:stop] = True
+        reader = pq.ParquetFile(unit["path"])
+        offset = 0
+        for batch in reader.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[unit["group"]]):
+            wanted = ~done[offset : offset + batch.num_rows]
+            indices = np.arange(offset, offset + batch.num_rows, dtype=np.int64) + unit["first"]
+            offset += batch.num_rows
+            if wanted.any():
+                table = pa.Table.from_batches([batch.filter(pa.array(wanted))])
+                yield table.append_column(ROW_INDEX, pa.array(indices[wanted]))
+
+
+def row_group_units(opened: OpenedJob, done: np.ndarray) -> list[dict[str, Any]]:
+    """One unit per row group that holds rows not done; `done` ranges relative to the group."""
+    units = []
+    for file in opened.source.files:
+        first = file.first_row
+        for group, rows in enumerate(file.row_group_rows):
+            group_done = done[first : first + rows]
+            if not group_done.all():
+                units.append(
+                    {
+                        "path": str(file.path),
+                        "group": group,
+                        "first": first,
+                        "rows": rows,
+                        "done": json.dumps(row_ranges(np.flatnonzero(group_done))),
+                    }
+                )
+            first += rows
+    return units
+
+
+def _dataset(
+    ray: Any, opened: OpenedJob, done: np.ndarray, replicas: int, resources: dict[str, Any]
+) -> Any:
+    """The read and generate stages over the rows not done."""
+    ray.data.DataContext.get_current().enable_progress_bars = False  # batchrun draws its own
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # not each dataset's plan
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    settings = processor_settings(opened.job)
+    crash = os.environ.get(CRASH_ONCE_ENV)
+    if crash:
+        settings["_crash_once"] = crash
+    reads = ray.data.from_items(row_group_units(opened, done)).map_batches(
+        read_row_groups, batch_size=1, batch_format="pyarrow", num_cpus=0
+    )
+    # Ray Data restarts an actor that dies (max_restarts=-1) and runs its batch again
+    # (max_task_retries=-1): its defaults for actor pools.
+    return reads.map_batches(
+        BatchrunProcessor,
+        fn_constructor_kwargs=settings,
+        batch_size=QUEUE_FACTOR * opened.job.engine.max_batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=replicas),
+        **resources,
+    )

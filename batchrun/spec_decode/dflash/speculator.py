@@ -1,0 +1,323 @@
+"""The DFlash speculator: everything a DFlash draft needs, behind spec_decode/base.py's
+interface. It owns the draft model, its K/V (full-attention layers in caches indexed like the
+target's pages, sliding ones in per-slot rings), the features carried from the last verify, the
+per-slot rows of that verify still to enter the draft's context, the draft's CUDA graphs and
+the verify-width policy with its counts. Of the target it sees only the view its runner handed
+it (TargetView).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchrun.attention.base import AttentionBackend
+from batchrun.attention.meta import AttentionMeta, allocate_kv
+from batchrun.models.dflash import DFlashDraft
+from batchrun.parallel.group import TensorParallel
+from batchrun.spec_decode.acceptance import accepted_lengths
+from batchrun.spec_decode.base import (
+    Admitted,
+    ContextRows,
+    Speculator,
+    StepShape,
+    TargetView,
+)
+from batchrun.spec_decode.dflash.graphs import DraftGraphs
+from batchrun.spec_decode.dflash.inputs import (
+    DraftContext,
+    DraftInputs,
+    context_feature_rows,
+    draft_inputs,
+)
+from batchrun.spec_decode.dflash.rings import DraftRing
+from batchrun.spec_decode.dflash.width_policy import WidthPolicy, step_width
+
+
+@dataclass(frozen=True)
+class DraftBackends:
+    """The attention backends a draft attends with: the target's kind, and a second backend of
+    that kind planned for the draft's sliding-window layers (their blocks read their ring,
+    through a window; None: no such layers)."""
+
+    backend: AttentionBackend
+    window_backend: AttentionBackend | None = None
+
+
+def make_speculator(
+    target: TargetView,
+    *,
+    draft: DFlashDraft | None,
+    backends: DraftBackends,
+    widths: tuple[int, ...],
+    max_batch_size: int,
+    tp: TensorParallel | None = None,
+) -> Speculator:
+    """The speculator over `target`: DFlash's with a draft, plain decoding without one."""
+    if draft is None:
+        return Speculator()
+    return DFlashSpeculator(
+        target, draft, backends, widths=widths, max_batch_size=max_batch_size, tp=tp
+    )
+
+
+class DFlashSpeculator(Speculator):
+    def __init__(
+        self,
+        target: TargetView,
+        draft: DFlashDraft,
+        backends: DraftBackends,
+        *,
+        widths: tuple[int, ...],
+        max_batch_size: int,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        """widths: the verify widths it may choose (engine/config.py's verify_widths)."""
+        super().__init__()
+        self.target, self.draft, self.tp = target, draft, tp
+        self.backend, self.window_backend = backends.backend, backends.window_backend
+        self.drafting = True
+        self.block_size = block = draft.block_size
+        self.widths = widths
+        self.capture_layers = draft.target_layer_ids
+        window = draft.attention.window
+        # A sliding draft's first block reads back the W - 1 positions before its anchor.
+        self.recompute_tail = max(window - 1, 1) if window else 1
+        device, page_size = target.device, target.page_size
+        # A full-attention layer's cache is indexed by the target's page tables: position i of
+        # a request lives at the same cache index in both. A sliding layer's lives in its ring.
+        self.ring = None
+        if window is not None:
+            self.ring = DraftRing(
+                max_batch_size, target.max_pages, window, block, page_size, device
+            )
+        shape, dtype = draft.shape, target.model.lm_head.weight.dtype
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for sliding in draft.attention.sliding:
+            pages = self.ring.num_pages if sliding and self.ring else target.num_pages
+            self.kv_caches += allocate_kv(
+                1, pages, page_size, shape.num_kv_heads, shape.head_dim, dtype, device
+            )
+        self.context = DraftContext.zeros(target.state.num_slots + 1, device)
+        self.drafts = torch.zeros(max_batch_size, block - 1, dtype=torch.int64, device=device)
+        self.features: torch.Tensor | None = None  # the last target forward's captured rows
+        self.graphs: DraftGraphs | None = None
+        # The last verify's committed rows are not yet in the draft's context: the next step
+        # stores them, by drafting or, at width 1, on their own.
+        self._verified_unstored = False
+        self.policy: WidthPolicy | None = None
+        self.width_steps: Counter[int] = Counter()  # verify width -> steps decoding at it
+        self._last_width = 0  # the width of the step read back before
+
+    # -- the width ----------------------------------------------------------------------------
+
+    def start_job(self, max_batch_size: int, max_batched_tokens: int) -> None:
+        self.max_batch_size, self.max_batched_tokens = max_batch_size, max_batched_tokens
+        many = len(self.widths) > 1
+        self.policy = WidthPolicy(self.block_size, self.widths) if many else None
+        self.width_steps = Counter()
+        self._last_width = 0
+
+    def next_width(self, running: int, prefill_pending: bool) -> int:
+        pinned = self.hooks.pinned_width
+        if pinned is not None or self.policy is None:
+            return pinned or self.widths[-1]
+        width = step_width(
+            self.policy,
+            bucket=self.target.graphs.bucket(running, self.max_batch_size),
+            running=running,
+            prefill_pending=prefill_pending,
+            max_batched_tokens=self.max_batched_tokens,
+        )
+        if self.tp is not None:  # chosen from this rank's step times: rank 0's wins
+            width = self.tp.first_int(width)
+        return width
+
+    def learn(self, step: StepShape, accepted: list[int], seconds: float) -> None:
+        """Feeds the policy: the rounds' acceptance, and the step's cost when every request
+        decoded (a step with prefill chunks says little about a width's cost) and the width
+        was the last step's too (a switch costs the pipeline more than the width does)."""
+        width, switched = step.width, step.width != self._last_width
+        self._last_width = width
+        if step.num_decoding:
+            self.width_steps[width] += 1
+        policy = self.policy
+        if policy is None:
+            return
+        for a in accepted if width > 1 else ():
+            policy.record_round(width, a)
+        if seconds > 0 and not switched:
+            policy.record_rows(step.num_rows, seconds * 1e3)
+            if step.uniform:
+                bucket = self.target.graphs.bucket(step.num_live, self.max_batch_size)
+                policy.record_cost(width, bucket, seconds * 1e3)
+
+    def aborted(self) -> None:
+        self._last_width = 0
+
+    # -- a step -------------------------------------------------------------------------------
+
+    def admit(self, requests: Sequence[Admitted], slots: torch.Tensor) -> None:
+        self.context.admit(slots)
+        self.hooks.admit(requests, slots)
+
+    @torch.inference_mode()
+    def propose(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor | None:
+        """Drafts one block per decoding request, after storing the context K/V of the rows
+        their last verify committed; at width 1 it only stores those."""
+        d, width = step.num_decoding, step.width
+        if not d:
+            return None
+        if width == 1:
+            if self._verified_unstored:
+                self._store_verified(slots[:d])
+            return None
+        drafts = self._draft_step(step, slots)
+        # In place: a graph's target reads them there.
+        self.hooks.rewrite(drafts, slots[:d], self.target.state.out_len)
+        return drafts[:, : width - 1]
+
+    def graph_drafts(self, size: int) -> torch.Tensor:
+        return self.drafts[:size]
+
+    def store_context(self, features: torch.Tensor, rows: ContextRows) -> None:
+        window_kv_index = None
+        if self.ring is not None:  # a chunk's rows, up to the ring's last positions
+            end = rows.meta.kv_lens.long()[rows.row_req]
+            committed = rows.context_kv_index >= 0
+            window_kv_index = self.ring.kv_index(rows.row_slot, rows.meta.positions, end, committed)
+        self.draft.write_context(
+            features,
+            rows.meta.positions,
+            rows.context_kv_index,
+            window_kv_index,
+            self.backend,
+            self.kv_caches,
+        )
+
+    def observe(self, features: torch.Tensor | None) -> None:
+        self.features = features
+
+    def accept(
+        self, drafts: torch.Tensor | None, tokens: torch.Tensor, step: StepShape
+    ) -> torch.Tensor:
+        d = step.num_decoding
+        if drafts is None:
+            return tokens.new_zeros(d)
+        return accepted_lengths(drafts, tokens[: d * step.width].view(d, step.width))
+
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, step: StepShape) -> None:
+        self._verified_unstored = self.context.commit(slots, accepted, step.width)
+
+    def _draft_step(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor:
+        d = step.num_decoding
+        graphs = self.graphs
+        graphed = graphs is not None and graphs.replayable(step)
+        slots = slots if graphed else slots[:d]
+        context = self._verified_context(slots)
+        self._verified_unstored = False
+        if graphed:
+            assert graphs is not None
+            return graphs.replay(step.num_requests, context, slots)[:d]
+        # Eager: the blocks end by the step's longest context, with a block, not the graphs'.
+        return self._draft(slots, context, step.max_kv - step.width + self.block_size)
+
+    def _store_verified(self, slots: torch.Tensor) -> None:
+        """The draft context of the last verify's committed rows, without drafting."""
+        context = self._verified_context(slots)
+        if context is not None:
+            self._write_context(context, self._inputs(slots))
+        self._verified_unstored = False
+
+    def _verified_context(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """The features of the rows each request's last verify committed, B rows each."""
+        if self.features is None:
+            return None
+        rows = context_feature_rows(self.context, slots, self.block_size, self.features.shape[0])
+        return self.features.index_select(0, rows)
+
+    def _inputs(self, slots: torch.Tensor, max_kv: int | None = None) -> DraftInputs:
+        return draft_inputs(
+            self.target.state,
+            self.context,
+            slots,
+            self.block_size,
+            self.draft.mask_token_id,
+            self.target.page_size,
+            max_kv or self.target.max_kv,
+            self.draft.attention,
+            self.ring,
+        )
+
+    def _write_context(self, context: torch.Tensor, inputs: DraftInputs) -> None:
+        self.draft.write_context(
+            context,
+            inputs.ctx_positions,
+            inputs.ctx_kv_index,
+            inputs.ctx_window_kv_index,
+            self.backend,
+            self.kv_caches,
+        )
+
+    def _draft(
+        self, slots: torch.Tensor, context: torch.Tensor | None, max_kv: int | None = None
+    ) -> torch.Tensor:
+        inputs = self._inputs(slots, max_kv)
+        if context is not None:
+            self._write_context(context, inputs)
+        if self.draft.attention.num_full:
+            self.backend.plan(inputs.meta)
+        if inputs.window_meta is not None:
+            assert self.window_backend is not None, "sliding draft layers need window_backend"
+            self.window_backend.plan(inputs.window_meta)
+        return self.draft.draft_block(
+            self.target.model,
+            inputs.block_ids,
+            inputs.meta.positions,
+            self.backend,
+            self.window_backend,
+            self.kv_caches,
+        )
+
+    # -- CUDA graphs --------------------------------------------------------------------------
+
+    def capture_graphs(self, max_batch_size: int, pool: Any) -> None:
+        """The draft's block at the sizes of the narrowest drafting width's target graphs."""
+        drafting = [w for w in self.widths if w > 1]
+        if not drafting:
+            return
+        target, block = self.target, self.block_size
+        hidden = target.model.shape.hidden_size
+        self.graphs = DraftGraphs(
+            target.graphs,
+            draft=self._draft,
+            backends=self._graph_backends(),
+            metas=self._metas,
+            drafts=self.drafts,
+            context=torch.zeros(
+                max_batch_size * block,
+                hidden * len(self.capture_layers),
+                dtype=target.model.lm_head.weight.dtype,
+                device=target.device,
+            ),
+            block_size=block,
+        )
+        self.graphs.capture(target.graphs.sizes(max_batch_size, min(drafting)), pool)
+
+    def _graph_backends(self) -> list[AttentionBackend]:
+        """The backends that attend in the draft's graphs, in the order of `_metas`: the full
+        layers', then the sliding ones'."""
+        full = [self.backend] if self.draft.attention.num_full else []
+        return full + ([self.window_backend] if self.window_backend is not None else [])
+
+    def _metas(self, slots: torch.Tensor) -> list[AttentionMeta]:
+        inputs = self._inputs(slots)
+        metas = [inputs.meta] if self.draft.attention.num_full else []
+        return metas + ([inputs.window_meta] if inputs.window_meta is not None else [])
+
+    def info(self) -> dict[str, Any]:
+        return {"verify_width_steps": dict(sorted(self.width_steps.items())) or None}

@@ -1,1 +1,0 @@
-"""DFlash speculative decoding: drafting a block per request, and the acceptance rule."""

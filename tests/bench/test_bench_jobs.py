@@ -1,0 +1,126 @@
+"""`batchrun bench --jobs` on the CPU at a tiny shape: whole jobs through run's own path, one
+engine per mode running every workload, the oracle's acceptance labelled and lossless."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from batchrun.bench.jobs import JobsPlan, outputs, run_jobs
+from batchrun.bench.workloads import WORKLOADS
+from batchrun.models.qwen3 import Qwen3Shape
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+TINY = Qwen3Shape(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+
+
+def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
+    plan = JobsPlan(
+        shape_name="tiny",
+        shape=TINY,
+        workloads=(WORKLOADS["w2"].scaled(0.1), WORKLOADS["w3"].scaled(0.02)),
+        taus=(6.5,),
+        widths=("auto", "full"),
+        scratch=tmp_path,
+        dtype="float32",
+        device="cpu",
+        profiled=("w2",),
+    )
+    seen: list[dict] = []
+    result = run_jobs(plan, seen.append)
+    assert seen and seen[-1] is result  # the figures so far after each run
+    assert "oracle" in result["oracle"]
+    for mode in ("none", "auto", "full"):
+        assert result["startup"][mode]["stages"]["load_target"] >= 0
+    profile = result["workloads"]["w2"]["profile"]  # the no-draft run's kernels
+    assert profile["kernel_seconds"] > 0 and "aten::" in profile["table"]
+    assert "profile" not in result["workloads"]["w3"]
+    for name, entry in result["workloads"].items():
+        runs = entry["runs"]
+        assert set(runs) == {
+            "none",
+            "useless auto",
+            "oracle tau 6.5 auto",
+            "useless full",
+            "oracle tau 6.5 full",
+        }
+        rows = entry["workload"]["rows"]
+        for run in runs.values():
+            assert run["error_rows"] == 0 and run["completion_tokens"] > rows
+            assert sum(run["steps"].values()) > 0
+            assert set(run["step_seconds"]) == set(run["steps"])  # where the time went
+            assert 0 < sum(run["step_seconds"].values()) <= run["generation_seconds"]
+        oracle = runs["oracle tau 6.5 full"]
+        assert oracle["oracle"] and oracle["designed_tau"] == 6.5
+        assert oracle["acceptance_length"] > 3, name  # the oracle reached the verify
+        assert runs["useless full"]["acceptance_length"] < 1.5
+        assert "oracle tau 6.5 auto / best of none and full" in entry["ratios"]
+        # Lossless: every mode wrote the same completions (float32).
+        written = {run: outputs(tmp_path / "out" / name / run.replace(" ", "-")) for run in runs}
+        assert all(o == written["none"] for o in written.values()), name
+
+
+def test_a_json_schema_workload_runs_constrained_beside_unconstrained(tmp_path: Path) -> None:
+    plan = JobsPlan(
+        shape_name="tiny",
+        shape=TINY,
+        workloads=(WORKLOADS["j1"].scaled(0.1),),
+        taus=(6.5,),
+        widths=("auto",),
+        scratch=tmp_path,
+        dtype="float32",
+        device="cpu",
+    )
+    entry = run_jobs(plan, lambda _: None)["workloads"]["j1"]
+    runs = entry["runs"]
+    assert set(runs) == {"none", "json", "json useless auto", "json oracle tau 6.5 auto"}
+    assert "json / none" in entry["ratios"]
+    assert runs["json oracle tau 6.5 auto"]["acceptance_length"] > 3  # drafts the grammar allows
+    completions = {
+        run: pl.read_parquet(tmp_path / "out" / "j1" / run.replace(" ", "-") / "*.parquet")
+        .sort("row_index")["completion"]
+        .to_list()
+        for run in runs
+    }
+    assert all(text.startswith('{"items": [{"name": "') for text in completions["json"])
+    assert not any(text.startswith('{"items"') for text in completions["none"])
+    assert all(c == completions["json"] for r, c in completions.items() if r.startswith("json"))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--jobs", "w9"],
+        ["--jobs", "w1", "--tau", "x"],
+        ["--jobs", "w1", "--tau", "0,nan"],
+        ["--jobs", "w1", "--job-scale", "-1"],
+        ["--jobs", "w1", "--target", "."],
+        ["--jobs", "w1", "--kv-cache-dtype", "auto,fp8"],  # a job runs one KV dtype
+        ["--target", ".", "--kv-cache-dtype", "auto,fp8"],
+        ["--shape", "qwen3-8b", "--batch-sizes", "1,,-4"],
+        ["--shape", "qwen3-8b", "--contexts", "1e9999"],
+        ["--shape", "qwen3-8b", "--num-layers", "1"],  # the draft reads layers 1 .. L-3
+    ],
+)
+def test_bad_bench_arguments_are_one_line(args: list[str]) -> None:
+    from batchrun.cli import cli
+
+    result = CliRunner().invoke(cli, ["bench", *args, "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert len(result.output.strip().splitlines()) == 1, result.output
