@@ -19,6 +19,6 @@ def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
-def min_tokens(chars: int, longest_token: int) -> int:
+def fewest_tokens(chars: int, longest_token: int) -> int:
     """The fewest tokens a text of `chars` characters can tokenize to."""
     return -(-chars // longest_token)

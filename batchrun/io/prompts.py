@@ -29,7 +29,7 @@ from batchrun.io.overrides import (
     output_rows,
     show_value,
 )
-from batchrun.io.prompt_bound import longest_token_chars, min_tokens
+from batchrun.io.prompt_bound import fewest_tokens, longest_token_chars
 from batchrun.models.tokenizer import think_token_ids
 from batchrun.sampling.constraint import KINDS, Constraint
 from batchrun.sampling.grammar import Grammars
@@ -243,7 +243,7 @@ class RequestBuilder:
 
     def _too_many_chars(self, chars: int) -> str | None:
         """The error for a text that cannot fit whatever its tokens, else None (tokenize it)."""
-        at_least = min_tokens(chars, self.longest_token)
+        at_least = fewest_tokens(chars, self.longest_token)
         if at_least < self.max_model_len:
             return None
         return self._too_long(f"at least {at_least} tokens ({chars} characters)")
