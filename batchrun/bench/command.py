@@ -106,7 +106,15 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     show_default=True,
     help="--target: also sample n completions per prompt, as rows of n and as n separate rows.",
 )
-@click.option("--tau", default="3,5,6.5", show_default=True, help="--shape: projected tau.")
+@click.option(
+    "--tau",
+    default="3,5,6.5",
+    show_default=True,
+    help="--shape (steady state): the taus to project DFlash at from measured step times. "
+    "--jobs: the target tau of the acceptance oracle, which replaces the draft's proposals "
+    "so that a full block commits tau tokens on average; the oracle exists only in the "
+    "benchmark (batchrun run cannot reach it).",
+)
 @click.option(
     "--acceptance-from",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -202,10 +210,14 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
 @click.option("--out", type=click.Path(path_type=Path), help="Write the result JSON here.")
 def bench(out: Path | None, **opts: Any) -> None:
     """Time the engine against baselines measured in the same run."""
+    from batchrun.bench.provenance import provenance
+
+    origin = provenance()
 
     def write(result: dict[str, Any]) -> None:
-        """The result so far (each stage's progress too), with the command that made it."""
+        """The result so far (each stage's progress too), with where it comes from."""
         result["args"] = ["batchrun", *sys.argv[1:]]
+        result["provenance"] = origin
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2) + "\n")

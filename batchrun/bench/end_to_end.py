@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from batchrun.bench.hf_baseline import RUNS, compiled_frames, spread
 from batchrun.bench.prompts import workload
 from batchrun.bench.steady import profile_point, sync
 from batchrun.engine.config import EngineConfig
@@ -80,24 +81,26 @@ def run_hf_generate(
     dtype: torch.dtype,
     device: torch.device,
 ) -> dict[str, Any]:
-    """transformers' own batched greedy generate(): the baseline."""
+    """transformers' own batched greedy generate(): the baseline, timed RUNS times."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype)
     model.to(device).eval()  # type: ignore[arg-type]
     ids = torch.tensor(prompts, device=device)  # equal lengths: no padding needed
-    sync(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    sync(device)
-    wall = time.perf_counter() - start
+    walls, before = [], compiled_frames()
+    for _ in range(RUNS):
+        sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        sync(device)
+        walls.append(time.perf_counter() - start)
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     tokens = 0
@@ -105,10 +108,13 @@ def run_hf_generate(
         n = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
         tokens += n
     del model
+    wall = spread(walls)
     return {
-        "wall_seconds": wall,
+        "wall_seconds": wall["median"],
+        "wall_seconds_runs": wall,
         "output_tokens": tokens,
-        "output_tokens_per_second": tokens / wall,
+        "output_tokens_per_second": tokens / wall["median"],
+        "compiled": compiled_frames() > before,
     }
 
 
