@@ -7,7 +7,7 @@
 # FLASHINFER=1 also installs flashinfer from .fiwhl (carry it too: the slimmed flashinfer-python
 # and apache-tvm-ffi wheels, see ../shared/tools/README.md) and keeps its JIT cache between
 # calls: .fiwhl/jit-cache.tar.gz is unpacked first, $OUT/jit-cache.tar.gz written after the tests.
-#   FLASHINFER=1 BENCH=0 TEST_FILES=tests/test_flashinfer_backend.py bash bench/gpu_check.sh
+#   FLASHINFER=1 BENCH=0 TEST_FILES=tests/kernels/test_flashinfer_backend.py bash bench/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/out}
 mkdir -p "$OUT"
@@ -27,7 +27,7 @@ fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 if [ "${TESTS:-1}" = 1 ]; then
     timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rP -p no:cacheprovider -m gpu \
-        ${TEST_FILES:-tests/test_triton_kernels.py tests/test_triton_engine.py} 2>&1 \
+        ${TEST_FILES:-tests/kernels/test_triton_kernels.py tests/kernels/test_triton_engine.py} 2>&1 \
         | grep -v '^$' | tail -n 80 | tee "$OUT/gpu-tests.log"
 fi
 if [ "${FLASHINFER:-0}" = 1 ]; then  # keep it under 16 MiB to come back from $OUT
