@@ -21,6 +21,19 @@ RECENT_SAMPLES = 8  # a cost is the least of this many newest step times
 REMEASURE_EVERY = 512  # steps after which a width not run since is measured again
 SWITCH_MARGIN = 0.05  # a width must promise this much more than the current one to replace it
 COMPUTE_ROWS = 1024  # a step of this many rows or more times the matmuls' rate per row
+# Acceptance is forgotten by rounds: every HALF_LIFE rounds recorded, all positions' hits and
+# trials are halved, so an estimate rests on the last 1-2 x HALF_LIFE rounds. 64 keeps at least
+# 64 rounds behind position 1 (a standard error <= 0.5/sqrt(64) = 0.06 on a probability); at 32
+# that noise already picks wrong widths on jobs of constant acceptance. A drafter that turns
+# useless has p_1's hits halved every HALF_LIFE rounds, so 6 halvings (384 rounds) take it from
+# 0.9 below the ~0.03 at which width 1 wins even where a wide verify is cheapest (batch 1): 384
+# steps at batch 1, 12 at batch 32. Positions no round reaches decay towards the prior.
+HALF_LIFE = 64
+# Width 1 records no rounds, so a drafter held there is re-learned from scratch (its counts
+# cleared, so the narrowest drafting width probes it once, as at the start) after this many
+# steps without one: one probe step in PROBE_EVERY, and a drafter that turned good is taken
+# up again within PROBE_EVERY steps plus the measuring after it.
+PROBE_EVERY = 1024
 
 
 def candidate_widths(block_size: int) -> tuple[int, ...]:
@@ -95,7 +108,8 @@ class WidthPolicy:
     unknown, the narrowest drafting width (the cheapest way to learn it: a drafter that accepts
     nothing is then ruled out for every width at once), then the widest that could win, down.
     A width left unrun for REMEASURE_EVERY steps is forgotten, so one unlucky sample cannot rule
-    it out for the whole job; it is measured again only if it could win.
+    it out for the whole job; it is measured again only if it could win. Acceptance is
+    forgotten too (HALF_LIFE, PROBE_EVERY), so the width follows a drafter that changes.
 
     A third fact bounds a wide step's cost from below before it ever runs: its rows' matmuls,
     at the least time per row that a step of COMPUTE_ROWS rows or more has taken (prefill
@@ -111,8 +125,11 @@ class WidthPolicy:
 
     def __init__(self, block_size: int, widths: Sequence[int]) -> None:
         self.widths = tuple(widths)
-        self.hits = [0] * (block_size - 1)  # rounds that accepted draft j, given 1 .. j-1
-        self.trials = [0] * (block_size - 1)  # rounds that verified draft j, given 1 .. j-1
+        # Rounds (halved every HALF_LIFE of them) that accepted / verified draft j, given 1 .. j-1.
+        self.hits: list[float] = [0] * (block_size - 1)
+        self.trials: list[float] = [0] * (block_size - 1)
+        self._rounds = 0  # rounds recorded since the last halving
+        self._round_step = 0  # the step of the newest round
         self.samples: dict[tuple[int, int], deque[float]] = {}  # newest step times, in ms
         self._measured_at: dict[tuple[int, int], int] = {}  # the step of the newest sample
         self._chosen: dict[int, int] = {}  # bucket -> its width now
@@ -146,6 +163,12 @@ class WidthPolicy:
         self._step += 1
         if not measure:
             return 1
+        if self._step - self._round_step > PROBE_EVERY and any(self.trials):
+            # Too old to tell what the drafter does now, as are the choices made from them.
+            self.hits = [0] * len(self.hits)
+            self.trials = [0] * len(self.trials)
+            self._rounds = 0
+            self._chosen.clear()
         fits = [w for w in self.widths if max_width is None or w <= max_width] or [1]
         for w in self.widths:  # stale: forget it, so that it may be measured afresh below
             at = self._measured_at.get((w, bucket))
@@ -200,6 +223,11 @@ class WidthPolicy:
 
     def record_round(self, width: int, accepted: int) -> None:
         """A verify of `width` rows accepted `accepted` drafts."""
+        self._round_step, self._rounds = self._step, self._rounds + 1
+        if self._rounds >= HALF_LIFE:
+            self.hits = [h / 2 for h in self.hits]
+            self.trials = [t / 2 for t in self.trials]
+            self._rounds = 0
         for j in range(min(accepted + 1, width - 1)):
             self.trials[j] += 1
             self.hits[j] += j < accepted

@@ -1,0 +1,192 @@
+"""The verify-width policy when the drafter's acceptance changes during a job, on the CPU: the
+speculator's own width choice and learning (DFlashSpeculator.next_width and .learn, over the
+real WidthPolicy) stepped over decode steps whose time comes from a cost model that charges the
+drafter's work at every width, width 1 included."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+from batchrun.engine.cuda_graphs import ladder_bucket
+from batchrun.spec_decode.base import Speculator
+from batchrun.spec_decode.dflash.speculator import DFlashSpeculator
+from batchrun.spec_decode.dflash.width_policy import (
+    HALF_LIFE,
+    PRIOR_ACCEPT,
+    PROBE_EVERY,
+    WidthPolicy,
+    candidate_widths,
+)
+
+BLOCK = 16
+WIDTHS = candidate_widths(BLOCK)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Milliseconds of a decode step of the H200 at the Qwen3-8B shape (as in
+    test_width_policy_jobs.py), with the drafter charged at width 1 too: its context is written
+    every step (10.6 vs 10.43 ms a step at batch 128 on the H200)."""
+
+    weights_ms: float = 4.0
+    kv_ms_per_request: float = 0.05
+    ms_per_row: float = 0.027
+    draft_ms_per_row: float = 0.0045
+    context_ms_per_request: float = 0.0013
+
+    def no_draft(self, decoding: int) -> float:
+        return max(self.weights_ms + self.kv_ms_per_request * decoding, self.ms_per_row * decoding)
+
+    def step(self, decoding: int, width: int) -> float:
+        memory = self.weights_ms + self.kv_ms_per_request * decoding
+        if width == 1:
+            draft = self.context_ms_per_request * decoding
+        else:
+            draft = self.draft_ms_per_row * decoding * BLOCK + 0.5
+        return max(memory, self.ms_per_row * decoding * width) + draft
+
+
+@dataclass(frozen=True)
+class Step:
+    """The part of the engine's StepPlan the speculator reads: every request decodes."""
+
+    width: int
+    num_live: int
+
+    @property
+    def num_decoding(self) -> int:
+        return self.num_live
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_live * self.width
+
+    @property
+    def uniform(self) -> bool:
+        return True
+
+
+def speculator(batch: int) -> DFlashSpeculator:
+    """The speculator's width logic without a model: only its policy and step bookkeeping run."""
+    spec = DFlashSpeculator.__new__(DFlashSpeculator)
+    Speculator.__init__(spec)
+    spec.target = SimpleNamespace(graphs=SimpleNamespace(bucket=ladder_bucket))  # type: ignore[assignment]
+    spec.tp, spec.block_size, spec.widths = None, BLOCK, WIDTHS
+    spec.start_job(batch, 4096)
+    return spec
+
+
+def run(
+    accept: Callable[[int], float], steps: int, batch: int, seed: int = 0
+) -> list[tuple[int, float, int]]:
+    """Each step's width, milliseconds and committed tokens; accept(step): each draft's chance to
+    be accepted, given the ones before, at that step."""
+    spec, costs, rng = speculator(batch), Costs(), random.Random(seed)
+    out = []
+    for t in range(steps):
+        width = spec.next_width(batch, prefill_pending=False)
+        p, accepted = accept(t), []
+        for _ in range(batch):
+            a = 0
+            while a < width - 1 and rng.random() < p:
+                a += 1
+            accepted.append(a)
+        ms = costs.step(batch, width)
+        spec.learn(Step(width, batch), accepted, ms / 1e3)
+        out.append((width, ms, batch + sum(accepted)))
+    return out
+
+
+def speed_vs_no_draft(steps: list[tuple[int, float, int]], batch: int) -> float:
+    tokens, ms = sum(s[2] for s in steps), sum(s[1] for s in steps)
+    return (tokens / ms) / (batch / Costs().no_draft(batch))
+
+
+GOOD, SWITCH = 0.9, 400  # the drafter's acceptance per position, the step at which it changes
+HOLD = 100  # steps a width must hold to count as the policy's choice (not a measuring step)
+
+
+def settled(widths: list[int], chosen: Callable[[int], bool]) -> int:
+    """Steps after SWITCH until `chosen` widths hold for HOLD steps in a row."""
+    return next(
+        i - SWITCH
+        for i in range(SWITCH, len(widths) - HOLD)
+        if all(chosen(w) for w in widths[i : i + HOLD])
+    )
+
+
+def drop_bound(batch: int) -> int:
+    """After a collapse from 0.9 to 0, p_1's hits halve every HALF_LIFE rounds while its trials
+    hold, so 6 halvings take it below 0.9 / 64 = 0.014, under the 0.03 at which width 1 wins
+    even where a wide verify is cheapest (batch 1: 4.6 vs 4.05 ms, the later positions still
+    near their old 0.9); 16 steps more cover measuring width 1 again and the switch margin."""
+    return 6 * HALF_LIFE // batch + 16
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32, 128])
+def test_a_drafter_that_collapses_is_dropped(batch: int) -> None:
+    """0.9 per position, then 0: width 1 holds within drop_bound(batch) steps of the collapse
+    (without the forgetting the policy stays wide for thousands of steps), and the useless
+    phase runs at >= 0.97x of no draft, the drafter's context writes and the probes included."""
+    useless = PROBE_EVERY * 3
+    steps = run(lambda t: GOOD if t < SWITCH else 0.0, SWITCH + useless, batch)
+    widths = [w for w, _, _ in steps]
+    assert min(widths[SWITCH - HOLD : SWITCH]) > 1, widths[:SWITCH]  # the drafter was used
+    dropped = settled(widths, lambda w: w == 1)
+    assert dropped <= drop_bound(batch), (dropped, widths[SWITCH : SWITCH + dropped + 1])
+    assert speed_vs_no_draft(steps[SWITCH:], batch) >= 0.97
+
+
+# A drafter that turns good is re-learned at the next probe, at most PROBE_EVERY + 1 steps after
+# its last round, then the unmeasured wide widths are measured (MIN_SAMPLES + 1 steps each).
+PICKUP_STEPS = PROBE_EVERY + 40
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32, 128])
+def test_a_drafter_that_turns_good_is_picked_up(batch: int) -> None:
+    """0, then 0.9 per position: drafting widths hold within PICKUP_STEPS of the change
+    (without the probe the drafter is never tried again), and run within 3% of a job that had
+    the good drafter from its start."""
+    after = PROBE_EVERY  # long enough for both runs to re-measure their widths alike
+    steps = run(lambda t: 0.0 if t < SWITCH else GOOD, SWITCH + PICKUP_STEPS + after, batch)
+    widths = [w for w, _, _ in steps]
+    assert set(widths[SWITCH // 2 : SWITCH]) == {1}, widths[:SWITCH]  # the drafter was dropped
+    assert settled(widths, lambda w: w > 1) <= PICKUP_STEPS
+    good = run(lambda t: GOOD, 100 + after, batch)
+    ratio = speed_vs_no_draft(steps[SWITCH + PICKUP_STEPS :], batch)
+    assert ratio >= 0.97 * speed_vs_no_draft(good[100:], batch), ratio
+
+
+def test_positions_no_round_reaches_fall_back_to_the_prior() -> None:
+    """After a collapse only draft 1 is verified; the later positions' old 0.9 decays with the
+    rounds, so that a drafter that recovers is not judged on what it did long ago."""
+    policy = WidthPolicy(BLOCK, WIDTHS)
+    for _ in range(20 * HALF_LIFE):
+        policy.record_round(BLOCK, BLOCK - 1)
+    for _ in range(20 * HALF_LIFE):
+        policy.record_round(BLOCK, 0)
+    accept = policy.accept()
+    assert accept[0] < 0.01
+    assert all(abs(p - PRIOR_ACCEPT) < 0.01 for p in accept[1:]), accept
+
+
+def test_a_drafter_held_at_width_1_is_probed_again() -> None:
+    """No rounds at width 1: after PROBE_EVERY steps without one the counts are cleared and the
+    narrowest drafting width runs once; a drafter still useless goes back to width 1."""
+    policy = WidthPolicy(BLOCK, WIDTHS)
+    seen = []
+    for _ in range(3 * PROBE_EVERY):
+        width = policy.choose(32)
+        seen.append(width)
+        policy.record_cost(width, 32, 5.0 if width == 1 else 6.0 + width / 10)
+        for _ in range(32 if width > 1 else 0):
+            policy.record_round(width, 0)
+    probes = [i for i, w in enumerate(seen) if w == 2]
+    assert len(probes) == 3 and probes[1] - probes[0] == probes[2] - probes[1] == PROBE_EVERY + 1
+    # At most one wide step besides (a width whose cost went stale, re-measured): bounded cost.
+    assert sum(w > 1 for w in seen) <= 2 * len(probes), [w for w in seen if w > 1]
