@@ -147,6 +147,12 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     type=int,
     help="--jobs: the jobs' --max-batched-tokens (default: run's).",
 )
+@click.option(
+    "--jobs-default-batch",
+    "default_batch_jobs",
+    is_flag=True,
+    help="--jobs: set no --max-batch-size (run's default), as a user who sets none.",
+)
 @click.option("--dtype", default="auto", show_default=True)
 @click.option(
     "--device",
@@ -323,6 +329,7 @@ def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> d
         device=device,
         hf_workloads=tuple(w for w in opts["hf_jobs"].split(",") if w),
         max_batched_tokens=opts["max_batched_tokens_jobs"],
+        default_batch=opts["default_batch_jobs"],
         profiled=tuple(w for w in opts["profile_jobs"].split(",") if w),
         kv_cache_dtype=opts["kv_cache_dtype"][0],
     )

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.bench.hooks import BenchHooks, installed
 from batchrun.bench.oracle import AcceptanceOracle
 from batchrun.bench.roofline import job_bound, measure_ceilings
@@ -32,6 +33,7 @@ from batchrun.bench.scratch_models import write_scratch_models
 from batchrun.bench.shapes import DRAFT_LAYERS
 from batchrun.bench.workloads import Workload
 from batchrun.config.job import JobSpec, load_job
+from batchrun.config.parts import EnginePart
 from batchrun.engine.engine import Engine
 from batchrun.engine.heap import collect_everything
 from batchrun.models.qwen3 import Qwen3Shape
@@ -56,6 +58,7 @@ class JobsPlan:
     device: str = "cuda"
     hf_workloads: tuple[str, ...] = ()  # also run generate() on these
     max_batched_tokens: int | None = None  # None: the job default
+    default_batch: bool = False  # set no max_batch_size: the job default, as a user who sets none
     profiled: tuple[str, ...] = ()  # profile the no-draft run of these
     kv_cache_dtype: str = "auto"  # the target's KV cache: auto (the model dtype) or fp8
 
@@ -65,7 +68,11 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
     device = torch.device(plan.device)
     dtype = getattr(torch, plan.dtype)
     cuda = device.type == "cuda"
-    ceilings = measure_ceilings(dtype, device) if cuda else None
+    fp8 = plan.shape.fp8_block is not None
+    ceilings = measure_ceilings(dtype, device, fp8=fp8) if cuda else None
+    if plan.default_batch:  # every workload at the batch a job gets when none is set
+        batch = EnginePart(target="").max_batch_size  # the declared default
+        plan = replace(plan, workloads=tuple(replace(w, batch=batch) for w in plan.workloads))
     started = time.perf_counter()
     # z-lab's 5-layer draft; a target too shallow for its feature layers (a test's) gets one.
     layers = DRAFT_LAYERS if plan.shape.num_layers >= 2 * DRAFT_LAYERS else 1
@@ -93,8 +100,9 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
         entry: dict[str, Any] = {"workload": asdict(w), "runs": {}}
         if ceilings is not None:
             lengths = [len(p) for p in prompts]
+            kv_element = kv_element_size(plan.kv_cache_dtype, dtype.itemsize)
             entry["bound"] = job_bound(
-                plan.shape, dtype.itemsize, lengths, budgets, w.batch, ceilings
+                plan.shape, dtype.itemsize, lengths, budgets, w.batch, ceilings, kv_element
             )
         result["workloads"][w.name] = entry
     continuations: dict[str, dict[int, list[int]]] = {}  # the no-draft outputs, per workload
@@ -236,7 +244,7 @@ def _job(
             "verify_width": mode if mode != "none" else None,
             "dtype": plan.dtype,
             "device": plan.device,
-            "max_batch_size": w.batch,
+            "max_batch_size": None if plan.default_batch else w.batch,
             "max_batched_tokens": plan.max_batched_tokens,
             "kv_cache_dtype": plan.kv_cache_dtype,
             "overwrite": True,

@@ -14,6 +14,14 @@ from batchrun.models.qwen3 import Qwen3Shape
 class Ceilings:
     copy_bytes_per_s: float  # bytes read plus written per second, device to device
     matmul_flops_per_s: float  # dense matmul in the model's dtype
+    # FP8 matmul (one scale a tensor, cuBLAS's fastest); measured for a model with FP8 weights
+    fp8_matmul_flops_per_s: float | None = None
+
+    def matmul_rate(self, shape: Qwen3Shape) -> float:
+        """The rate the shape's matmuls are held to: FP8's for a checkpoint with FP8 weights."""
+        if shape.fp8_block is not None and self.fp8_matmul_flops_per_s is not None:
+            return self.fp8_matmul_flops_per_s
+        return self.matmul_flops_per_s
 
 
 def time_ms(fn: object, warmup: int = 3, repeat: int = 10) -> float:
@@ -32,7 +40,7 @@ def time_ms(fn: object, warmup: int = 3, repeat: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure_ceilings(dtype: torch.dtype, device: torch.device) -> Ceilings:
+def measure_ceilings(dtype: torch.dtype, device: torch.device, fp8: bool = False) -> Ceilings:
     n = 1 << 30  # 1 GiB each way: far past the L2
     buffers = [torch.empty(n, dtype=torch.uint8, device=device).random_() for _ in range(2)]
     copy_ms = time_ms(lambda: buffers[1].copy_(buffers[0]))
@@ -41,9 +49,16 @@ def measure_ceilings(dtype: torch.dtype, device: torch.device) -> Ceilings:
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
     mm_ms = time_ms(lambda: a @ b)
+    fp8_rate = None
+    if fp8:  # else an FP8 job's compute floor, at bf16's rate, is twice too high
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major
+        one = torch.ones((), device=device)
+        fp8_ms = time_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=dtype))
+        fp8_rate = 2 * size**3 / (fp8_ms / 1e3)
     return Ceilings(
         copy_bytes_per_s=2 * n / (copy_ms / 1e3),
         matmul_flops_per_s=2 * size**3 / (mm_ms / 1e3),
+        fp8_matmul_flops_per_s=fp8_rate,
     )
 
 
@@ -97,7 +112,7 @@ def step_floor_ms(
     # Each token's matmuls: its own top-k experts (a dense model's whole MLP).
     flops = 2 * weight_bytes(s, 1, experts=s.num_experts_per_tok) * tokens
     memory_ms = moved / ceilings.copy_bytes_per_s * 1e3
-    compute_ms = flops / ceilings.matmul_flops_per_s * 1e3
+    compute_ms = flops / ceilings.matmul_rate(s) * 1e3
     return {
         "memory_ms": memory_ms,
         "compute_ms": compute_ms,
@@ -112,17 +127,19 @@ def job_bound(
     max_tokens: list[int],
     batch: int,
     ceilings: Ceilings,
+    kv_element: int | None = None,
 ) -> dict[str, float]:
     """The least time a whole job can take on this device without speculation: every token's
     matmuls and attention at the measured matmul rate, or the weights read once per decode step
     (at least the longest row's outputs, and every output spread over full batches) plus each
-    output token's K/V context read, at the measured copy rate, whichever is longer. A MoE
+    output token's K/V context read (kv_element bytes an element; None: element), at the
+    measured copy rate, whichever is longer; FP8 weights at the FP8 matmul rate. A MoE
     token multiplies by its top-k experts; a decode step reads the experts a full batch routes
     to."""
     s = shape
     per_token = s.num_experts_per_tok or None  # experts one token's matmuls use (None: dense)
     layer_params = weight_bytes(s, 1, experts=per_token) - s.vocab_size * s.hidden_size
-    kv_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * element
+    kv_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * (kv_element or element)
     attention = 4 * s.num_layers * s.num_heads * s.head_dim  # FLOPs per (query, key) pair
     flops = kv_read = 0.0
     for prompt, out in zip(prompt_lens, max_tokens, strict=True):
@@ -132,7 +149,7 @@ def job_bound(
         kv_read += kv_per_token * (prompt * out + out * (out - 1) / 2)
     steps = max(max(max_tokens, default=0), -(-sum(max_tokens) // batch))
     moved = steps * weight_bytes(s, element, experts=experts_read(s, batch) or None) + kv_read
-    compute_s = flops / ceilings.matmul_flops_per_s
+    compute_s = flops / ceilings.matmul_rate(s)
     memory_s = moved / ceilings.copy_bytes_per_s
     return {
         "compute_seconds": compute_s,

@@ -113,7 +113,8 @@ def run_sweep(
     a rank's (the weights its GPU reads) and there is no generate() baseline (no rank holds the
     whole model)."""
     device = plan.device
-    ceilings = measure_ceilings(plan.dtype, device) if device.type == "cuda" else None
+    fp8 = plan.shape.fp8_block is not None
+    ceilings = measure_ceilings(plan.dtype, device, fp8=fp8) if device.type == "cuda" else None
     model = random_target(plan.shape, plan.dtype, device, plan.tp)
     max_batch = max(plan.batch_sizes)
     max_len = max(plan.contexts) + 4 * plan.steps + 64

@@ -181,3 +181,25 @@ def test_a_moe_job_bound_counts_the_experts_a_token_and_a_step_use() -> None:
     decode = job_bound(s, 2, [1], [100], 128, ceilings)  # 100 steps, 1 row: one step's bytes
     all_experts = weight_bytes(s, 2)
     assert 0.99 * all_experts < decode["bytes"] / 100 <= all_experts
+
+
+def test_an_fp8_job_is_held_to_fp8_ceilings() -> None:
+    """FP8 weights: compute at the FP8 matmul rate; an FP8 KV cache: a byte per K/V element."""
+    from batchrun.bench.roofline import Ceilings, job_bound
+    from batchrun.bench.shapes import shape_from_flags
+
+    bf16, fp8 = shape_from_flags("qwen3-8b"), shape_from_flags("qwen3-8b", fp8_weights=True)
+    ceilings = Ceilings(copy_bytes_per_s=1e12, matmul_flops_per_s=1e15, fp8_matmul_flops_per_s=2e15)
+    prefill = [4096] * 8, [1] * 8  # compute-bound
+    assert job_bound(fp8, 2, *prefill, 8, ceilings)["compute_seconds"] == pytest.approx(
+        job_bound(bf16, 2, *prefill, 8, ceilings)["compute_seconds"] / 2
+    )
+    unmeasured = Ceilings(copy_bytes_per_s=1e12, matmul_flops_per_s=1e15)
+    assert job_bound(fp8, 2, *prefill, 8, unmeasured)["flops"] / 1e15 == pytest.approx(
+        job_bound(fp8, 2, *prefill, 8, unmeasured)["compute_seconds"]
+    )
+    decode = [1024], [256]  # one row: its KV reads beside the weights, 256 steps
+    two, one = (job_bound(bf16, 2, *decode, 1, ceilings, kv) for kv in (None, 1))
+    s = bf16
+    kv_read = s.num_layers * 2 * s.num_kv_heads * s.head_dim * (1024 * 256 + 256 * 255 / 2)
+    assert two["bytes"] - one["bytes"] == pytest.approx(kv_read)

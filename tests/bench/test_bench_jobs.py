@@ -124,3 +124,20 @@ def test_bad_bench_arguments_are_one_line(args: list[str]) -> None:
     assert result.exit_code == 2, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_default_batch_jobs_set_no_batch_and_run_at_the_jobs_default(tmp_path: Path) -> None:
+    plan = JobsPlan(
+        shape_name="tiny",
+        shape=TINY,
+        workloads=(WORKLOADS["w2"].scaled(0.1),),
+        taus=(),
+        widths=(),
+        scratch=tmp_path,
+        dtype="float32",
+        device="cpu",
+        default_batch=True,
+    )
+    entry = run_jobs(plan, lambda _: None)["workloads"]["w2"]
+    assert entry["workload"]["batch"] == 64  # run's default, not the workload's 32
+    assert entry["runs"]["none"]["error_rows"] == 0
