@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The H200 re-measurement (issue 36) as device calls: each STAGE (a space list) is one group of
+# `batchrun bench --jobs` runs whose ratios are taken within that call; every result JSON and one
+# log go to $OUT, written as each stage ends (a call cut short still returns the finished ones).
+# A stage gets the time left before DEADLINE seconds (default 570), so the call ends in its limit.
+# Carry WHEELS (jsonschema and friends, click, xgrammar: the image lacks them) and, for the
+# redesign's before, BEFORE (`git archive` of the old commit's batchrun/, its hash in COMMIT).
+#   STAGES="nodraft before fp8 default-batch moe" bash bench/h200_remeasure.sh
+#   STAGES="drafts-a drafts-b gpu-tests" bash bench/h200_remeasure.sh
+set -uo pipefail
+OUT=$(realpath -m "${OUT:-bench/results/out}")
+WHEELS=${WHEELS:-.whl}
+BEFORE=${BEFORE:-.before}
+DEADLINE=${DEADLINE:-570}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl \
+    || exit 1
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+LOG="$OUT/remeasure.log"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee -a "$LOG"
+
+left() { echo $((DEADLINE - SECONDS)); }
+
+jobs() {  # NAME ARGS...: one `bench --jobs` run writing $OUT/NAME.json
+    local name=$1 budget
+    shift
+    budget=$(left)
+    [ "$budget" -gt 30 ] || { echo "== $name: skipped, ${budget}s left" | tee -a "$LOG"; return; }
+    echo "== $name ($budget s left): bench --jobs $*" | tee -a "$LOG"
+    # RUN_DIR: where `python3 -m` runs (its batchrun/ comes first on the path)
+    (cd "${RUN_DIR:-.}" && timeout "$budget" python3 -m batchrun.cli bench --jobs "$@" \
+        --out "$OUT/$name.json") 2>&1 | grep -v -i warning | tee -a "$LOG"
+}
+
+for stage in ${STAGES:-nodraft}; do
+    case $stage in
+    nodraft)  # no draft on W1 and W2, and transformers' generate() three times on each
+        jobs jobs-w1-w2-nodraft-generate w1,w2 --widths '' --tau '' --hf-jobs w1,w2 \
+            --scratch /tmp/bj ;;
+    before)  # the redesign's before on W1 (BEFORE's code, same scratch checkpoint)
+        RUN_DIR=$BEFORE jobs jobs-w1-nodraft-before w1 --widths '' --tau '' --scratch /tmp/bj
+        # the old code wrote no provenance: name the commit it ran
+        python3 -c "import json,sys; p=sys.argv[1]; d=json.load(open(p)); d.setdefault('provenance', {'commit': open(sys.argv[2]).read().strip(), 'note': 'added by bench/h200_remeasure.sh: this commit predates provenance'}); json.dump(d, open(p, 'w'), indent=1)" \
+            "$OUT/jobs-w1-nodraft-before.json" "$BEFORE/COMMIT" ;;
+    fp8)  # FP8 weights and FP8 KV on W1, against the bf16 W1 of stage nodraft (same call)
+        jobs jobs-w1-fp8-weights-fp8-kv w1 --widths '' --tau '' --fp8-weights \
+            --kv-cache-dtype fp8 --scratch /tmp/bj8 ;;
+    default-batch)  # W1 as a user who sets no --max-batch-size runs it
+        jobs jobs-w1-default-batch w1 --widths '' --tau '' --jobs-default-batch \
+            --scratch /tmp/bj ;;
+    moe)  # the MoE shape's W1 (24 layers), bf16 then FP8 weights and KV (disk: one at a time)
+        rm -rf /tmp/bj /tmp/bj8
+        jobs jobs-moe-w1-bf16 w1 --shape qwen3-30b-a3b --num-layers 24 --widths '' --tau '' \
+            --scratch /tmp/bm
+        rm -rf /tmp/bm
+        jobs jobs-moe-w1-fp8-weights-fp8-kv w1 --shape qwen3-30b-a3b --num-layers 24 \
+            --widths '' --tau '' --fp8-weights --kv-cache-dtype fp8 --scratch /tmp/bm8 ;;
+    drafts-a)  # every drafter mode on the shorter workloads
+        jobs jobs-w1-w2-b1-j1-drafts w1,w2,b1,j1 --tau 3,6.5 --widths auto,full \
+            --scratch /tmp/bj ;;
+    drafts-b)
+        jobs jobs-w3-w4-drafts w3,w4 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
+    gpu-tests)
+        budget=$(left)
+        timeout "$budget" python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 \
+            | grep -v '^$' | tail -n 60 | tee "$OUT/gpu-tests.log" ;;
+    *) echo "unknown stage $stage" | tee -a "$LOG" ;;
+    esac
+done
+echo "== done at ${SECONDS}s" | tee -a "$LOG"
