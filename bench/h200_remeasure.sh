@@ -15,6 +15,8 @@ DEADLINE=${DEADLINE:-570}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl \
     || exit 1
+# A `git archive` of the commit (no .git travels) names it in COMMIT: results record it.
+[ -f COMMIT ] && export BATCHRUN_SOURCE_COMMIT=$(cat COMMIT)
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 LOG="$OUT/remeasure.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee -a "$LOG"

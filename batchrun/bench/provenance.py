@@ -4,6 +4,7 @@ carries it."""
 
 from __future__ import annotations
 
+import os
 import platform
 import shlex
 import subprocess
@@ -48,7 +49,9 @@ def _git(package: Path) -> dict[str, Any]:
     differ from it (untracked files, e.g. new results, do not count). Nulls where the package
     is not a tracked file of a git checkout (e.g. installed into site-packages)."""
     if _run(["git", "ls-files", "--error-unmatch", "__init__.py"], package) is None:
-        return {"commit": None, "dirty": None}
+        # A tree exported by `git archive` (a device machine gets no .git) names its commit.
+        exported = os.environ.get("BATCHRUN_SOURCE_COMMIT")
+        return {"commit": exported, "dirty": False if exported else None}
     commit = _run(["git", "rev-parse", "HEAD"], package)
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], package)
     return {"commit": commit, "dirty": None if status is None else bool(status)}
