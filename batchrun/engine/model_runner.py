@@ -110,6 +110,8 @@ class ModelRunner:
         )
         self.replays = self.graph_host.replays  # (graph set, batch size) -> replays
         self.target_graphs: dict[int, GraphSet] = {}  # verify width -> its graphs
+        # Width 1 capturing no features: steps while the speculator writes no context.
+        self.quiet_graphs: GraphSet | None = None
         self.graph_logits: torch.Tensor | None = None  # every target graph's logits, [rows, V]
         view = TargetView(
             model=model,
@@ -141,6 +143,14 @@ class ModelRunner:
                 ([self.backend], width),
                 pool,
             )
+        if 1 in widths and self.speculator.capture_layers:
+            self.quiet_graphs = self.graph_host.capture(
+                "target1-quiet",
+                partial(self._target_graph, width=1, capture=False),
+                self.graph_host.sizes(max_batch_size, 1),
+                ([self.backend], 1),
+                pool,
+            )
         self.speculator.capture_graphs(max_batch_size, pool)
 
     def graph_size(self, num_requests: int, width: int) -> int | None:
@@ -165,7 +175,9 @@ class ModelRunner:
         """The target over the step's rows: the logits of the rows to sample, and the features
         the speculator reads."""
         width = plan.width
-        graphs = self.target_graphs.get(width)
+        # A dormant drafter (width 1, no context written): no features to capture either.
+        capture = width > 1 or self.speculator.writes_context
+        graphs = self.target_graphs.get(width) if capture else self.quiet_graphs
         if graphs is not None and self.graph_host.replayable(graphs, plan):
             size = plan.num_requests
             metas = partial(self._graph_target_metas, size, width)
@@ -184,7 +196,8 @@ class ModelRunner:
             max_kv=plan.max_kv,
             mixed_decoding=plan.num_decoding if chunks else 0,
         )
-        hidden, features = self._forward(inputs, store_context=chunks or width == 1)
+        store = chunks or width == 1
+        hidden, features = self._forward(inputs, store_context=store, capture=capture)
         row_slot, row_step, sampled = inputs.row_slot, inputs.row_step, hidden
         if args.logit_rows is not None:
             rows = args.logit_rows
@@ -193,12 +206,13 @@ class ModelRunner:
         return TargetOutput(logits, row_slot, row_step, features, hidden)
 
     def _forward(
-        self, inputs: TargetInputs, store_context: bool
+        self, inputs: TargetInputs, store_context: bool, capture: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """store_context: the rows the step commits as it runs (prefill chunks; at width 1,
-        every row) go to the speculator's context now."""
+        every row) go to the speculator's context now; capture: the speculator's features are
+        taken at all."""
         self.backend.plan(inputs.meta)
-        layers = self.speculator.capture_layers
+        layers = self.speculator.capture_layers if capture else ()
         hidden, features = self.model(
             inputs.ids, inputs.meta.positions, self.backend, self.kv_caches, layers
         )
@@ -221,9 +235,11 @@ class ModelRunner:
     def _graph_target_metas(self, size: int, width: int) -> list[AttentionMeta]:
         return [self._graph_target_inputs(size, width).meta]
 
-    def _target_graph(self, size: int, width: int) -> tuple[torch.Tensor, ...]:
+    def _target_graph(
+        self, size: int, width: int, capture: bool = True
+    ) -> tuple[torch.Tensor, ...]:
         inputs = self._graph_target_inputs(size, width)
-        hidden, features = self._forward(inputs, store_context=width == 1)
+        hidden, features = self._forward(inputs, store_context=width == 1, capture=capture)
         # Every graph writes its logits into one buffer outside the pool: each graph's own
         # would stay allocated for its replays (17 GB at the 8B's vocabulary, batch 256).
         assert self.graph_logits is not None  # allocated before any capture

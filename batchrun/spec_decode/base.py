@@ -175,6 +175,11 @@ class Speculator:
     def __init__(self) -> None:
         self.hooks = SpeculationHooks()
 
+    @property
+    def writes_context(self) -> bool:
+        """Whether width-1 steps capture features at capture_layers and store them now."""
+        return bool(self.capture_layers)
+
     def start_job(self, max_batch_size: int, max_batched_tokens: int) -> None:
         """A new job: what it learnt about widths is forgotten."""
 

@@ -1,144 +1,191 @@
-"""The verify-width policy over whole jobs, on the CPU: the real scheduler and policy stepped
-as the engine steps them, with each step's time from a cost model of the H200 at the Qwen3-8B
-shape (memory-bound decode, compute-bound wide verifies and prefill chunks, a draft forward
-over the whole block) and the drafter's acceptance drawn per round. These are the jobs on which
-the adaptive width once lost to no draft at all."""
+"""The verify-width policy over whole jobs, replayed through the engine's own scheduler and
+speculator (job_replay.py) over a cost model of the H200 that charges the drafter's work. Every
+scenario holds `auto` to >= 0.97x of no draft and of the best fixed width in hindsight; each rule
+of the policy is pinned by a scenario that breaks that contract without it. Where the policy
+falls short today the scenario is an expected failure that says why (strict: it is noticed when
+it starts to hold)."""
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from functools import cache
 
 import pytest
 
-from batchrun.engine.core.page_pool import PagePool
-from batchrun.engine.core.requests import Request
-from batchrun.engine.core.scheduler import Scheduler
-from batchrun.engine.cuda_graphs import ladder_bucket
-from batchrun.sampling.params import SamplingParams
-from batchrun.spec_decode.dflash.width_policy import WidthPolicy, candidate_widths, step_width
+import batchrun.spec_decode.dflash.speculator as speculator_module
+import batchrun.spec_decode.dflash.width_policy as width_policy
+from batchrun.spec_decode.dflash.width_policy import expected_tokens
+from tests.spec_decode.job_replay import Acceptance, Job, replay
 
-BLOCK = 16
+FIXED = (2, 4, 8, 16)  # `verify_width` 2 .. the block; "none" is the job without a draft
 
 
-@dataclass(frozen=True)
-class H200Costs:
-    """Milliseconds of a step: weights and KV read (memory-bound), or its rows' matmuls
-    (compute-bound), whichever is longer, plus the draft's forward over B rows per request."""
-
-    weights_ms: float = 4.0  # 16 GB of weights at 4 TB/s
-    kv_ms_per_request: float = 0.05  # 1,024 tokens of K/V per request
-    ms_per_row: float = 0.027  # 16 GFLOP a row at 600 TFLOP/s
-    draft_ms_per_row: float = 0.0045  # 5 of 36 layers, B rows per drafting request
-
-    def step(self, decoding: int, width: int, prefill_rows: int) -> float:
-        rows = decoding * width + prefill_rows
-        memory = self.weights_ms + self.kv_ms_per_request * decoding
-        draft = self.draft_ms_per_row * decoding * BLOCK + 0.5 if width > 1 else 0.0
-        return max(memory, self.ms_per_row * rows) + draft
+def per_draft(tau: float) -> float:
+    """The chance per draft at which a full block commits tau tokens a round."""
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected_tokens([mid] * 15, 16) < tau else (low, mid)
+    return low
 
 
-def run_job(
-    rows: int,
-    prompt_len: int,
-    max_tokens: int,
-    batch: int,
-    budget: int,
-    accept: float | None,
-    full: bool = False,
-    seed: int = 0,
-) -> tuple[float, dict[int, int]]:
-    """Simulated seconds of the job, and steps per verify width. accept: each draft's chance to
-    be accepted given the ones before (None: no draft, every step decodes one row); full: every
-    step verifies the whole block (else the policy chooses)."""
-    costs, rng = H200Costs(), random.Random(seed)
-    widths = candidate_widths(BLOCK) if accept is not None else (1,)
-    policy = WidthPolicy(BLOCK, widths) if accept is not None and not full else None
-    pool = PagePool(rows * (prompt_len + max_tokens + 2 * BLOCK) // 16 + rows, 16)
-    block = BLOCK if accept is not None else 1
-    scheduler = Scheduler(pool, batch, budget, decode_width=block, min_width=block if full else 1)
-    params = SamplingParams(max_tokens=max_tokens)
-    for i in range(rows):
-        scheduler.add(Request(i, [1] * prompt_len, params))
-    seconds, last_width, steps = 0.0, 0, dict.fromkeys(widths, 0)
-    while scheduler.num_unfinished:
-        width = block if full else 1
-        if policy is not None:
-            running = len(scheduler.running)
-            width = step_width(
-                policy,
-                bucket=ladder_bucket(running, batch),
-                running=running,
-                prefill_pending=scheduler.prefill_pending,
-                max_batched_tokens=budget,
-            )
-        items = scheduler.schedule(width).items
-        decoding = [it for it in items if it.decoding]
-        prefill_rows = sum(it.num_new for it in items if not it.decoding)
-        ms = costs.step(len(decoding), width, prefill_rows)
-        seconds += ms / 1e3
-        if decoding:
-            steps[width] += 1
-        for it in items:
-            req = it.req
-            if not it.decoding:
-                req.state.num_cached += it.num_new
-                if req.state.num_cached == prompt_len:
-                    req.output.token_ids.append(1)
-                continue
-            accepted = 0
-            while accepted < width - 1 and accept is not None and rng.random() < accept:
-                accepted += 1
-            if policy is not None and width > 1:
-                policy.record_round(width, accepted)
-            take = min(accepted + 1, max_tokens - len(req.output.token_ids))
-            req.output.token_ids += [1] * take
-            req.state.num_cached += accepted + 1
-        for req in [it.req for it in items if len(it.req.output.token_ids) >= max_tokens]:
-            scheduler.finish(req)
-        # The engine times steps that kept the last step's width: their rows, and as a width's
-        # cost those of decode rows alone.
-        if policy is not None and items and width == last_width:
-            policy.record_rows(len(decoding) * width + prefill_rows, ms)
-            if not prefill_rows:
-                policy.record_cost(width, ladder_bucket(len(items), batch), ms)
-        last_width = width
-    return seconds, steps
+def scenario(name: str, job: Job) -> Acceptance:
+    """Each draft's chance to be accepted, by row and output position."""
+    half_rows, half_out = job.rows // 2, job.max_tokens // 2
+    return {
+        "useless": lambda row, pos: 0.0,
+        "tau 3": lambda row, pos: per_draft(3.0),
+        "tau 6.5": lambda row, pos: per_draft(6.5),
+        # Each row's output drifts where the drafter has not seen it: 0.9 then nothing.
+        "collapse": lambda row, pos: 0.9 if pos < half_out else 0.0,
+        # The rows the drafter knows come later in the input.
+        "improve": lambda row, pos: 0.0 if row < half_rows else 0.9,
+        # Within each row: a prompt's boilerplate first, then text the drafter knows.
+        "improve in rows": lambda row, pos: 0.0 if pos < half_out else 0.9,
+        "mixed rows": lambda row, pos: 0.9 if row % 2 == 0 else 0.0,
+    }[name]
 
 
-# Scaled-down W1 (256 rows x (1,024 in, 256 out), batch 128, budget 2,048): the same ratios of
-# batch x block to budget and of prompt to output.
-JOB = dict(rows=64, prompt_len=256, max_tokens=64, batch=32, budget=512)
+def at_batch(batch: int) -> Job:
+    """Rows of 512 tokens in, 256 out, enough of them to refill the batch several times."""
+    return Job(rows=max(8, 2 * batch), prompt_len=512, max_tokens=256, batch=batch)
 
 
-def test_a_drafter_that_accepts_nothing_costs_almost_nothing() -> None:
-    """The batch-128 failure: the policy measured nothing in steps with prefill chunks, so it
-    verified the whole block in every one of them (its first, unmeasured choice), and those
-    verify rows took the whole token budget, so prefill crawled and every step had a chunk.
-    Now such steps take the bucket's chosen width (1 before any), and the drafter's acceptance
-    is learned from the narrowest drafting width before a wide one is tried. (The policy before
-    that change ran this job at 0.41x of no draft, the block verified in 167 of its 200 steps.)"""
-    none, _ = run_job(**JOB, accept=None)
-    useless, steps = run_job(**JOB, accept=0.0)
-    assert none / useless >= 0.97, (none / useless, steps)
-    assert steps[BLOCK] == 0, steps
+W1 = Job(rows=256, prompt_len=1024, max_tokens=256, batch=128)  # bench/workloads.py's w1
+W2 = Job(rows=64, prompt_len=1024, max_tokens=256, batch=32)
+PREFILL_HEAVY = Job(rows=512, prompt_len=4096, max_tokens=64, batch=128)
+DECODE_HEAVY = Job(rows=128, prompt_len=128, max_tokens=2048, batch=128)  # like w4
 
 
-@pytest.mark.parametrize("batch, budget", [(128, 2048), (256, 2048), (8, 2048)])
-def test_useless_drafts_at_other_batches(batch: int, budget: int) -> None:
-    job = dict(rows=2 * batch, prompt_len=512, max_tokens=96, batch=batch, budget=budget)
-    none, _ = run_job(**job, accept=None)
-    useless, steps = run_job(**job, accept=0.0)
-    assert none / useless >= 0.97, (none / useless, steps)
+@cache
+def no_draft(job: Job) -> float:
+    return replay(job, None).tokens_per_second
 
 
-@pytest.mark.parametrize("batch", [1, 8, 32, 128])
-def test_a_good_drafter_is_used(batch: int) -> None:
-    """tau about 6.5 (0.9 per draft): auto beats no draft where the step is memory-bound and
-    comes within 3% of the better of no draft and the full block everywhere."""
-    job = dict(rows=max(4 * batch, 8), prompt_len=256, max_tokens=512, batch=batch, budget=2048)
-    none, _ = run_job(**job, accept=None)
-    auto, steps = run_job(**job, accept=0.9)
-    full, _ = run_job(**job, accept=0.9, full=True)
-    assert min(none, full) / auto >= 0.97, (none / auto, full / auto, steps)
-    assert none / auto > 1.4, (none / auto, steps)
+def ratios(job: Job, name: str) -> tuple[float, float]:
+    """auto against no draft, and against the best of no draft and the fixed widths."""
+    accept = scenario(name, job)
+    auto = replay(job, accept).tokens_per_second
+    best = max([no_draft(job)] + [replay(job, accept, w).tokens_per_second for w in FIXED])
+    return auto / no_draft(job), auto / best
+
+
+def short(reason: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(reason=reason, strict=True)
+
+
+CONSTANT, CHANGING = ["useless", "tau 3", "tau 6.5"], ["collapse", "improve", "improve in rows"]
+BIG_BATCH = short(
+    "batch 256: the drafter never pays, and a good one keeps writing its context (2.4% of a "
+    "step) with a probe each 100 probe costs; dormancy covers only a drafter that lost on "
+    "acceptance (0.964-0.970 of no draft)"
+)
+MIXED = short(
+    "one acceptance for the batch: a useless row's misses and a good row's hits pool, so rows "
+    "the drafter knows wait for the pool to shift (batch 1: 0.90 of the full block, batch 32: "
+    "0.96 of no draft); per-row acceptance and widths would close it"
+)
+NARROW_WIN = short(
+    "width 4 beats width 1 by 1.6% here; the policy measures it, and judges within its 5% "
+    "switch margin that it cannot win (0.969 of width 4)"
+)
+
+
+def marks(batch: int, name: str) -> tuple[pytest.MarkDecorator, ...]:
+    if batch == 256:
+        return (BIG_BATCH,)
+    return (NARROW_WIN,) if (batch, name) == (128, "tau 6.5") else ()
+
+
+SCENARIOS = [
+    *[
+        pytest.param(at_batch(b), s, id=f"batch {b}, {s}", marks=marks(b, s))
+        for b in (1, 8, 32, 128, 256)
+        for s in CONSTANT + CHANGING
+        if not (b == 256 and s in ("useless", "collapse", "improve in rows"))
+    ],
+    pytest.param(at_batch(256), "useless", id="batch 256, useless"),
+    pytest.param(at_batch(256), "collapse", id="batch 256, collapse"),
+    pytest.param(at_batch(256), "improve in rows", id="batch 256, improve in rows"),
+    pytest.param(at_batch(8), "mixed rows", id="batch 8, mixed rows"),
+    pytest.param(W1, "mixed rows", id="w1, mixed rows"),
+    pytest.param(DECODE_HEAVY, "mixed rows", id="decode-heavy, mixed rows"),
+    pytest.param(at_batch(1), "mixed rows", id="batch 1, mixed rows", marks=MIXED),
+    pytest.param(W2, "mixed rows", id="w2, mixed rows", marks=MIXED),
+    *[pytest.param(W1, s, id=f"w1, {s}") for s in CONSTANT + CHANGING],
+    *[pytest.param(PREFILL_HEAVY, s, id=f"prefill-heavy, {s}") for s in ("useless", "tau 6.5")],
+    *[pytest.param(DECODE_HEAVY, s, id=f"decode-heavy, {s}") for s in CONSTANT + ["improve"]],
+]
+
+
+@pytest.mark.parametrize("job, name", SCENARIOS)
+def test_auto_keeps_up_with_no_draft_and_the_best_fixed_width(job: Job, name: str) -> None:
+    vs_none, vs_best = ratios(job, name)
+    assert vs_none >= 0.97 and vs_best >= 0.97, (vs_none, vs_best)
+
+
+def test_constrained_rows_pay_their_masks_at_every_width() -> None:
+    """A mask a verified row: a wide verify costs the host more, and auto still keeps up."""
+    job = Job(rows=64, prompt_len=512, max_tokens=256, batch=32, constrained=True)
+    for name in ("useless", "tau 6.5"):
+        vs_none, vs_best = ratios(job, name)
+        assert vs_none >= 0.97 and vs_best >= 0.97, (name, vs_none, vs_best)
+
+
+def _prefill_steps_measured(policy: object, **kw: object) -> int:
+    return width_policy.step_width(policy, **{**kw, "prefill_pending": False})  # type: ignore[arg-type]
+
+
+# Each rule, the scenario that needs it, and how the rule is taken out.
+RULES: list[tuple[str, Job, str, Callable[[pytest.MonkeyPatch], None]]] = [
+    (
+        "steps with prefill chunks decode at width 1",
+        W1,
+        "tau 3",
+        lambda mp: mp.setattr(speculator_module, "step_width", _prefill_steps_measured),
+    ),
+    (
+        "acceptance is forgotten (HALF_LIFE)",
+        W1,
+        "collapse",
+        lambda mp: mp.setattr(width_policy, "HALF_LIFE", 10**9),
+    ),
+    (
+        "a drafter held at width 1 is probed again (PROBE_EVERY)",
+        at_batch(8),
+        "improve",
+        lambda mp: mp.setattr(width_policy, "PROBE_EVERY", math.inf),
+    ),
+    (
+        "a drafter that lost goes dormant (DORMANT_AFTER)",
+        at_batch(128),
+        "useless",
+        lambda mp: mp.setattr(width_policy, "DORMANT_AFTER", 10**9),
+    ),
+    (
+        "a probe takes PROBE_ROUNDS rounds",
+        at_batch(1),
+        "useless",
+        lambda mp: mp.setattr(width_policy, "PROBE_ROUNDS", 1),
+    ),
+    (
+        "another bucket's choice bounds only under the same acceptance (CHOICE_DRIFT)",
+        DECODE_HEAVY,
+        "improve",
+        lambda mp: mp.setattr(width_policy, "CHOICE_DRIFT", math.inf),
+    ),
+]
+
+
+@pytest.mark.parametrize("rule, job, name, without", RULES, ids=[r[0] for r in RULES])
+def test_each_rule_is_needed(
+    rule: str,
+    job: Job,
+    name: str,
+    without: Callable[[pytest.MonkeyPatch], None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert min(ratios(job, name)) >= 0.97
+    without(monkeypatch)
+    assert min(ratios(job, name)) < 0.97, rule

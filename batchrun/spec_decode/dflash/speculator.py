@@ -112,6 +112,9 @@ class DFlashSpeculator(Speculator):
         self.policy: WidthPolicy | None = None
         self.width_steps: Counter[int] = Counter()  # verify width -> steps decoding at it
         self._last_width = 0  # the width of the step read back before
+        # While the policy wakes a dormant drafter: requests admitted before writes resumed,
+        # whose context has holes, not yet replaced by new ones (None: not waking).
+        self._holey: int | None = None
 
     # -- the width ----------------------------------------------------------------------------
 
@@ -121,6 +124,17 @@ class DFlashSpeculator(Speculator):
         self.policy = WidthPolicy(self.block_size, self.widths) if many else None
         self.width_steps = Counter()
         self._last_width = 0
+        self._holey = None
+
+    @property
+    def writes_context(self) -> bool:
+        """False while the policy holds the drafter dormant: width-1 steps then capture no
+        features and write none of its context. Pinned widths, fixed widths and tensor
+        parallelism (each rank's draft must see the same context) always write."""
+        policy = self.policy
+        if policy is None or self.tp is not None or self.hooks.pinned_width is not None:
+            return True
+        return policy.writes_context
 
     def next_width(self, running: int, prefill_pending: bool) -> int:
         pinned = self.hooks.pinned_width
@@ -135,7 +149,20 @@ class DFlashSpeculator(Speculator):
         )
         if self.tp is not None:  # chosen from this rank's step times: rank 0's wins
             width = self.tp.first_int(width)
+        if self.policy.waking and self._holey is None:
+            self._holey = running
+            self._relearn_when_replaced(0)
         return width
+
+    def _relearn_when_replaced(self, admitted: int) -> None:
+        """Counts down the requests with holes in their context as new ones take slots; the
+        policy re-learns the drafter from requests whose context is whole."""
+        if self._holey is None or self.policy is None:
+            return
+        self._holey -= admitted
+        if self._holey <= 0:
+            self.policy.relearn()
+            self._holey = None
 
     def learn(self, step: StepShape, accepted: list[int], seconds: float) -> None:
         """Feeds the policy: the rounds' acceptance, and the step's cost when every request
@@ -150,6 +177,8 @@ class DFlashSpeculator(Speculator):
             return
         for a in accepted if width > 1 else ():
             policy.record_round(width, a)
+        if seconds > 0:
+            policy.record_elapsed(seconds * 1e3)
         if seconds > 0 and not switched:
             policy.record_rows(step.num_rows, seconds * 1e3)
             if step.uniform:
@@ -164,6 +193,7 @@ class DFlashSpeculator(Speculator):
     def admit(self, requests: Sequence[Admitted], slots: torch.Tensor) -> None:
         self.context.admit(slots)
         self.hooks.admit(requests, slots)
+        self._relearn_when_replaced(len(requests))
 
     @torch.inference_mode()
     def propose(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor | None:
@@ -173,8 +203,9 @@ class DFlashSpeculator(Speculator):
         if not d:
             return None
         if width == 1:
-            if self._verified_unstored:
+            if self._verified_unstored and self.writes_context:
                 self._store_verified(slots[:d])
+            self._verified_unstored = False  # dormant: dropped, a hole in the context
             return None
         drafts = self._draft_step(step, slots)
         # In place: a graph's target reads them there.
@@ -185,6 +216,8 @@ class DFlashSpeculator(Speculator):
         return self.drafts[:size]
 
     def store_context(self, features: torch.Tensor, rows: ContextRows) -> None:
+        if not self.writes_context:  # a prefill chunk's rows while dormant
+            return
         window_kv_index = None
         if self.ring is not None:  # a chunk's rows, up to the ring's last positions
             end = rows.meta.kv_lens.long()[rows.row_req]

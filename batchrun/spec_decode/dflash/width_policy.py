@@ -20,6 +20,7 @@ MIN_SAMPLES = 3  # step times a width needs in a bucket before it is compared
 RECENT_SAMPLES = 8  # a cost is the least of this many newest step times
 REMEASURE_EVERY = 512  # steps after which a width not run since is measured again
 SWITCH_MARGIN = 0.05  # a width must promise this much more than the current one to replace it
+CHOICE_DRIFT = 0.2  # see WidthPolicy._widths_for
 COMPUTE_ROWS = 1024  # a step of this many rows or more times the matmuls' rate per row
 # Acceptance is forgotten by rounds: every HALF_LIFE rounds recorded, all positions' hits and
 # trials are halved, so an estimate rests on the last 1-2 x HALF_LIFE rounds. 64 keeps at least
@@ -30,10 +31,33 @@ COMPUTE_ROWS = 1024  # a step of this many rows or more times the matmuls' rate 
 # steps at batch 1, 12 at batch 32. Positions no round reaches decay towards the prior.
 HALF_LIFE = 64
 # Width 1 records no rounds, so a drafter held there is re-learned from scratch (its counts
-# cleared, so the narrowest drafting width probes it once, as at the start) after this many
-# steps without one: one probe step in PROBE_EVERY, and a drafter that turned good is taken
-# up again within PROBE_EVERY steps plus the measuring after it.
-PROBE_EVERY = 1024
+# cleared, so the narrowest drafting width probes it again, as at the start) once the time spent
+# since its last round is PROBE_EVERY times what the probe costs over width-1 steps (in the
+# bucket at hand, measured): the probes take at most 1% of the job at any batch size, and a
+# drafter that turned good is taken up within about 100 probe costs (some 200 steps at batch 1
+# on an H200, 170 at batch 128). A probe is PROBE_ROUNDS rounds (one step from batch 8 on): one
+# round's miss leaves the later positions at the prior, which at batch 1 makes the whole block
+# look worth verifying; a probe that sees a draft accepted ends there. Before the probe width's
+# cost is measured, a probe step is guessed to cost PROBE_GUESS of a step more (an H200's
+# width 2 at batch 1 to 8, the least at any batch: the guess errs towards probing early).
+PROBE_EVERY = 100
+PROBE_ROUNDS = 8
+PROBE_GUESS = 0.25
+# A drafter the policy has kept at width 1 for this many measured steps in a row, whose whole
+# block is expected to commit under DORMANT_TOKENS tokens a round (a drafting step costs more
+# than that over a width-1 step at any batch: 1.25x at batch 1 on an H200, more on a CPU), goes
+# dormant: width-1 steps stop capturing features and writing its context, so a drafter that
+# has lost costs what no drafter does. A drafter that is good but costs too much at this batch
+# is kept writing: the batch and the contexts change, and it may win again. 16 steps: past the
+# noise of a single unlucky choice, a small share of any job. To be tried again after PROBE_EVERY
+# steps it wakes first (its context is written again) and is re-learned once the requests that
+# ran while it slept, whose context has holes, have been replaced (the speculator counts them).
+# Only from DORMANT_MIN_BATCH requests on: the writes cost 1.6% of a step at batch 128 on an
+# H200 and about 0.2% at 16 or fewer, less than the holes cost, which keep a drafter that
+# improves within a row from being taken up before its rows are replaced.
+DORMANT_AFTER = 16
+DORMANT_TOKENS = 1.2
+DORMANT_MIN_BATCH = 16
 
 
 def candidate_widths(block_size: int) -> tuple[int, ...]:
@@ -129,12 +153,35 @@ class WidthPolicy:
         self.hits: list[float] = [0] * (block_size - 1)
         self.trials: list[float] = [0] * (block_size - 1)
         self._rounds = 0  # rounds recorded since the last halving
-        self._round_step = 0  # the step of the newest round
+        self._since_round_ms = 0.0  # step time since the newest round
         self.samples: dict[tuple[int, int], deque[float]] = {}  # newest step times, in ms
         self._measured_at: dict[tuple[int, int], int] = {}  # the step of the newest sample
-        self._chosen: dict[int, int] = {}  # bucket -> its width now
+        # bucket -> its width now, and the block's expected tokens a round when it was chosen
+        self._chosen: dict[int, tuple[int, float]] = {}
         self._step = 0
         self._ms_per_row: deque[float] = deque(maxlen=RECENT_SAMPLES)  # of compute-bound steps
+        self._recent_ms: deque[float] = deque(maxlen=RECENT_SAMPLES)  # any step's
+        self._ones = 0  # measured steps in a row at width 1 after the drafter was tried
+        self.waking = False  # dormant, past PROBE_EVERY: its context is written again
+
+    @property
+    def dormant(self) -> bool:
+        """Drafting has lost for DORMANT_AFTER steps: width 1 until re-learned."""
+        return self._ones >= DORMANT_AFTER
+
+    @property
+    def writes_context(self) -> bool:
+        """Whether the draft's context is written (width-1 steps capture features for it)."""
+        return not self.dormant or self.waking
+
+    def relearn(self) -> None:
+        """Forget the acceptance and the choices made from it: the narrowest drafting width
+        probes the drafter again (as at the start)."""
+        self.hits = [0] * len(self.hits)
+        self.trials = [0] * len(self.trials)
+        self._rounds = 0
+        self._chosen.clear()
+        self._ones, self.waking = 0, False
 
     def accept(self) -> list[float]:
         return [
@@ -163,25 +210,48 @@ class WidthPolicy:
         self._step += 1
         if not measure:
             return 1
-        if self._step - self._round_step > PROBE_EVERY and any(self.trials):
-            # Too old to tell what the drafter does now, as are the choices made from them.
-            self.hits = [0] * len(self.hits)
-            self.trials = [0] * len(self.trials)
-            self._rounds = 0
-            self._chosen.clear()
+        probe_ms = self._probe_ms(bucket, requests or bucket)
+        if any(self.trials) and self._since_round_ms > PROBE_EVERY * probe_ms:
+            # Too old to tell what the drafter does now, as are the choices made from them. A
+            # dormant drafter's context has holes: it wakes, and the speculator re-learns it
+            # once the requests with holes are gone.
+            if self.dormant:
+                self.waking = True
+            else:
+                self.relearn()
+        if self.dormant:
+            self._ones += 1
+            return 1
         fits = [w for w in self.widths if max_width is None or w <= max_width] or [1]
         for w in self.widths:  # stale: forget it, so that it may be measured afresh below
             at = self._measured_at.get((w, bucket))
             if at is not None and self._step - at > REMEASURE_EVERY:
                 del self.samples[w, bucket], self._measured_at[w, bucket]
-        widths = [w for w in self._widths_for(bucket) if w in fits] or fits
         accept = self.accept()
+        block_tokens = expected_tokens(accept, self.widths[-1])
+        widths = [w for w in self._widths_for(bucket, block_tokens) if w in fits] or fits
         known = {w: c for w in widths if (c := self.cost(w, bucket)) is not None}
         width = self._to_measure(widths, known, accept, bucket, requests or bucket)
         if width is None:
-            width = best_width(accept, known, self._chosen.get(bucket))
-            self._chosen[bucket] = width
+            current = self._chosen.get(bucket, (None, 0.0))[0]
+            width = best_width(accept, known, current)
+            self._chosen[bucket] = (width, block_tokens)
+        lost = any(self.trials) and block_tokens < DORMANT_TOKENS
+        held = width == 1 and lost and bucket >= DORMANT_MIN_BATCH
+        self._ones = self._ones + 1 if held else 0
         return width
+
+    def _probe_ms(self, bucket: int, requests: int) -> float:
+        """What a probe (PROBE_ROUNDS rounds at the narrowest drafting width) costs over as
+        many width-1 steps, here."""
+        steps = -(-PROBE_ROUNDS // max(requests, 1))
+        one = self.cost(1, bucket)
+        drafting = [w for w in self.widths if w > 1]
+        probe = self.cost(drafting[0], bucket) if drafting else None
+        if one is not None and probe is not None:
+            return steps * max(probe - one, 0.0)
+        step = one or min(self._recent_ms, default=0.0)
+        return steps * PROBE_GUESS * step if step else float("inf")
 
     def _to_measure(
         self,
@@ -195,7 +265,7 @@ class WidthPolicy:
         if widths[0] not in known and widths[0] == 1:
             return 1
         drafting = [w for w in widths if w > 1]
-        if drafting and not self.trials[0] and drafting[0] not in known:
+        if drafting and self.trials[0] < PROBE_ROUNDS and not self.hits[0]:
             return drafting[0]  # the drafter is unknown: learn its acceptance cheaply
         best_rate = max((expected_tokens(accept, w) / c for w, c in known.items()), default=0.0)
         for w in reversed(widths):
@@ -211,19 +281,26 @@ class WidthPolicy:
                 return w
         return None
 
-    def _widths_for(self, bucket: int) -> tuple[int, ...]:
-        """The widths between the choices of the nearest larger and smaller chosen buckets
-        (all of them where those disagree with the rule that the best width falls with the
-        batch: noise in one bucket must not lock another out)."""
-        larger = [w for b, w in self._chosen.items() if b > bucket]
-        smaller = [w for b, w in self._chosen.items() if b < bucket]
+    def _widths_for(self, bucket: int, block_tokens: float) -> tuple[int, ...]:
+        """The widths between the choices of the larger and smaller buckets (all of them where
+        those disagree with the rule that the best width falls with the batch: noise in one
+        bucket must not lock another out). The rule holds for one acceptance: a choice made
+        when the block's expected tokens differed by more than CHOICE_DRIFT from now bounds
+        nothing (the rows that drafted well there may be gone)."""
+        near = {
+            b: w
+            for b, (w, tokens) in self._chosen.items()
+            if abs(tokens - block_tokens) <= CHOICE_DRIFT * block_tokens
+        }
+        larger = [w for b, w in near.items() if b > bucket]
+        smaller = [w for b, w in near.items() if b < bucket]
         low, high = max(larger, default=1), min(smaller, default=self.widths[-1])
         inside = tuple(w for w in self.widths if low <= w <= high)
         return inside or self.widths
 
     def record_round(self, width: int, accepted: int) -> None:
         """A verify of `width` rows accepted `accepted` drafts."""
-        self._round_step, self._rounds = self._step, self._rounds + 1
+        self._since_round_ms, self._rounds = 0.0, self._rounds + 1
         if self._rounds >= HALF_LIFE:
             self.hits = [h / 2 for h in self.hits]
             self.trials = [t / 2 for t in self.trials]
@@ -233,9 +310,14 @@ class WidthPolicy:
             self.hits[j] += j < accepted
 
     def record_rows(self, rows: int, ms: float) -> None:
-        """Any step's rows and time (a compute-bound one's tell the matmuls' rate)."""
+        """A step's rows and time, timed alone (a compute-bound one's tell the matmuls' rate)."""
         if rows >= COMPUTE_ROWS:
             self._ms_per_row.append(ms / rows)
+
+    def record_elapsed(self, ms: float) -> None:
+        """Every step's time, switches included: the clock of the probes."""
+        self._since_round_ms += ms
+        self._recent_ms.append(ms)
 
     def record_cost(self, width: int, bucket: int, ms: float) -> None:
         key = (width, bucket)

@@ -1,0 +1,243 @@
+"""Whole jobs replayed on the CPU through the engine's own width logic: the real Scheduler
+(schedule, launched, update_from_output) and the real DFlashSpeculator (next_width, admit,
+learn, writes_context, over its WidthPolicy), stepped in the engine's order (the next step is
+chosen and launched before the last one is read back). No model runs: each step's time comes from
+a cost model of the H200 at the Qwen3-8B shape that charges the drafter's work (its forward at a
+drafting width, its context writes at width 1 and in prefill chunks), and each round's
+acceptance is drawn from the scenario's chance per draft, which may change per row and over a
+row's output."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from batchrun.engine.core.page_pool import PagePool
+from batchrun.engine.core.requests import Request
+from batchrun.engine.core.scheduler import Scheduler
+from batchrun.engine.core.step import ScheduledStep, StepOutput
+from batchrun.engine.core.stopping import Stopper
+from batchrun.engine.cuda_graphs import ladder_bucket
+from batchrun.engine.step_inputs import rows_sampled
+from batchrun.sampling.params import SamplingParams
+from batchrun.spec_decode.base import Speculator
+from batchrun.spec_decode.dflash.inputs import DraftContext
+from batchrun.spec_decode.dflash.speculator import DFlashSpeculator
+from batchrun.spec_decode.dflash.width_policy import candidate_widths
+
+BLOCK = 16
+TOKEN = 7  # every sampled token (no stop token: rows end at max_tokens)
+
+# accept(row, position): each draft's chance to be accepted (given the ones before) in a round
+# of `row` whose output holds `position` tokens.
+Acceptance = Callable[[int, int], float]
+
+
+@dataclass(frozen=True)
+class H200Costs:
+    """Milliseconds of a step: weights and K/V read (memory-bound) or its rows' matmuls
+    (compute-bound), whichever is longer, plus the draft's forward over the whole block per
+    drafting request, the draft's context written while the speculator writes it (10.6 against
+    10.43 ms a width-1 step at batch 128 on the H200; 1.6% of a prefill row: the draft's 126M
+    parameters against the target's 8B) and a constrained row's mask."""
+
+    weights_ms: float = 4.0  # 16 GB of weights at 4 TB/s
+    kv_ms_per_token: float = 0.05 / 1024  # a request's 1,024 tokens of K/V: 0.05 ms
+    ms_per_row: float = 0.027  # 16 GFLOP a row at 600 TFLOP/s
+    draft_ms_per_row: float = 0.0045  # 5 of 36 layers, B rows per drafting request
+    draft_weights_ms: float = 0.5
+    context_ms_per_request: float = 0.0013
+    context_share_of_prefill: float = 0.016
+    mask_ms_per_row: float = 0.004
+
+    def step(self, step: ReplayStep) -> float:
+        d, w = step.num_decoding, step.width
+        memory = self.weights_ms + self.kv_ms_per_token * step.context
+        ms = max(memory, self.ms_per_row * step.num_rows)
+        if w > 1:
+            ms += self.draft_ms_per_row * d * BLOCK + self.draft_weights_ms
+        if step.writes_context:
+            ms += self.context_ms_per_request * d * (w == 1)
+            ms += self.ms_per_row * self.context_share_of_prefill * step.prefill_rows
+        return ms + self.mask_ms_per_row * d * w * step.constrained
+
+
+@dataclass(frozen=True)
+class ReplayStep:
+    """A step as the speculator reads it (spec_decode/base.py's StepShape) and the cost model
+    prices it."""
+
+    width: int
+    num_live: int
+    num_decoding: int
+    prefill_rows: int
+    context: int  # tokens of K/V the decoding requests read
+    writes_context: bool
+    constrained: bool
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_live
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_decoding * self.width + self.prefill_rows
+
+    @property
+    def uniform(self) -> bool:
+        return self.num_decoding == self.num_live
+
+    @property
+    def max_kv(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class Job:
+    rows: int
+    prompt_len: int
+    max_tokens: int
+    batch: int
+    budget: int = 4096
+    constrained: bool = False  # every row's mask is built (its cost counted)
+
+    def scaled_rows(self, rows: int) -> Job:
+        return Job(
+            rows, self.prompt_len, self.max_tokens, self.batch, self.budget, self.constrained
+        )
+
+
+@dataclass
+class Replay:
+    seconds: float = 0.0
+    tokens: int = 0
+    widths: Counter[int] = field(default_factory=Counter)  # decoding steps per width
+    trace: list[int] = field(default_factory=list)  # every decoding step's width, in order
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+
+def speculator(widths: tuple[int, ...], job: Job) -> Speculator:
+    """The DFlash speculator's width logic without a model (its policy, admissions and step
+    bookkeeping run; nothing is drafted); plain decoding for widths (1,) without a draft."""
+    spec = DFlashSpeculator.__new__(DFlashSpeculator)
+    Speculator.__init__(spec)
+    spec.target = SimpleNamespace(graphs=SimpleNamespace(bucket=ladder_bucket))  # type: ignore[assignment]
+    spec.tp, spec.block_size, spec.widths = None, BLOCK, widths
+    spec.context = DraftContext.zeros(job.batch + 1, torch.device("cpu"))
+    spec.start_job(job.batch, job.budget)
+    return spec
+
+
+def replay(
+    job: Job,
+    accept: Acceptance | None,
+    width: int | str = "auto",
+    costs: H200Costs = H200Costs(),
+    seed: int = 0,
+) -> Replay:
+    """The job with no draft (accept None) or with the draft at `width` (auto, or a fixed
+    width: the engine's `verify_width`)."""
+    if accept is None:
+        spec, decode_width, min_width = Speculator(), 1, 1
+    else:
+        widths = candidate_widths(BLOCK) if width == "auto" else (int(width),)
+        spec, decode_width, min_width = speculator(widths, job), BLOCK, widths[0]
+    pages = job.rows * (job.prompt_len + job.max_tokens + 3 * BLOCK) // 16 + job.rows
+    scheduler = Scheduler(
+        PagePool(pages, 16), job.batch, job.budget, decode_width=decode_width, min_width=min_width
+    )
+    params = SamplingParams(max_tokens=job.max_tokens, ignore_eos=True)
+    for i in range(job.rows):
+        scheduler.add(Request(i, [1] * job.prompt_len, params))
+    stopper, rng, result = Stopper(None, set(), 1 << 30), random.Random(seed), Replay()
+    launched: Launched | None = None
+    while scheduler.num_unfinished or launched is not None:
+        step_width = spec.next_width(len(scheduler.running), scheduler.prefill_pending)
+        scheduled = scheduler.schedule(step_width)
+        new = None
+        if scheduled.items:
+            if scheduled.admitted:
+                spec.admit(
+                    scheduled.admitted, torch.zeros(len(scheduled.admitted), dtype=torch.long)
+                )
+            step = _shape(scheduled, step_width, spec.writes_context, job.constrained)
+            items = scheduled.items
+            new = Launched(
+                scheduled,
+                step,
+                epochs=[it.req.state.epoch for it in items],
+                counts=[rows_sampled(it) for it in items],
+                accepted=[_drawn(it.req, step_width, accept, rng) for it in items if it.decoding],
+                ms=costs.step(step),
+            )
+            scheduler.launched(scheduled)
+            result.seconds += new.ms / 1e3
+            if step.num_decoding:
+                result.widths[step_width] += 1
+                result.trace.append(step_width)
+        if launched is not None:
+            _read_back(scheduler, spec, stopper, launched)
+        launched = new
+    result.tokens = job.rows * job.max_tokens
+    return result
+
+
+def _shape(scheduled: ScheduledStep, width: int, writes: bool, constrained: bool) -> ReplayStep:
+    items = scheduled.items
+    decoding = [it for it in items if it.decoding]
+    return ReplayStep(
+        width=width,
+        num_live=len(items),
+        num_decoding=len(decoding),
+        prefill_rows=sum(it.num_new for it in items if not it.decoding),
+        context=sum(it.req.state.num_cached for it in decoding),
+        writes_context=writes,
+        constrained=constrained,
+    )
+
+
+def _drawn(req: Request, width: int, accept: Acceptance | None, rng: random.Random) -> int:
+    p = accept(req.row_index, len(req.output.token_ids)) if accept is not None else 0.0
+    accepted = 0
+    while accepted < width - 1 and rng.random() < p:
+        accepted += 1
+    return accepted
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step on its way, with what the engine keeps of it until it is read back."""
+
+    scheduled: ScheduledStep
+    step: ReplayStep
+    epochs: list[int]
+    counts: list[int]  # tokens each item samples
+    accepted: list[int]  # drafts each decoding item's round accepts
+    ms: float
+
+
+def _read_back(
+    scheduler: Scheduler, spec: Speculator, stopper: Stopper, launched: Launched
+) -> None:
+    """As the engine reads a step back: the speculator learns from it, then the scheduler
+    commits each request's tokens (the anchor's next token and the accepted drafts)."""
+    spec.learn(launched.step, launched.accepted, launched.ms / 1e3)
+    output = StepOutput(
+        items=launched.scheduled.items,
+        epochs=launched.epochs,
+        counts=launched.counts,
+        tokens=[TOKEN] * sum(launched.counts),
+        accepted=launched.accepted,
+        drafts=[],
+        num_drafts=0,
+        width=launched.step.width,
+    )
+    scheduler.update_from_output(output, stopper=stopper)
