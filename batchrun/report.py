@@ -29,8 +29,8 @@ import numpy as np
 import polars as pl
 
 from batchrun.errors import JobError
-from batchrun.io.output_dir import STATS_FILE, SUCCESS_FILE
-from batchrun.io.parts import PROGRESS_DIR, REPORT_FILE, write_text_atomically
+from batchrun.io.output_dir import STATS_FILE, OutputDir
+from batchrun.io.parts import PROGRESS_DIR, REPORT_FILE
 from batchrun.stats import per_position_acceptance
 from batchrun.summary import CommittedParts, pooled_hist
 
@@ -89,13 +89,14 @@ class _Run:
         return self.shard + (f", run from {_utc(started):%H:%M:%S}" if started is not None else "")
 
 
-def write_report(out_dir: Path, html_path: Path | None = None) -> Path:
-    """Write the report (by default OUT/report.html); returns its path."""
+def write_report(out_dir: str | Path, html_path: Path | None = None) -> str:
+    """Write the report (by default OUT/report.html, also in object storage); returns where."""
     go = _plotly()
     committed = CommittedParts.of(out_dir)
+    out = committed.out
     rows = committed.read(COLUMNS)
     ok = rows.filter(pl.col("finish_reason") != "error")
-    info = _job_info(out_dir)
+    info = _job_info(out)
     runs = _runs(committed, ok)
     sections: list[tuple[str, Any]] = [("throughput", _throughput(go, runs))]
     hist = pooled_hist(ok)
@@ -106,21 +107,21 @@ def write_report(out_dir: Path, html_path: Path | None = None) -> Path:
     else:
         sections += [("tau", _tau(go, ok)), ("acceptance", _acceptance(go, hist))]
     sections += [("completion-length", _lengths(go, ok)), ("errors", _errors(go, rows))]
-    page = _page(out_dir, _header(out_dir, committed, rows, ok, info, runs), sections)
-    path = html_path if html_path is not None else out_dir / REPORT_FILE
+    page = _page(out.shown, _header(out, committed, rows, ok, info, runs), sections)
     try:
         if html_path is None:  # in the output directory: never through a symlink
-            write_text_atomically(path, page)
-        else:  # a file the user named
-            path.write_text(page)
+            out.store.write_text(out.path / REPORT_FILE, page)
+            return out.store.shown(out.path / REPORT_FILE)
+        html_path.write_text(page)  # a file the user named
     except OSError as exc:
-        raise JobError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from exc
-    return path
+        where = html_path or out.store.shown(out.path / REPORT_FILE)
+        raise JobError(f"cannot write {str(where)!r}: {exc.strerror or exc}") from exc
+    return str(html_path)
 
 
-def _page(out_dir: Path, header: str, sections: list[tuple[str, Any]]) -> str:
+def _page(out_dir: str, header: str, sections: list[tuple[str, Any]]) -> str:
     """The HTML page: sections are (plot div id, a figure or a note), or ("", a note)."""
-    body = [f"<h1>batchrun report: {html.escape(str(out_dir))}</h1>", header]
+    body = [f"<h1>batchrun report: {html.escape(out_dir)}</h1>", header]
     first_figure = True
     for div_id, content in sections:
         if div_id:
@@ -142,21 +143,21 @@ def _page(out_dir: Path, header: str, sections: list[tuple[str, Any]]) -> str:
         first_figure = False
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>batchrun report: {html.escape(out_dir.name)}</title>"
+        f"<title>batchrun report: {html.escape(out_dir.rstrip('/').rsplit('/', 1)[-1])}</title>"
         f"<style>{_STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
     )
 
 
-def _job_info(out_dir: Path) -> dict[str, Any]:
+def _job_info(out: OutputDir) -> dict[str, Any]:
     """stats.json, or while shards still run the newest shard's own stats (files that do not
     hold a JSON object are skipped)."""
     shards = []
-    for path in (out_dir / PROGRESS_DIR).glob("stats-*.json"):
+    for path in out.store.glob(out.path / PROGRESS_DIR, "stats-*.json"):
         with contextlib.suppress(OSError):
-            shards.append((path.stat().st_mtime, path))
-    for path in [out_dir / STATS_FILE, *(path for _, path in sorted(shards, reverse=True))]:
+            shards.append((out.store.stat(path)[1], path))
+    for path in [out.path / STATS_FILE, *(path for _, path in sorted(shards, reverse=True))]:
         try:
-            info = json.loads(path.read_text())
+            info = json.loads(out.store.read_text(path))
         except (OSError, ValueError):
             continue
         if isinstance(info, dict):
@@ -172,7 +173,7 @@ def _runs(committed: CommittedParts, ok: pl.DataFrame) -> list[_Run]:
         shard = _SHARD.fullmatch(path.name)
         label = f"shard {int(shard[1])}/{int(shard[2])}" if shard else "all rows"
         started, written = committed.out.part_times(path)
-        parts.append((label, started, written, int(tokens.get(str(path), 0))))
+        parts.append((label, started, written, int(tokens.get(committed.out.store.shown(path), 0))))
     parts.sort(key=lambda p: (p[0], p[1] or 0.0, p[2]))
     return [
         _Run(shard, started, [p[2] for p in group], [p[3] for p in group])
@@ -268,7 +269,7 @@ def _errors(go: Any, rows: pl.DataFrame) -> Any:
 
 
 def _header(
-    out_dir: Path,
+    out: OutputDir,
     committed: CommittedParts,
     rows: pl.DataFrame,
     ok: pl.DataFrame,
@@ -280,7 +281,7 @@ def _header(
     of_input = (
         f" of {info['input_rows']}" if info.get("shard") is None and "input_rows" in info else ""
     )
-    complete = "complete" if (out_dir / SUCCESS_FILE).exists() else "not complete"
+    complete = "complete" if out.complete() else "not complete"
     left_out = f"; {committed.left_out} left out (damaged or another job's)"
     table = {
         "rows": f"{rows.height}{of_input} ({complete})",

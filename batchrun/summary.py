@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchrun.engine.core.requests import round_tokens
 from batchrun.errors import JobError
-from batchrun.io.output_dir import SUCCESS_FILE, OutputDir
+from batchrun.io.output_dir import OutputDir
 from batchrun.io.output_schema import output_fields
 from batchrun.stats import (
     OPTIONAL_STATS_COLUMNS,
@@ -45,12 +44,13 @@ class CommittedParts:
     """The parts whose rows count, and how many other part files the directory holds."""
 
     out: OutputDir
-    parts: list[Path]
+    parts: list[PurePath]
     left_out: int  # damaged, or of another job
 
     @classmethod
-    def of(cls, out_dir: Path) -> CommittedParts:
-        out = OutputDir(out_dir)
+    def of(cls, out_dir: str | Path) -> CommittedParts:
+        """The parts of a local output directory or an object-store output (s3://...)."""
+        out = OutputDir.at(str(out_dir))
         out.use_recorded_job()
         parts, left_out = out.committed_parts(), len(out.all_parts())
         foreign = [part.name for part in out.foreign_parts()]
@@ -62,7 +62,7 @@ class CommittedParts:
             )
         if not parts:
             why = f" ({left_out} left out: damaged, or of another job)" if left_out else ""
-            raise JobError(f"no part files of the job in {str(out_dir)!r}{why}")
+            raise JobError(f"no part files of the job in {out.shown!r}{why}")
         return cls(out, parts, left_out - len(parts))
 
     def read(self, columns: list[str]) -> pl.DataFrame:
@@ -82,23 +82,25 @@ class CommittedParts:
 
     def optional_columns(self) -> list[str]:
         """OPTIONAL_STATS_COLUMNS that every part has (parts of earlier versions lack them)."""
-        schemas = [pq.read_schema(part).names for part in self.parts]
+        schemas = [self.out.read_schema(part).names for part in self.parts]
         return [c for c in OPTIONAL_STATS_COLUMNS if all(c in names for names in schemas)]
 
     def scan(self, columns: list[str]) -> pl.LazyFrame:
         """Their rows, each (row_index, sample_index) once (the first part by name holding it),
-        with `part` (the part's path). int32 columns come as int64: polars sums int32 in int32,
+        with `part` (the part's path, or its URI: polars reads object storage itself, configured
+        by the same AWS_* environment). int32 columns come as int64: polars sums int32 in int32,
         which wraps."""
+        sources = [self.out.store.shown(part) for part in self.parts]
         return (
             # Parts may differ by raw-bytes columns (invalid UTF-8 kept apart).
-            pl.scan_parquet(self.parts, include_file_paths="part", extra_columns="ignore")
+            pl.scan_parquet(sources, include_file_paths="part", extra_columns="ignore")
             .select(["row_index", "sample_index", *columns, "part"])
             .unique(subset=["row_index", "sample_index"], keep="first", maintain_order=True)
             .with_columns(pl.col(pl.Int32).cast(pl.Int64))
         )
 
 
-def summarize(out_dir: Path, top_errors: int = 5) -> str:
+def summarize(out_dir: str | Path, top_errors: int = 5) -> str:
     """A human summary of the part files in out_dir (works while the job is still running)."""
     committed = CommittedParts.of(out_dir)
     frame = committed.read(STATS_COLUMNS + committed.optional_columns())
@@ -106,7 +108,7 @@ def summarize(out_dir: Path, top_errors: int = 5) -> str:
     left_out = f", {committed.left_out} left out" if committed.left_out else ""
     lines = [
         f"output: {out_dir} ({len(committed.parts)} parts{left_out}"
-        + (", complete)" if (out_dir / SUCCESS_FILE).exists() else ", not complete)"),
+        + (", complete)" if committed.out.complete() else ", not complete)"),
         f"rows: {frame.height} ({ok.height} ok, {frame.height - ok.height} errors)",
         "finish reasons: "
         + ", ".join(

@@ -183,6 +183,20 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     "each, side by side (e.g. auto,fp8). --target, --jobs: one of them.",
 )
 @click.option(
+    "--demo-policy",
+    is_flag=True,
+    help="The adaptive width on the demo pair, on this machine: a drafter that accepts "
+    "nothing, and a job whose acceptance collapses half way, each with no draft, auto and "
+    "full (--repeats rounds, modes taking turns); see bench/demo_policy.py.",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="--demo-policy: timed rounds (the median counts).",
+)
+@click.option(
     "--jobs",
     default="",
     help="Whole jobs at --shape's shape (default qwen3-8b): a comma list of workloads "
@@ -210,7 +224,7 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
 @click.option(
     "--scratch",
     type=click.Path(path_type=Path),
-    help="--jobs: where the checkpoints and inputs go (kept and reused).",
+    help="--jobs, --demo-policy: where the checkpoints and inputs go (kept and reused).",
 )
 @click.option("--hf-baseline/--no-hf-baseline", default=True, help="--target: time generate().")
 @click.option("--out", type=click.Path(path_type=Path), help="Write the result JSON here.")
@@ -232,6 +246,14 @@ def bench(out: Path | None, **opts: Any) -> None:
         raise click.UsageError(
             "a list of --kv-cache-dtype is for --shape sweeps; --target and --jobs take one"
         )
+    if opts["demo_policy"]:
+        import tempfile
+
+        from batchrun.bench.demo_policy import run_demo_policy
+
+        scratch = opts["scratch"] or Path(tempfile.gettempdir()) / "batchrun-demo-policy"
+        write(run_demo_policy(scratch, opts["repeats"], write))
+        return
     if opts["jobs"]:
         if opts["target"] is not None:
             raise click.UsageError("--jobs writes its own random checkpoint: no --target")

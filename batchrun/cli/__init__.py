@@ -10,6 +10,7 @@ import torch
 
 import batchrun
 from batchrun.bench.command import bench
+from batchrun.cli.export import export
 from batchrun.cli.group import Group
 from batchrun.cli.outputs import report, stats
 from batchrun.cli.run import run
@@ -22,7 +23,7 @@ def cli() -> None:
     """Offline batch inference over Parquet."""
 
 
-for command in (run, validate, stats, report, bench):
+for command in (run, validate, stats, report, export, bench):
     cli.add_command(command)
 
 

@@ -36,7 +36,7 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
     engine, output = job.engine, job.output
     fingerprint: dict[str, Any] = {
         "version": FINGERPRINT_VERSION,
-        "input": {str(f.path.resolve()): input_file_identity(f) for f in source.files},
+        "input": {f.location: input_file_identity(f) for f in source.files},
         "prompt": {"column": prompt.name, "kind": prompt.kind.value},
         "dtype": resolved_dtype(engine),
         "target": model_files(Path(engine.target)),

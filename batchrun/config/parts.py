@@ -38,8 +38,9 @@ class InputPart:
         kind=Kind.TEXT,
         schema=_NAME,
         doc="Parquet file, directory of Parquet files, or glob; files are read sorted by path. "
-        + _PATH_NOTE,
-        help="Parquet file, directory of Parquet files, or glob.",
+        "Local, or in object storage (s3://bucket/prefix/*.parquet, gs://...). "
+        "An OpenAI Batch request file (*.jsonl) reads as rows too. " + _PATH_NOTE,
+        help="Parquet file, directory of Parquet files, or glob; or an OpenAI Batch .jsonl.",
     )
     prompt_column: str | None = option(
         None,
@@ -148,8 +149,21 @@ class OutputPart:
         key="output",
         kind=Kind.TEXT,
         schema=_NAME,
-        doc=f"Output directory for part files, progress and stats. {_PATH_NOTE}",
-        help="Output directory.",
+        doc="Output directory for part files, progress and stats, or an object-store prefix "
+        f"(s3://bucket/prefix, gs://bucket/prefix; needs claims_dir). {_PATH_NOTE}",
+        help="Output directory, or s3://bucket/prefix (with --claims-dir).",
+    )
+    claims_dir: str | None = option(
+        None,
+        kind=Kind.TEXT,
+        schema=_NAME,
+        doc="Where the claims of an object-store output live (a local directory, or one shared "
+        "by every node that runs the job): pyarrow has no create-if-absent write to keep them "
+        "in the bucket. Every run of the job must name the same one. A local output keeps its "
+        f"claims in OUTPUT/_claims and ignores this. {_PATH_NOTE}",
+        help="Claims directory of an s3:// or gs:// output (local or shared).",
+        metavar="DIR",
+        unset="none; an object-store output needs it",
     )
     logprobs: int | None = option(
         None,
@@ -385,6 +399,39 @@ class RunPart:
         doc="No progress bar on stderr.",
         help="No progress bar (the summary still prints).",
         negatable=False,
+    )
+    metrics_port: int | None = option(
+        None,
+        kind=Kind.INT,
+        low=1,
+        high=65535,
+        doc="While the job runs, serve Prometheus metrics (rows, tokens, tokens/s, steps, "
+        "acceptance, KV pages) at http://METRICS_HOST:PORT/metrics; shard I of N serves on "
+        "PORT + I. A port in use stops the job before it starts. Not with --ray.",
+        help="Serve Prometheus metrics at http://METRICS_HOST:PORT/metrics while the job runs "
+        "(shard I: PORT + I).",
+        metavar="PORT",
+        unset="off",
+    )
+    metrics_host: str = option(
+        "127.0.0.1",
+        kind=Kind.TEXT,
+        schema=_NAME,
+        doc="Address the metrics port binds: loopback by default; 0.0.0.0 (or ::) lets a "
+        "Prometheus on another node scrape it.",
+        help="Address the metrics port binds (0.0.0.0: reachable from other nodes).",
+        metavar="ADDR",
+    )
+    metrics_file: str | None = option(
+        None,
+        kind=Kind.TEXT,
+        schema=_NAME,
+        doc="Write the same metrics to this node-exporter textfile (replaced atomically every "
+        "few seconds and at the end); shard I of N writes NAME-I.prom beside it. A path that "
+        f"cannot be written stops the job before it starts. Not with --ray. {_PATH_NOTE}",
+        help="Write the metrics as a node-exporter textfile, refreshed while the job runs.",
+        metavar="PATH",
+        unset="off",
     )
 
     @property

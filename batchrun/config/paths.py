@@ -1,5 +1,6 @@
 """The job's path keys: relative ones in a job file resolve against its directory, and every
-one is checked for what the system cannot look up before anything opens it."""
+one is checked for what the system cannot look up before anything opens it. An object-store URI
+(s3://, gs://: input and output only) is left as written; model directories stay local."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.errors import JobError
+from batchrun.io.storage import is_uri
 
 # Keys holding paths: relative ones in a job file resolve against the job file's directory.
-PATH_KEYS = ("input", "output", "target", "draft")
+PATH_KEYS = ("input", "output", "target", "draft", "metrics_file", "claims_dir")
+URI_KEYS = ("input", "output")  # keys that may name object storage (batchrun.io.storage)
 
 
 def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
     """A job file's keys with its relative paths resolved against `base` (in place)."""
     for key in PATH_KEYS:
         value = data.get(key)
+        if isinstance(value, str) and key in URI_KEYS and is_uri(value):
+            continue
         if isinstance(value, str) and not (key == "draft" and value.lower() == "none"):
             # An absolute value replaces base; normpath keeps globs intact (no resolve()).
             data[key] = os.path.normpath(base / value)
@@ -29,7 +34,13 @@ def check_path(key: str, path: str) -> None:
     the whole path too long, a directory on the way that cannot be searched, a symlink loop)
     or could not create: a name, past the part that exists, longer than its filesystem allows.
     A path that does not exist yet passes; what else is wrong with it is for its own checks.
-    Glob patterns pass the name-length check: a long pattern can match a short name."""
+    Glob patterns pass the name-length check: a long pattern can match a short name.
+    An object-store URI of input or output passes (its store checks it when it opens); one
+    elsewhere is refused: models load from local files."""
+    if is_uri(path):
+        if key in URI_KEYS:
+            return
+        raise JobError(f"{key} {path!r}: only input and output may be in object storage")
     try:
         os.stat(path)
         return

@@ -13,6 +13,9 @@ than STALE_AFTER_SECONDS) it deletes. Of two runs on overlapping rows, the one t
 always sees the other's file, so at most one of them holds a claim. Since each file's name is
 unique, deleting a stale claim can never delete a newer live one that took its place: no rename
 dance is needed for a race-free take-over.
+
+An object-store output (no create-if-absent write in pyarrow) keeps its claims in a local or
+shared directory instead (claims_dir): acquire(home, ..., shown=its URI), messages naming the URI.
 """
 
 from __future__ import annotations
@@ -235,8 +238,8 @@ def _live_conflicts(directory: Path, own: ClaimInfo) -> list[_Seen]:
     return live
 
 
-def _conflict_message(out: Path, own: ClaimInfo, seen: _Seen) -> str:
-    what = f"output {str(out)!r}{_describe(own.shard, own.rows)}"
+def _conflict_message(out: str, own: ClaimInfo, seen: _Seen) -> str:
+    what = f"output {out!r}{_describe(own.shard, own.rows)}"
     holder = seen.info.describe() if seen.info else "a run whose claim is being written"
     return (
         f"{what} is being written by {holder}; wait for it to end or stop it "
@@ -244,16 +247,21 @@ def _conflict_message(out: Path, own: ClaimInfo, seen: _Seen) -> str:
     )
 
 
-def acquire(out: Path, shard: Shard, rows: RowRange | None = None) -> Claim:
+def acquire(
+    out: Path, shard: Shard, rows: RowRange | None = None, *, shown: str | None = None
+) -> Claim:
     """Claim out (or its shard, covering `rows`) for this process; JobError if another live run
-    holds overlapping rows."""
+    holds overlapping rows. Claim files go to out/_claims; shown: the output's name in messages
+    (default: out)."""
     directory = out / CLAIMS_DIR
+    name = str(out) if shown is None else shown
     refuse_symlink(directory)  # its claims would be made and deleted elsewhere
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise JobError(
-            f"cannot create output directory {str(out)!r}: {exc.strerror or exc}"
+            f"cannot create {'output' if shown is None else 'claims'} directory "
+            f"{str(out if shown is None else directory)!r}: {exc.strerror or exc}"
         ) from exc
     for attempt in range(ATTEMPTS):
         info = ClaimInfo.for_this_process(shard, rows)
@@ -263,12 +271,12 @@ def acquire(out: Path, shard: Shard, rows: RowRange | None = None) -> Claim:
             conflicts = _live_conflicts(directory, info)
         except OSError as exc:
             path.unlink(missing_ok=True)
-            raise JobError(f"cannot claim output {str(out)!r}: {exc.strerror or exc}") from exc
+            raise JobError(f"cannot claim output {name!r}: {exc.strerror or exc}") from exc
         if not conflicts:
-            return Claim(out, path, info)
+            return Claim(name, path, info)
         path.unlink(missing_ok=True)
         if attempt == ATTEMPTS - 1 or min(s.age for s in conflicts) > FRESH_SECONDS:
-            raise JobError(_conflict_message(out, info, conflicts[0]))
+            raise JobError(_conflict_message(name, info, conflicts[0]))
         time.sleep(random.uniform(0.02, 0.2))
     raise AssertionError("unreachable")
 
@@ -276,7 +284,7 @@ def acquire(out: Path, shard: Shard, rows: RowRange | None = None) -> Claim:
 class Claim:
     """A claim this process holds; a daemon thread beats its heartbeat until release()."""
 
-    def __init__(self, out: Path, path: Path, info: ClaimInfo) -> None:
+    def __init__(self, out: str, path: Path, info: ClaimInfo) -> None:
         self.out, self.path, self.info = out, path, info
         self._last_beat = time.monotonic()
         self._stop = threading.Event()
@@ -317,7 +325,7 @@ class Claim:
             else "its claim file is gone"
         )
         raise JobError(
-            f"output {str(self.out)!r} is no longer claimed by this run ({why}); stopping "
+            f"output {self.out!r} is no longer claimed by this run ({why}); stopping "
             "without committing more (the rows not committed are done by the next run)"
         )
 

@@ -26,13 +26,15 @@ def job_hash(fingerprint: dict[str, Any]) -> str:
 
 def input_file_identity(file: InputFile) -> dict[str, Any]:
     try:
-        stat = file.path.stat()
-        footer_sha256 = file.footer_sha256 or hashlib.sha256(parquet_footer(file.path)).hexdigest()
+        size, mtime_ns = file.store.stat(file.path)
+        footer_sha256 = (
+            file.footer_sha256 or hashlib.sha256(parquet_footer(file.path, file.store)).hexdigest()
+        )
     except OSError as exc:
-        raise JobError(f"cannot read input file {str(file.path)!r}: {exc.strerror or exc}") from exc
+        raise JobError(f"cannot read input file {file.shown!r}: {exc.strerror or exc}") from exc
     return {
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
+        "size": size,
+        "mtime_ns": mtime_ns,
         "rows": file.num_rows,
         "footer_sha256": footer_sha256,
     }

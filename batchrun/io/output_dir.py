@@ -14,6 +14,11 @@ before _SUCCESS.
 Nothing in the directory is trusted: a manifest batchrun could not have written (wrong types) is
 treated as absent, and a run refuses a directory where it would write, replace or delete through
 a symlink (_progress, _claims or a file of its own being one; OUT itself may be one).
+
+OUT may also be an object-store prefix (s3://bucket/key, batchrun.io.store): there each file is
+written once, whole, under its final name (an upload appears only when complete, so there are no
+temps), parts before their manifests, stats.json and _SUCCESS last. pyarrow exposes no
+create-if-absent write, so the claims of such an output live in a local or shared claims_dir.
 """
 
 from __future__ import annotations
@@ -21,15 +26,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
+import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from hashlib import sha256
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchrun.errors import JobError
 from batchrun.io.claim import CLAIMS_DIR, Claim, acquire
@@ -43,10 +48,9 @@ from batchrun.io.parts import (
     is_output_file,
     is_temp,
     refuse_symlink,
-    remove,
-    write_part,
-    write_text_atomically,
 )
+from batchrun.io.storage import ObjectLocation, storage_reason
+from batchrun.io.store import LOCAL, Store, store_for
 from batchrun.stats import Timing
 
 DAMAGED_DIR = "damaged"  # in _progress/
@@ -67,11 +71,6 @@ def row_ranges(indices: np.ndarray) -> list[list[int]]:
     return [[int(start), int(stop)] for start, stop in zip(starts, stops, strict=True)]
 
 
-def _part_rows(part: Path) -> np.ndarray:
-    """The row indices a committed part holds, read from the part itself."""
-    return pq.read_table(part, columns=["row_index"]).column("row_index").to_numpy()
-
-
 def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
@@ -86,11 +85,16 @@ class _Footer:
     present: bool = True  # False: gone since it was listed (another shard's overwrite)
 
 
-def _read_footer(part: Path) -> _Footer:
+def _read_footer(store: Store, part: PurePath) -> _Footer:
     try:
-        metadata = pq.read_metadata(part)
+        metadata = store.read_metadata(part)
         schema = metadata.schema.to_arrow_schema()
+    except FileNotFoundError:
+        return _Footer(0, None, None, present=False)
     except (OSError, pa.ArrowException) as exc:
+        if not store.local and isinstance(exc, OSError):  # the store, not the part, failed
+            why = storage_reason(exc, ObjectLocation.parse(store.shown(part)))
+            raise JobError(f"cannot read {store.shown(part)!r}: {why}") from None
         return _Footer(0, None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     key = (metadata.metadata or {}).get(JOB_KEY)
     job = key.decode(errors="replace") if key is not None else None
@@ -108,7 +112,7 @@ def _is_time(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < MAX_TIME
 
 
-def _valid_manifest(data: Any, part: Path) -> dict[str, Any] | None:
+def _valid_manifest(data: Any, part: PurePath) -> dict[str, Any] | None:
     """The manifest if batchrun could have written it for `part`, else None (as if absent: its
     rows are read from the part, its times from the file)."""
     if not isinstance(data, dict) or data.get("part") != part.name:
@@ -139,13 +143,27 @@ def _scan(directory: Path) -> list[os.DirEntry[str]]:
         return []
 
 
+def claims_home(claims_dir: Path, output: str) -> Path:
+    """Where the claims of an object-store output live in claims_dir: a directory named after the
+    output's URI (readable, and unique by its hash)."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", output)[:100]
+    return claims_dir / f"{readable}-{sha256(output.encode()).hexdigest()[:12]}"
+
+
 class OutputDir:
-    """One shard's (or the whole job's) view of the output directory."""
+    """One shard's (or the whole job's) view of the output directory (a local directory, or an
+    object-store prefix in `store`; claims_dir: where an object-store output's claims live)."""
 
     def __init__(
-        self, path: Path, shard: tuple[int, int] | None = None, rows: range | None = None
+        self,
+        path: PurePath,
+        shard: tuple[int, int] | None = None,
+        rows: range | None = None,
+        *,
+        store: Store = LOCAL,
+        claims_dir: Path | None = None,
     ) -> None:
-        self.path = path
+        self.path, self.store, self.claims_dir = path, store, claims_dir
         self.progress = path / PROGRESS_DIR
         self.names = PartNames(shard)
         self.rows = rows  # the row_index range this run covers (its shard's), for its claim
@@ -155,12 +173,35 @@ class OutputDir:
         self._footers: dict[tuple[str, int, int], _Footer] = {}  # parts never change in place
         self.run_started = time.time()  # for part manifests; prepare() restarts it (engine ready)
 
+    @classmethod
+    def at(
+        cls,
+        spec: str,
+        shard: tuple[int, int] | None = None,
+        rows: range | None = None,
+        claims_dir: str | None = None,
+    ) -> OutputDir:
+        """The output named by --output: a local directory or an object-store URI."""
+        store = store_for(spec)
+        claims = Path(claims_dir) if claims_dir is not None else None
+        return cls(store.path(spec), shard, rows, store=store, claims_dir=claims)
+
+    @property
+    def shown(self) -> str:
+        """The output as the user names it: its path, or its URI."""
+        return self.store.shown(self.path)
+
     # -- the claim --------------------------------------------------------------------------
 
     def acquire(self) -> None:
         """Claim the directory (or this shard's rows of it); JobError if another run holds it."""
         rows = None if self.rows is None else (self.rows.start, self.rows.stop)
-        self._claim = acquire(self.path, self.names.shard, rows)
+        if self.store.local:
+            self._claim = acquire(Path(self.path), self.names.shard, rows)
+            return
+        assert self.claims_dir is not None  # check() refused the output without one
+        home = claims_home(self.claims_dir, self.shown)
+        self._claim = acquire(home, self.names.shard, rows, shown=self.shown)
 
     def release(self) -> None:
         if self._claim is not None:
@@ -176,20 +217,16 @@ class OutputDir:
     def check(self, fingerprint: dict[str, Any], overwrite: bool) -> None:
         """Raise JobError if the directory cannot take this job's output. Writes nothing."""
         self._job = job_hash(fingerprint)
-        if self.path.exists() and not self.path.is_dir():
-            raise JobError(f"output {str(self.path)!r} exists and is not a directory")
-        existing = self.path
-        while not existing.exists():
-            existing = existing.parent
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise JobError(f"output {str(self.path)!r} is not writable")
-        self._check_layout()
+        if self.store.local:
+            self._check_local()
+        else:
+            self._check_object_store()
         if overwrite or not self.all_parts():
             return
         recorded = self._recorded_fingerprint()
         if recorded is None:
             raise JobError(
-                f"output {str(self.path)!r} holds part files but no {PROGRESS_DIR}/{JOB_FILE} "
+                f"output {self.shown!r} holds part files but no {PROGRESS_DIR}/{JOB_FILE} "
                 "that batchrun can read; use --overwrite or another --output"
             )
         differs = first_difference(recorded, fingerprint)
@@ -204,20 +241,50 @@ class OutputDir:
             by = "another job" if self._footer(foreign[0]).job else "something other than batchrun"
             why = f"{foreign[0].name} was written by {by}"
         raise JobError(
-            f"output {str(self.path)!r} holds parts of a different job ({why}); "
+            f"output {self.shown!r} holds parts of a different job ({why}); "
             "use --overwrite or another --output"
         )
+
+    def _check_local(self) -> None:
+        path = Path(self.path)
+        if path.exists() and not path.is_dir():
+            raise JobError(f"output {self.shown!r} exists and is not a directory")
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise JobError(f"output {self.shown!r} is not writable")
+        self._check_layout()
+
+    def _check_object_store(self) -> None:
+        """JobError unless the bucket answers and exists, nothing blocks the prefix, and a
+        claims_dir is set (the store has no create-if-absent write for claims)."""
+        bucket = self.path.parts[0]
+        try:
+            if self.store.kind(PurePath(bucket)) != "dir":
+                raise JobError(f"output {self.shown!r}: bucket {bucket!r} does not exist")
+            if self.store.kind(self.path) == "file":
+                raise JobError(f"output {self.shown!r} exists and is not a directory")
+        except OSError as exc:
+            raise JobError(f"output {self.shown!r}: {_reason(exc)}") from None
+        if self.claims_dir is None:
+            raise JobError(
+                f"output {self.shown!r}: pyarrow's object-store filesystems have no "
+                "create-if-absent write to keep claims in; set claims_dir (--claims-dir) to a "
+                "local or shared directory that every run of this job reaches"
+            )
 
     def _check_layout(self) -> None:
         """JobError unless a run can work here without following a symlink: its directories
         are real ones (or absent), and no file it may write, replace or delete is a symlink (nor
         a directory where it writes a file)."""
-        for directory in (self.progress, self.path / CLAIMS_DIR, self.progress / DAMAGED_DIR):
+        path, progress = Path(self.path), Path(self.progress)
+        for directory in (progress, path / CLAIMS_DIR, progress / DAMAGED_DIR):
             refuse_symlink(directory)
             if directory.exists() and not directory.is_dir():
                 raise JobError(f"{str(directory)!r} is not a directory; batchrun keeps one there")
-        entries = [e for e in _scan(self.path) if is_output_file(e.name) or is_temp(e.name)]
-        for directory in (self.progress, self.progress / DAMAGED_DIR, self.path / CLAIMS_DIR):
+        entries = [e for e in _scan(path) if is_output_file(e.name) or is_temp(e.name)]
+        for directory in (progress, progress / DAMAGED_DIR, path / CLAIMS_DIR):
             entries += _scan(directory)  # everything in them is batchrun's
         for entry in entries:
             if entry.is_symlink():
@@ -239,13 +306,13 @@ class OutputDir:
             if overwrite:
                 self._clear()
             self._next_number = None
-            self.progress.mkdir(parents=True, exist_ok=True)
+            self.store.make_dir(self.progress)
             text = json.dumps(fingerprint, indent=2) + "\n"
-            write_text_atomically(self.progress / JOB_FILE, text)
+            self.store.write_text(self.progress / JOB_FILE, text)
             for directory in (self.path, self.progress):
-                for entry in directory.iterdir():
+                for entry in self.store.glob(directory, "*"):
                     if self._is_our_temp(entry.name):
-                        remove(entry)
+                        self.store.remove(entry)
             moved = self._move_damaged_aside()
             self._drop_orphan_manifests()
             for part in self.all_parts():
@@ -253,10 +320,10 @@ class OutputDir:
                 footer = self._footer(part)
                 stale = (manifest or {}).get("rows") != footer.rows
                 if footer.present and footer.damage is None and stale:
-                    self._write_manifest(part, _part_rows(part))
+                    self._write_manifest(part, self._part_rows(part))
         except OSError as exc:
             raise JobError(
-                f"cannot prepare output directory {str(self.path)!r}: {_reason(exc)}"
+                f"cannot prepare output directory {self.shown!r}: {_reason(exc)}"
             ) from exc
         return moved
 
@@ -264,41 +331,41 @@ class OutputDir:
         # Temps of a shard's parts, manifests and stats carry its tag; unsharded owns them all.
         return is_temp(name) and (self.names.shard is None or self.names.tag in name)
 
-    def _claimed_parts(self) -> list[Path]:
+    def _claimed_parts(self) -> list[PurePath]:
         """The parts this run may change: every part unsharded (its claim covers every row)."""
         return self.all_parts() if self.names.shard is None else self.own_parts()
 
     def _clear(self) -> None:
         if self.names.shard is None:
-            remove(self.progress / JOB_FILE)  # an interrupted clear cannot resume
-            shutil.rmtree(self.progress, ignore_errors=True)  # check(): holds no symlink
+            self.store.remove(self.progress / JOB_FILE)  # an interrupted clear cannot resume
+            self.store.remove_tree(self.progress)  # check(): holds no symlink
             doomed = [*self.all_parts(), self.path / STATS_FILE]
         else:
             doomed = self.own_parts()
             doomed += [self._manifest_path(p) for p in doomed] + [self.stats_path]
         for path in [self.path / SUCCESS_FILE, *doomed]:
-            remove(path)
+            self.store.remove(path)
 
     def _move_damaged_aside(self) -> list[str]:
         damaged = [part for part in self._claimed_parts() if self.damaged(part)]
         if damaged:
-            (self.progress / DAMAGED_DIR).mkdir(exist_ok=True)
+            self.store.make_dir(self.progress / DAMAGED_DIR)
         for part in damaged:
             target = self.progress / DAMAGED_DIR / part.name
-            if os.path.lexists(target):  # never replace an entry, not even a dangling link
+            taken = os.path.lexists(target) if self.store.local else self.store.exists(target)
+            if taken:  # never replace an entry, not even a dangling link
                 target = target.with_name(f"{part.name}.{time.time_ns()}")
-            refuse_symlink(part)
-            os.replace(part, target)
-            remove(self._manifest_path(part))
+            self.store.move(part, target)
+            self.store.remove(self._manifest_path(part))
         return [part.name for part in damaged]
 
     def _drop_orphan_manifests(self) -> None:
         """A manifest whose part is gone would mark the rows of a later part of that name done."""
         own = {p.stem for p in self._claimed_parts()}
-        for manifest in self.progress.glob("part-*.json"):
+        for manifest in self.store.glob(self.progress, "part-*.json"):
             is_ours = self.names.number(manifest.stem + ".parquet") is not None
             if (is_ours or self.names.shard is None) and manifest.stem not in own:
-                remove(manifest)
+                self.store.remove(manifest)
 
     def use_recorded_job(self) -> None:
         """For readers (`batchrun stats`, `report`): take the job of _progress/job.json as this
@@ -308,33 +375,33 @@ class OutputDir:
 
     def _recorded_fingerprint(self) -> dict[str, Any] | None:
         try:
-            recorded = json.loads((self.progress / JOB_FILE).read_text())
+            recorded = json.loads(self.store.read_text(self.progress / JOB_FILE))
         except (OSError, ValueError):
             return None
         return recorded if isinstance(recorded, dict) else None
 
     # -- committed rows ---------------------------------------------------------------------
 
-    def all_parts(self) -> list[Path]:
+    def all_parts(self) -> list[PurePath]:
         """Every shard's part files, sorted by name."""
-        if not self.path.is_dir():
-            return []
-        return sorted(self.path.glob(PART_PATTERN))
+        return sorted(self.store.glob(self.path, PART_PATTERN))
 
-    def own_parts(self) -> list[Path]:
+    def own_parts(self) -> list[PurePath]:
         return [p for p in self.all_parts() if self.names.number(p.name) is not None]
 
-    def _footer(self, part: Path) -> _Footer:
+    def _footer(self, part: PurePath) -> _Footer:
         try:
-            stat = part.stat()
+            size, mtime_ns = self.store.stat(part)
         except FileNotFoundError:
             return _Footer(0, None, None, present=False)
-        key = (part.name, stat.st_size, stat.st_mtime_ns)
+        except OSError as exc:
+            raise JobError(f"cannot read output {self.shown!r}: {_reason(exc)}") from None
+        key = (part.name, size, mtime_ns)
         if key not in self._footers:
-            self._footers[key] = _read_footer(part)
+            self._footers[key] = _read_footer(self.store, part)
         return self._footers[key]
 
-    def damaged(self, part: Path) -> bool:
+    def damaged(self, part: PurePath) -> bool:
         return self._footer(part).damage is not None
 
     def damaged_parts(self) -> dict[str, str]:
@@ -345,12 +412,12 @@ class OutputDir:
             if (damage := self._footer(part).damage) is not None
         }
 
-    def _is_other_jobs(self, part: Path) -> bool:
+    def _is_other_jobs(self, part: PurePath) -> bool:
         footer = self._footer(part)
         readable = footer.present and footer.damage is None
         return readable and self._job is not None and footer.job != self._job
 
-    def committed_parts(self) -> list[Path]:
+    def committed_parts(self) -> list[PurePath]:
         """The readable parts of this job (of every shard): those whose rows are done. Without a
         recorded job (readers of an old output), every readable part batchrun wrote."""
         return [
@@ -362,7 +429,7 @@ class OutputDir:
             and (self._job is None or footer.job == self._job)
         ]
 
-    def foreign_parts(self) -> list[Path]:
+    def foreign_parts(self) -> list[PurePath]:
         """Readable parts without batchrun's job key: files batchrun did not write."""
         return [
             part
@@ -370,7 +437,7 @@ class OutputDir:
             if (footer := self._footer(part)).present and footer.damage is None and not footer.job
         ]
 
-    def stats_parts(self) -> list[Path]:
+    def stats_parts(self) -> list[PurePath]:
         """The parts a run's stats cover: unsharded, every committed part (stats.json is job-wide,
         other shards' included); a shard, its own."""
         parts = self.committed_parts()
@@ -390,17 +457,36 @@ class OutputDir:
                 done[max(start, 0) : max(stop, 0)] = True  # a forged part's negative rows: none
         return done
 
-    def _row_ranges(self, part: Path) -> list[list[int]]:
+    def _row_ranges(self, part: PurePath) -> list[list[int]]:
         manifest = self._manifest(part)
         if manifest is not None and manifest.get("rows") == self._footer(part).rows:
             return list(manifest["row_ranges"])
         # Between a part's rename and its manifest (a kill, or another shard now): read the part.
-        return row_ranges(_part_rows(part))
+        return row_ranges(self._part_rows(part))
 
-    def commit(self, table: pa.Table) -> Path:
+    def read_table(self, part: PurePath, columns: list[str]) -> pa.Table:
+        """Columns of a part; JobError (one line) if the store cannot be read."""
+        try:
+            return self.store.read_table(part, columns)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if self.store.local:
+                raise
+            raise JobError(f"cannot read {self.store.shown(part)}: {_reason(exc)}") from None
+
+    def read_schema(self, part: PurePath) -> pa.Schema:
+        return self.store.read_schema(part)
+
+    def _part_rows(self, part: PurePath) -> np.ndarray:
+        """The row indices a committed part holds, read from the part itself."""
+        return self.read_table(part, ["row_index"]).column("row_index").to_numpy()
+
+    def commit(self, table: pa.Table) -> PurePath:
         """Write the next part atomically, then its manifest; JobError if that fails."""
         self._verify_claim()
-        refuse_symlink(self.progress)  # check() saw none; nor may one appear since
+        if self.store.local:
+            refuse_symlink(Path(self.progress))  # check() saw none; nor may one appear since
         if self._next_number is None:
             numbers = [self.names.number(p.name) for p in self.own_parts()]
             self._next_number = max((n for n in numbers if n is not None), default=-1) + 1
@@ -408,40 +494,42 @@ class OutputDir:
         if self._job is not None:
             table = table.replace_schema_metadata({JOB_KEY: self._job.encode()})
         try:
-            write_part(path, table)
+            self.store.write_part(path, table)
             self._next_number += 1
             times = {"run_started": round(self.run_started, 3), "written": round(time.time(), 3)}
             self._write_manifest(path, table.column("row_index").to_numpy(), times)
         except OSError as exc:
             raise JobError(
-                f"cannot write {path.name} in output {str(self.path)!r}: {_reason(exc)}; "
+                f"cannot write {path.name} in output {self.shown!r}: {_reason(exc)}; "
                 "stopping (rows not committed are redone by the next run)"
             ) from exc
         return path
 
-    def _manifest_path(self, part: Path) -> Path:
+    def _manifest_path(self, part: PurePath) -> PurePath:
         return self.progress / f"{part.stem}.json"
 
     def _write_manifest(
-        self, part: Path, indices: np.ndarray, times: dict[str, float] | None = None
+        self, part: PurePath, indices: np.ndarray, times: dict[str, float] | None = None
     ) -> None:
         """times: when the part's run started generating and when the part was written (Unix
         seconds), for throughput over time; unknown to a manifest rebuilt from its part."""
         manifest = {"part": part.name, "rows": len(indices), "row_ranges": row_ranges(indices)}
-        write_text_atomically(
+        self.store.write_text(
             self._manifest_path(part), json.dumps({**manifest, **(times or {})}) + "\n"
         )
 
-    def part_times(self, part: Path) -> tuple[float | None, float]:
+    def part_times(self, part: PurePath) -> tuple[float | None, float]:
         """When a part's run started generating (None if its manifest does not say) and when
         the part was written (else its file's mtime)."""
         manifest = self._manifest(part) or {}
         written = manifest.get("written")
-        return manifest.get("run_started"), written if written is not None else part.stat().st_mtime
+        if written is None:
+            written = self.store.stat(part)[1] / 1e9
+        return manifest.get("run_started"), written
 
-    def _manifest(self, part: Path) -> dict[str, Any] | None:
+    def _manifest(self, part: PurePath) -> dict[str, Any] | None:
         try:
-            manifest = json.loads(self._manifest_path(part).read_text())
+            manifest = json.loads(self.store.read_text(self._manifest_path(part)))
         except (OSError, ValueError):
             return None
         return _valid_manifest(manifest, part)
@@ -449,7 +537,7 @@ class OutputDir:
     # -- stats and completion ---------------------------------------------------------------
 
     @property
-    def stats_path(self) -> Path:
+    def stats_path(self) -> PurePath:
         """stats.json, or with a shard its own file in _progress/ (stats.json is job-wide)."""
         if self.names.shard is None:
             return self.path / STATS_FILE
@@ -458,9 +546,9 @@ class OutputDir:
     def shard_timings(self) -> list[Timing]:
         """The timing each shard's stats file records (files that do not hold one are skipped)."""
         timings = []
-        for path in sorted(self.progress.glob("stats-*.json")):
+        for path in self.store.glob(self.progress, "stats-*.json"):
             try:
-                data = json.loads(path.read_text())
+                data = json.loads(self.store.read_text(path))
                 values = [data[k] for k in ("wall_seconds", "load_seconds", "generation_seconds")]
             except (OSError, ValueError, TypeError, KeyError):
                 continue
@@ -468,17 +556,21 @@ class OutputDir:
                 timings.append(Timing(*values))
         return timings
 
-    def write_json(self, path: Path, data: dict[str, Any]) -> None:
+    def write_json(self, path: PurePath, data: dict[str, Any]) -> None:
         try:
-            write_text_atomically(path, json.dumps(data, indent=2) + "\n")
+            self.store.write_text(path, json.dumps(data, indent=2) + "\n")
         except OSError as exc:
-            raise JobError(f"cannot write {str(path)!r}: {_reason(exc)}") from exc
+            raise JobError(f"cannot write {self.store.shown(path)!r}: {_reason(exc)}") from exc
+
+    def complete(self) -> bool:
+        """Whether _SUCCESS is there: every input row has its output rows."""
+        return self.store.exists(self.path / SUCCESS_FILE)
 
     def mark_success(self) -> None:
         self._verify_claim()
         try:
-            write_text_atomically(self.path / SUCCESS_FILE, "")
+            self.store.write_text(self.path / SUCCESS_FILE, "")
         except OSError as exc:
             raise JobError(
-                f"cannot write {SUCCESS_FILE} in {str(self.path)!r}: {_reason(exc)}"
+                f"cannot write {SUCCESS_FILE} in {self.shown!r}: {_reason(exc)}"
             ) from exc

@@ -21,6 +21,13 @@ from batchrun.engine.core.requests import Request, row_seed
 from batchrun.errors import JobError
 from batchrun.io.cells import BadCell, row_values, without_nulls
 from batchrun.io.chat_args import chat_kwargs_problem
+from batchrun.io.openai_batch import (
+    ID_COLUMN,
+    MESSAGES_COLUMN,
+    PROMPT_COLUMN,
+    REQUEST_ERROR_COLUMN,
+    is_request_schema,
+)
 from batchrun.io.overrides import (
     OVERRIDE_COLUMNS,
     BadOverride,
@@ -43,6 +50,9 @@ class PromptKind(enum.Enum):
     TEXT = "text"
     MESSAGES = "messages"
     TOKEN_IDS = "token_ids"
+    # OpenAI Batch requests: a chat row's messages or a completion row's prompt, or the line's
+    # request_error (batchrun/io/openai_batch.py).
+    REQUESTS = "openai_batch"
 
 
 CHAT_KWARGS_COLUMN = "chat_template_kwargs"  # a messages row's own template arguments
@@ -67,6 +77,13 @@ _KIND_FLAGS = {
 class PromptColumn:
     kind: PromptKind
     name: str
+
+
+# The prompt of an OpenAI Batch request, by whether it is a chat request.
+_REQUEST_PROMPTS = {
+    True: PromptColumn(PromptKind.MESSAGES, MESSAGES_COLUMN),
+    False: PromptColumn(PromptKind.TEXT, PROMPT_COLUMN),
+}
 
 
 class PromptSettings(Protocol):
@@ -95,12 +112,20 @@ class RowDefaults:
 
 
 def find_prompt_column(schema: pa.Schema, settings: PromptSettings) -> PromptColumn:
-    """The one prompt column: named by a flag, else whichever default name exists."""
+    """The one prompt column: named by a flag, else whichever default name exists (OpenAI
+    Batch requests: their own)."""
     named = [
         PromptColumn(kind, getattr(settings, flag))
         for kind, flag in _KIND_FLAGS.items()
         if getattr(settings, flag) is not None
     ]
+    if is_request_schema(schema):
+        if named:
+            raise JobError(
+                f"{_KIND_FLAGS[named[0].kind]} does not apply to OpenAI Batch requests: "
+                "each takes its prompt from its body"
+            )
+        return PromptColumn(PromptKind.REQUESTS, MESSAGES_COLUMN)
     if len(named) > 1:
         raise JobError("set only one of prompt_column, messages_column and token_ids_column")
     if named:
@@ -157,6 +182,8 @@ def _is_list(arrow_type: pa.DataType) -> bool:
 
 
 def find_id_column(schema: pa.Schema, id_column: str | None) -> str | None:
+    if id_column is None and is_request_schema(schema):
+        return ID_COLUMN
     if id_column is not None and id_column not in schema.names:
         raise JobError(
             f"id_column {id_column!r} is not an input column "
@@ -195,7 +222,8 @@ class RequestBuilder:
         # A messages row's own template arguments, over the job's.
         self.kwargs_column = (
             CHAT_KWARGS_COLUMN
-            if prompt.kind is PromptKind.MESSAGES and CHAT_KWARGS_COLUMN in schema.names
+            if prompt.kind in (PromptKind.MESSAGES, PromptKind.REQUESTS)
+            and CHAT_KWARGS_COLUMN in schema.names
             else None
         )
         self.tokenizer = tokenizer
@@ -208,6 +236,8 @@ class RequestBuilder:
         """The input columns `build` reads."""
         extra = [*self.overrides, *self.constraints]
         extra += [self.kwargs_column] if self.kwargs_column else []
+        if self.prompt.kind is PromptKind.REQUESTS:
+            extra += [PROMPT_COLUMN, REQUEST_ERROR_COLUMN]
         return [self.prompt.name, *(c for c in extra if c != self.prompt.name)]
 
     def build_batch(
@@ -223,10 +253,18 @@ class RequestBuilder:
         ]
 
     def build(self, row_index: int, values: Mapping[str, Any]) -> Request | str:
+        column = self.prompt
+        if column.kind is PromptKind.REQUESTS:  # the line's own kind of prompt, or its error
+            if values[REQUEST_ERROR_COLUMN] is not None:
+                return str(values[REQUEST_ERROR_COLUMN])
+            chat = values[MESSAGES_COLUMN] is not None
+            column = _REQUEST_PROMPTS[chat]
+            if chat and not getattr(self.tokenizer, "chat_template", None):
+                return "a chat request needs a chat template, which the target's tokenizer lacks"
         params = self._params(row_index, values)
         if isinstance(params, str):
             return params
-        prompt_ids = self._prompt_ids(values[self.prompt.name], values)
+        prompt_ids = self._prompt_ids(column, values)
         if isinstance(prompt_ids, str):
             return prompt_ids
         if len(prompt_ids) >= self.max_model_len:
@@ -306,19 +344,19 @@ class RequestBuilder:
         self.grammars().submit(constraint)
         return None
 
-    def _prompt_ids(self, value: Any, row: Mapping[str, Any]) -> list[int] | str:
-        name = self.prompt.name
+    def _prompt_ids(self, column: PromptColumn, row: Mapping[str, Any]) -> list[int] | str:
+        name, value = column.name, row[column.name]
         if value is None:
             return f"{name} is null"
         if isinstance(value, BadCell):
             return f"{name} {value.reason}"
         if len(value) == 0:
             return f"{name} is empty"
-        if self.prompt.kind is PromptKind.TOKEN_IDS:
+        if column.kind is PromptKind.TOKEN_IDS:
             return self._check_token_ids(value)
-        if self.prompt.kind is PromptKind.MESSAGES:
+        if column.kind is PromptKind.MESSAGES:
             kwargs = self._chat_kwargs(row.get(self.kwargs_column) if self.kwargs_column else None)
-            return kwargs if isinstance(kwargs, str) else self._render_chat(value, kwargs)
+            return kwargs if isinstance(kwargs, str) else self._render_chat(name, value, kwargs)
         too_long = self._too_many_chars(len(value))
         if too_long is not None:
             return too_long
@@ -359,7 +397,9 @@ class RequestBuilder:
             return f"{CHAT_KWARGS_COLUMN}: {reserved}"
         return self.chat_kwargs | {k: v for k, v in cell.items() if v is not None}
 
-    def _render_chat(self, messages: list[Any], kwargs: dict[str, Any]) -> list[int] | str:
+    def _render_chat(
+        self, name: str, messages: list[Any], kwargs: dict[str, Any]
+    ) -> list[int] | str:
         for number, message in enumerate(messages, start=1):
             if not (
                 isinstance(message, dict)
@@ -383,7 +423,7 @@ class RequestBuilder:
         if isinstance(rendered, Mapping):
             rendered = rendered["input_ids"]
         ids = [int(token) for token in rendered]
-        return ids or f"{self.prompt.name} renders to no tokens"
+        return ids or f"{name} renders to no tokens"
 
 
 def template_thinks(tokenizer: PreTrainedTokenizerBase) -> bool | None:

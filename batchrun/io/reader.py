@@ -1,10 +1,12 @@
 """Streaming Parquet input: a file, a directory or a glob, read in path order, batch by batch.
+(An OpenAI Batch file, *.jsonl, reads the same way: batchrun/io/openai_batch.py.)
 
 Memory does not grow with the input: only one record batch of one row group is decoded at a
 time, and row groups whose rows are all skipped (other shards, already committed) are not read.
 Each file's footer is read once, exactly (open_input), and kept: reading rows then fetches only
 the column chunks of the row groups read, and a file none of whose rows are wanted is never
-opened again.
+opened again. The files may be local or in object storage (s3://, gs://): they are listed and
+opened through their store (batchrun.io.store), read the same way.
 """
 
 from __future__ import annotations
@@ -14,14 +16,24 @@ import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.errors import JobError
+from batchrun.io.object_listing import list_object_inputs
+from batchrun.io.openai_batch import (
+    REQUEST_SCHEMA,
+    RequestFileIndex,
+    index_request_file,
+    is_request_file,
+    read_request_rows,
+)
 from batchrun.io.parts import PART_PATTERN, PROGRESS_DIR
+from batchrun.io.storage import ObjectLocation, is_uri, storage_reason
+from batchrun.io.store import LOCAL, Store, store_for
 
 READ_BATCH_ROWS = 256  # small: a row's pass-through slice pins its batch until the row is written
 _PARQUET_MAGIC = b"PAR1"
@@ -29,15 +41,27 @@ _PARQUET_MAGIC = b"PAR1"
 
 @dataclass(frozen=True)
 class InputFile:
-    path: Path
+    path: PurePath  # in `store`: a Path locally, bucket/key in an object store
     first_row: int  # row_index of its first row
     row_group_rows: tuple[int, ...]
     footer_sha256: str = ""  # of its footer's bytes (the job fingerprint holds it)
     metadata: pq.FileMetaData | None = field(default=None, compare=False, repr=False)
+    requests: RequestFileIndex | None = field(default=None, compare=False, repr=False)  # .jsonl
+    store: Store = field(default=LOCAL, compare=False, repr=False)
 
     @property
     def num_rows(self) -> int:
         return sum(self.row_group_rows)
+
+    @property
+    def shown(self) -> str:
+        """The file as the user names it: its path, or its URI."""
+        return self.store.shown(self.path)
+
+    @property
+    def location(self) -> str:
+        """What identifies the file in a job's fingerprint: its resolved path, or its URI."""
+        return str(Path(self.path).resolve()) if self.store.local else self.shown
 
 
 @dataclass(frozen=True)
@@ -126,47 +150,82 @@ def _in_nested_output(path: Path, input_dir: Path) -> bool:
     )
 
 
-def open_input(spec: str, exclude: Path | None = None) -> InputSource:
+def input_paths(spec: str, exclude: str | Path | None = None) -> tuple[Store, list[PurePath]]:
+    """The store of --input and the files it names, sorted by path (exclude: the output, a
+    local path or an object-store URI, never read as input)."""
+    store = store_for(spec)
+    if not store.local:
+        return store, list_object_inputs(store, spec, None if exclude is None else str(exclude))
+    local_exclude = None if exclude is None or is_uri(str(exclude)) else Path(exclude)
+    return store, list(resolve_input_paths(spec, local_exclude))
+
+
+def open_input(spec: str, exclude: str | Path | None = None) -> InputSource:
     """Read the footers of every input file (no data) and check they share one schema.
 
-    exclude: the output directory, never read as input.
+    exclude: the output directory (a local path or an object-store URI), never read as input.
     """
     files: list[InputFile] = []
     schema: pa.Schema | None = None
     first_row = 0
-    for path in resolve_input_paths(spec, exclude):
+    store, paths = input_paths(spec, exclude)
+    for path in paths:
+        if is_request_file(Path(path.name)) and not store.local:
+            raise JobError(
+                f"input file {store.shown(path)!r}: OpenAI Batch files are read from local "
+                "paths only"
+            )
+        if is_request_file(Path(path)):
+            file, file_schema = _open_request_file(Path(path), first_row), REQUEST_SCHEMA
+            schema = schema or file_schema
+            if not file_schema.equals(schema):
+                raise JobError(f"input file {str(path)!r} is an OpenAI Batch file; the others not")
+            files.append(file)
+            first_row += file.num_rows
+            continue
+        shown = store.shown(path)
         try:
-            footer = parquet_footer(path)
+            footer = parquet_footer(path, store)
             parquet = pq.ParquetFile(pa.BufferReader(footer_file(footer)))
             metadata = parquet.metadata
             # schema_arrow restores the writer's Arrow types (large_string, time zones, ...).
             file_schema = parquet.schema_arrow.remove_metadata()
         except (OSError, pa.ArrowException) as exc:
-            raise JobError(f"cannot read input file {str(path)!r}: {exc}") from exc
+            raise JobError(f"cannot read input file {shown!r}: {exc}") from exc
         duplicated = _duplicated_name(file_schema)
         if duplicated is not None:
             raise JobError(
-                f"input file {str(path)!r} has the column {duplicated!r} more than once; "
+                f"input file {shown!r} has the column {duplicated!r} more than once; "
                 "batchrun needs distinct column names"
             )
         if schema is None:
             schema = file_schema
         elif not file_schema.equals(schema):
             raise JobError(
-                f"input file {str(path)!r} has columns {_describe(file_schema)}, "
+                f"input file {shown!r} has columns {_describe(file_schema)}, "
                 f"but the first file has {_describe(schema)}"
             )
         rows = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
         sha256 = hashlib.sha256(footer).hexdigest()
-        files.append(InputFile(path, first_row, rows, sha256, metadata))
+        files.append(InputFile(path, first_row, rows, sha256, metadata, store=store))
         first_row += sum(rows)
     assert schema is not None  # resolve_input_paths never returns an empty list
     return InputSource(files=tuple(files), schema=schema)
 
 
-def parquet_footer(path: Path) -> bytes:
+def _open_request_file(path: Path, first_row: int) -> InputFile:
+    try:
+        index = index_request_file(path)
+    except OSError as exc:
+        raise JobError(f"cannot read input file {str(path)!r}: {exc}") from exc
+    return InputFile(path, first_row, index.group_rows, index.sha256, requests=index)
+
+
+def parquet_footer(path: PurePath, store: Store = LOCAL) -> bytes:
     """The footer bytes of a Parquet file (its metadata), read exactly, without any data."""
-    with path.open("rb") as file:
+    if not store.local:
+        return _object_footer(store, path)
+    with Path(path).open("rb") as file:
         file.seek(-8, 2)
         tail = file.read(8)
         length = int.from_bytes(tail[:4], "little")
@@ -174,6 +233,23 @@ def parquet_footer(path: Path) -> bytes:
             raise OSError(f"{path} is not a Parquet file")
         file.seek(-8 - length, 2)
         return file.read(length)
+
+
+def _object_footer(store: Store, path: PurePath) -> bytes:
+    """parquet_footer of an object: two ranged reads (its tail, then its footer); an OSError of
+    one line if the store fails."""
+    try:
+        file = store.open_input(path)
+        size = file.size()
+        tail = file.read_at(8, size - 8) if size >= 8 else b""
+        if tail[4:] != _PARQUET_MAGIC:
+            raise OSError(f"{store.shown(path)} is not a Parquet file")
+        length = int.from_bytes(tail[:4], "little")
+        return bytes(file.read_at(length, size - 8 - length))
+    except FileNotFoundError:
+        raise
+    except (OSError, pa.ArrowException) as exc:
+        raise OSError(storage_reason(exc, ObjectLocation.parse(store.shown(path)))) from None
 
 
 def footer_file(footer: bytes) -> bytes:
@@ -203,7 +279,8 @@ def iter_batches(
         try:
             yield from _read_file(file, selection, columns)
         except (OSError, pa.ArrowException) as exc:
-            raise JobError(f"cannot read input file {str(file.path)!r}: {exc}") from exc
+            why = exc if file.store.local else storage_reason(exc, ObjectLocation.parse(file.shown))
+            raise JobError(f"cannot read input file {file.shown!r}: {why}") from exc
 
 
 def _read_file(
@@ -215,10 +292,18 @@ def _read_file(
         start, group_start = group_start, group_start + num_rows
         if not selection.mask(start, group_start).any():
             continue
-        reader = reader or pq.ParquetFile(file.path, metadata=file.metadata)
-        for batch in reader.iter_batches(
-            batch_size=READ_BATCH_ROWS, row_groups=[group], columns=columns
-        ):
+        if file.requests is not None:
+            batches = read_request_rows(
+                Path(file.path), file.requests, group, READ_BATCH_ROWS, columns
+            )
+        else:
+            reader = reader or pq.ParquetFile(
+                file.store.open_input(file.path), metadata=file.metadata
+            )
+            batches = reader.iter_batches(
+                batch_size=READ_BATCH_ROWS, row_groups=[group], columns=columns
+            )
+        for batch in batches:
             wanted = selection.mask(start, start + batch.num_rows)
             indices = np.arange(start, start + batch.num_rows, dtype=np.int64)[wanted]
             start += batch.num_rows

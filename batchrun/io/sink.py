@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchrun.engine.core.requests import round_tokens
 from batchrun.io.output_dir import STATS_FILE, OutputDir
@@ -88,7 +87,7 @@ class OutputSink:
         self.committed_before = self.done_rows
         self.stats = StatsAccumulator()  # unsharded: every committed row, other shards' too
         for part in self.out.stats_parts():
-            self.stats.add(pq.read_table(part, columns=STATS_COLUMNS))
+            self.stats.add(self.out.read_table(part, STATS_COLUMNS))
         self.run_tokens = 0  # generated in this run, for tokens/s
         self.run_spec_tokens = 0
         self.run_spec_rounds = 0
@@ -186,7 +185,7 @@ class OutputSink:
         """The last shard to finish writes stats.json over every shard's parts."""
         totals = StatsAccumulator()
         for part in self.out.committed_parts():
-            totals.add(pq.read_table(part, columns=STATS_COLUMNS))
+            totals.add(self.out.read_table(part, STATS_COLUMNS))
         facts = self.facts()
         stats = totals.to_dict(
             info=facts.info,

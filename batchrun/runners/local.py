@@ -25,7 +25,7 @@ from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request
 from batchrun.errors import JobStopped, signal_name
 from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR
-from batchrun.io.output_schema import error_rows, finished_row
+from batchrun.io.output_schema import OutputRow, error_rows, finished_row
 from batchrun.io.prefetch import prefetch
 from batchrun.io.prompts import RequestBuilder
 from batchrun.io.reader import RowSelection, iter_batches
@@ -33,6 +33,7 @@ from batchrun.io.reasoning import reasoning_split
 from batchrun.io.row_samples import RowSamples
 from batchrun.io.sink import OutputSink, RunFacts
 from batchrun.runners.engine_feed import QUEUE_FACTOR, EngineLike, build_engine, generate
+from batchrun.runners.metrics import JobMetrics, MetricsPlan, published, read_progress
 from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.stop_signals import StopSignals, stop_line
 from batchrun.stats import RunClock
@@ -59,8 +60,11 @@ def run_job(
     opened: OpenedJob | None = None
     with StopSignals(lockstep=tp is not None) as stop:
         try:
-            opened = open_job(job)
-            return _run_job(job, opened, clock, engine, tp, stop)
+            # Rank 0 speaks for its group here too; a busy port stops the job before it starts.
+            plan = MetricsPlan.of(job) if tp is None or tp.rank == 0 else None
+            with published(plan) as metrics:
+                opened = open_job(job)
+                return _run_job(job, opened, clock, engine, tp, stop, metrics)
         except JobStopped as exc:
             if exc.line is not None or tp is not None:
                 raise
@@ -82,6 +86,7 @@ def _run_job(
     engine: EngineLike | None,
     tp: TensorParallel | None,
     stop: StopSignals,
+    metrics: JobMetrics | None = None,
 ) -> dict[str, Any]:
     leads = tp is None or tp.rank == 0
     found = None
@@ -113,7 +118,9 @@ def _run_job(
             )
         if tp is not None:
             tp.barrier()  # rank 0 has prepared the output: every rank may read it
-        run = LocalRun(opened, engine, builder, clock, writes=leads, stop=stop, tp=tp)
+        run = LocalRun(
+            opened, engine, builder, clock, writes=leads, stop=stop, tp=tp, metrics=metrics
+        )
         if tp is not None:
             tp.barrier()  # every rank has read the done rows: rank 0 may commit
         stop.defer()
@@ -144,14 +151,16 @@ class LocalRun:
         writes: bool = True,
         stop: StopSignals | None = None,
         tp: TensorParallel | None = None,
+        metrics: JobMetrics | None = None,
     ) -> None:
         """writes=False: a tensor-parallel rank other than 0, which runs the engine in step
         with rank 0 but writes nothing (the sink's writes). stop: the signals that stop the run
-        early (None: none do); tp: the group whose ranks must agree on a stop."""
+        early (None: none do); tp: the group whose ranks must agree on a stop; metrics: the
+        live metrics to feed (None: none asked for)."""
         self.opened, self.job, self.engine, self.builder = opened, opened.job, engine, builder
         self.reasoning = reasoning_split(self.job.output.reasoning_parser, engine.tokenizer)
         self.stop = stop if stop is not None else StopSignals()
-        self.tp = tp
+        self.tp, self.clock, self.metrics = tp, clock, metrics
         self.steps = 0
         self.stopped = False  # by a signal, with rows left
         self.job_rows = len(opened.rows)
@@ -175,18 +184,21 @@ class LocalRun:
     def _loop(self) -> None:
         rows = self._input_rows()
         max_queued = QUEUE_FACTOR * self.job.engine.max_batch_size
+        self._report(force=True)
         try:
             requests = self._requests(rows)
             for finished in generate(self.engine, requests, max_queued, self._stopping):
                 for request in finished:
                     self._collect(request)
                 self.sink.maybe_commit()
+                self._report()
         except JobStopped:  # a signal while waiting for input rows
             self.stopped = True
         finally:
             close = getattr(rows, "close", None)
             if close is not None:
                 close()  # the prefetch thread stops at its next row (a daemon: never waited for)
+        self._report(force=True)  # the figures at the end, for the textfile's last write
         if self.stopped:
             # The requests in flight are dropped, and the rows of which only some samples have
             # finished (never buffered: a part holds all of a row's output rows or none).
@@ -226,7 +238,19 @@ class LocalRun:
         done = self.samples.add(row_index, request.sample_index, request.params.n, request)
         if done is not None:
             inputs = self.row_inputs.pop(row_index)
-            self.sink.add_row(inputs, [finished_row(r, self.reasoning) for r in done])
+            self._add_row(inputs, [finished_row(r, self.reasoning) for r in done])
+
+    def _add_row(self, inputs: pa.RecordBatch, rows: list[OutputRow]) -> None:
+        """One input row's output rows to the sink, and counted in the live metrics."""
+        self.sink.add_row(inputs, rows)
+        if self.metrics is not None:
+            self.metrics.add_rows(rows, self.sink.done_rows)
+
+    def _report(self, force: bool = False) -> None:
+        """Refresh the live metrics' engine-side figures (at most every REFRESH_SECONDS)."""
+        if self.metrics is not None and (force or self.metrics.due()):
+            progress = read_progress(self.sink, self.clock, self.engine, self.job_rows)
+            self.metrics.refresh(progress)
 
     def _input_rows(self) -> Iterator[InputRow]:
         """Each selected row, its input columns, its values and its request (or why not),
@@ -262,7 +286,7 @@ class LocalRun:
             self.row_inputs[row_index] = inputs
             return request
         self.sink.log_error(row_index, values, request)
-        self.sink.add_row(inputs, error_rows(row_index, request, self.builder.output_rows(values)))
+        self._add_row(inputs, error_rows(row_index, request, self.builder.output_rows(values)))
         self.sink.maybe_commit()
         return None
 

@@ -529,11 +529,11 @@ def test_input_resolution_skips_the_output_and_batchrun_outputs(tmp_path: Path) 
 def test_a_failed_part_write_stops_in_one_line_and_loses_nothing(
     tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, code: int
 ) -> None:
-    from batchrun.io import output_dir
+    from batchrun.io import store  # the local store writes parts
 
     write_prompts(tmp_path / "in", PROMPTS)
     job, out = write_job(tmp_path, tiny_model), tmp_path / "out"
-    real_write = output_dir.write_part
+    real_write = store.write_part
     calls: list[Path] = []
 
     def write_part(path: Path, table: pa.Table) -> None:
@@ -542,7 +542,7 @@ def test_a_failed_part_write_stops_in_one_line_and_loses_nothing(
             raise OSError(code, os.strerror(code), str(path))
         real_write(path, table)
 
-    monkeypatch.setattr(output_dir, "write_part", write_part)
+    monkeypatch.setattr(store, "write_part", write_part)
     failed = invoke("run", str(job))
     assert failed.exit_code == 2, failed.output
     lines = failed.stderr.splitlines()

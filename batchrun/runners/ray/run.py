@@ -70,6 +70,8 @@ def run_job_ray(
     ray = import_ray()
     if job.run.shard is not None:
         raise JobError("--ray runs every row of the job; leave out shard")
+    if job.run.metrics_port is not None or job.run.metrics_file is not None:
+        raise JobError("metrics_port and metrics_file are a local run's; Ray exports its own")
     if replicas is not None and replicas < 1:
         raise JobError(f"--replicas must be at least 1, got {replicas}")
     clock = RunClock()
