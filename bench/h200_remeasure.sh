@@ -6,7 +6,7 @@
 # Carry WHEELS (jsonschema and friends, click, xgrammar: the image lacks them) and, for the
 # redesign's before, BEFORE (`git archive` of the old commit's batchrun/, its hash in COMMIT).
 #   STAGES="nodraft before fp8 default-batch moe" bash bench/h200_remeasure.sh
-#   STAGES="drafts-a drafts-b gpu-tests" bash bench/h200_remeasure.sh
+#   STAGES="gpu-tests drafts-a drafts-b drafts-j1" GPU_TESTS_BUDGET=150 bash bench/h200_remeasure.sh
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-bench/results/out}")
 WHEELS=${WHEELS:-.whl}
@@ -58,12 +58,14 @@ for stage in ${STAGES:-nodraft}; do
         jobs jobs-moe-w1-fp8-weights-fp8-kv w1 --shape qwen3-30b-a3b --num-layers 24 \
             --widths '' --tau '' --fp8-weights --kv-cache-dtype fp8 --scratch /tmp/bm8 ;;
     drafts-a)  # every drafter mode on the shorter workloads
-        jobs jobs-w1-w2-b1-j1-drafts w1,w2,b1,j1 --tau 3,6.5 --widths auto,full \
-            --scratch /tmp/bj ;;
+        jobs jobs-w1-w2-b1-drafts w1,w2,b1 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
+    drafts-j1)
+        jobs jobs-j1-drafts j1 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
     drafts-b)
         jobs jobs-w3-w4-drafts w3,w4 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
-    gpu-tests)
+    gpu-tests)  # at most GPU_TESTS_BUDGET seconds (default: what is left)
         budget=$(left)
+        budget=$((budget < ${GPU_TESTS_BUDGET:-$budget} ? budget : ${GPU_TESTS_BUDGET:-$budget}))
         # the files with GPU tests (the rest import packages the image lacks: polars, moto)
         timeout "$budget" python3 -m pytest -q -p no:cacheprovider -m gpu \
             $(grep -rl "mark.gpu" tests | sort) 2>&1 \
