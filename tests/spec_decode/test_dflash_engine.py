@@ -620,3 +620,47 @@ def test_a_verify_width_beyond_the_block_is_refused(
     target, draft = draft_for(WIDE)
     with pytest.raises(JobError, match="verify width must be auto, full or 1 .. 8"):
         run(target, draft, [], verify_width=9)
+
+
+def test_a_dormant_drafter_writes_nothing_and_changes_nothing(
+    draft_for: Callable[[str], tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drafter that accepts nothing, at a batch where it may sleep: once dormant, width-1
+    steps (graph replays and eager steps alike) capture no features and the draft's context is
+    not written; greedy outputs still equal target-only's."""
+    from batchrun.engine.model_runner import ModelRunner
+
+    target, draft = draft_for("random")
+    captures: list[bool] = []
+    forward = ModelRunner._forward
+
+    def spied(self: ModelRunner, inputs: Any, store_context: bool, capture: bool = True) -> Any:
+        captures.append(capture)
+        return forward(self, inputs, store_context, capture)
+
+    monkeypatch.setattr(ModelRunner, "_forward", spied)
+    stored: list[int] = []
+    store = DFlashSpeculator.store_context
+    monkeypatch.setattr(
+        DFlashSpeculator,
+        "store_context",
+        lambda self, features, rows: (stored.append(len(captures)), store(self, features, rows)),
+    )
+    lengths = [3 + (7 * i) % 29 for i in range(40)]
+    jobs = greedy_jobs(random_prompts(seed=5, lengths=lengths), [60] * 40)
+    sizes: dict[str, Any] = dict(max_batch_size=32, max_batched_tokens=512, num_pages=1200)
+    # Graphs on (emulated off a GPU): decode-only steps replay them, the quiet ones included.
+    engine = cpu_engine(target, draft, verify_width="auto", cuda_graphs=True, **sizes)
+    captures.clear()  # the captures at start-up
+    spec = run_to_end(engine, requests_of(jobs))
+    _, plain = run(target, None, jobs, **sizes)
+    check_same_outputs(sorted(spec, key=lambda r: r.row_index), plain)
+    policy = engine.speculator.policy
+    assert isinstance(engine.speculator, DFlashSpeculator) and policy is not None
+    assert policy.dormant
+    quiet = captures.index(False)  # the first step that captured nothing: dormant from here
+    assert quiet < len(captures) // 2, (quiet, len(captures))  # early in the job
+    # It sleeps until a probe is due (a share of the time that depends on the machine's step
+    # times), then writes its context again: while asleep nothing was stored.
+    woke = captures.index(True, quiet) if True in captures[quiet:] else len(captures)
+    assert not [s for s in stored if quiet < s <= woke], (quiet, woke)

@@ -7,6 +7,7 @@ import pytest
 from batchrun.spec_decode.dflash.width_policy import (
     MIN_SAMPLES,
     PRIOR_ACCEPT,
+    PROBE_ROUNDS,
     RECENT_SAMPLES,
     REMEASURE_EVERY,
     WidthPolicy,
@@ -145,8 +146,12 @@ def test_a_bucket_considers_only_widths_between_its_neighbours_choices() -> None
     assert seen == {4, 8, 16}
     assert policy.choose(2) == 16  # between 16 and 16: nothing to measure
     # Choices that contradict the rule (noise) leave a bucket free to measure everything.
-    policy._chosen = {64: 16, 8: 1}
-    assert policy._widths_for(16) == WIDTHS
+    tokens = expected_tokens(policy.accept(), 16)
+    policy._chosen = {64: (16, tokens), 8: (1, tokens)}
+    assert policy._widths_for(16, tokens) == WIDTHS
+    # Choices made under another acceptance bound nothing (the rows behind them may be gone).
+    policy._chosen = {64: (16, 2 * tokens), 8: (16, 2 * tokens)}
+    assert policy._widths_for(16, tokens) == WIDTHS
 
 
 def test_acceptance_is_counted_per_position_given_the_ones_before() -> None:
@@ -177,6 +182,8 @@ def test_a_width_not_run_for_long_is_measured_again() -> None:
     """A width that lost on one unlucky measurement gets another chance: after REMEASURE_EVERY
     steps it is run again, and wins once its real cost shows."""
     policy = WidthPolicy(16, WIDTHS)
+    for _ in range(PROBE_ROUNDS):
+        policy.record_round(2, 0)  # the drafter was probed: it missed
     for w in WIDTHS:
         for _ in range(MIN_SAMPLES):
             policy.record_cost(w, 1, 1.0 if w == 1 else 100.0)  # the wide ones: a bad start

@@ -165,10 +165,12 @@ class DFlashSpeculator(Speculator):
             self._holey = None
 
     def learn(self, step: StepShape, accepted: list[int], seconds: float) -> None:
-        """Feeds the policy: the rounds' acceptance, and the step's cost when every request
+        """Feeds the policy: the rounds' acceptance, every step's time, its rows' (a job's first
+        step too: often a compute-bound prefill), and the step's cost when every request
         decoded (a step with prefill chunks says little about a width's cost) and the width
         was the last step's too (a switch costs the pipeline more than the width does)."""
-        width, switched = step.width, step.width != self._last_width
+        width, first = step.width, self._last_width == 0
+        switched = not first and width != self._last_width
         self._last_width = width
         if step.num_decoding:
             self.width_steps[width] += 1
@@ -177,13 +179,14 @@ class DFlashSpeculator(Speculator):
             return
         for a in accepted if width > 1 else ():
             policy.record_round(width, a)
-        if seconds > 0:
-            policy.record_elapsed(seconds * 1e3)
-        if seconds > 0 and not switched:
+        if seconds <= 0:
+            return
+        policy.record_elapsed(seconds * 1e3)
+        if not switched:
             policy.record_rows(step.num_rows, seconds * 1e3)
-            if step.uniform:
-                bucket = self.target.graphs.bucket(step.num_live, self.max_batch_size)
-                policy.record_cost(width, bucket, seconds * 1e3)
+        if not switched and not first and step.uniform:
+            bucket = self.target.graphs.bucket(step.num_live, self.max_batch_size)
+            policy.record_cost(width, bucket, seconds * 1e3)
 
     def aborted(self) -> None:
         self._last_width = 0

@@ -243,12 +243,13 @@ class WidthPolicy:
 
     def _probe_ms(self, bucket: int, requests: int) -> float:
         """What a probe (PROBE_ROUNDS rounds at the narrowest drafting width) costs over as
-        many width-1 steps, here."""
+        many width-1 steps, here (from any step times seen: a probe runs too few steps for a
+        cost)."""
         steps = -(-PROBE_ROUNDS // max(requests, 1))
-        one = self.cost(1, bucket)
         drafting = [w for w in self.widths if w > 1]
-        probe = self.cost(drafting[0], bucket) if drafting else None
-        if one is not None and probe is not None:
+        one = min(self.samples.get((1, bucket)) or [0.0])
+        probe = min(self.samples.get((drafting[0], bucket)) or [0.0]) if drafting else 0.0
+        if one and probe:
             return steps * max(probe - one, 0.0)
         step = one or min(self._recent_ms, default=0.0)
         return steps * PROBE_GUESS * step if step else float("inf")
