@@ -219,5 +219,37 @@ def demo(pairs: list[dict[str, Any]]) -> list[str]:
     return markdown(header, rows)
 
 
-FILE_KINDS: dict[str, Callable[[dict[str, Result]], list[str]]] = {"jobs": jobs, "steady": steady}
+# --- `batchrun bench --demo-policy` -------------------------------------------------------
+
+
+def demo_policy(results: dict[str, Result]) -> list[str]:
+    """One row per demo job: each mode's median tokens/s (every timed run beside it) and the
+    ratios of `auto`."""
+
+    def rows_of(result: Result) -> list[list[str]]:
+        rows = []
+        for name, entry in result["jobs"].items():
+            cells = []
+            for mode in ("none", "auto", "full"):
+                run = entry["runs"].get(mode)
+                runs = ", ".join(f"{r:,.0f}" for r in run["tokens_per_second_runs"]) if run else ""
+                cells.append(f"{run['tokens_per_second']:,.0f} ({runs})" if run else MISSING)
+            ratios = entry.get("ratios", {})
+            cells += [
+                _number(ratios.get("auto / none"), "{:.2f}x"),
+                _number(ratios.get("auto / best of none and full"), "{:.2f}x"),
+            ]
+            rows.append([name, *cells])
+        return rows
+
+    header = ["job", "no draft, tok/s (runs)", "`auto`", "`full`", "auto / none", "auto / best"]
+    several = len(results) > 1
+    return markdown((["file"] if several else []) + header, _per_file(results, rows_of))
+
+
+FILE_KINDS: dict[str, Callable[[dict[str, Result]], list[str]]] = {
+    "jobs": jobs,
+    "steady": steady,
+    "demo-policy": demo_policy,
+}
 PAIR_KINDS: dict[str, Callable[[list[dict[str, Any]]], list[str]]] = {"fp8": fp8, "demo": demo}
