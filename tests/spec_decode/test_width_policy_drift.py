@@ -13,10 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from batchrun.engine.cuda_graphs import ladder_bucket
 from batchrun.spec_decode.base import Speculator
-from batchrun.spec_decode.dflash.inputs import DraftContext
-from batchrun.spec_decode.dflash.speculator import DFlashSpeculator
 from batchrun.spec_decode.dflash.width_policy import (
     HALF_LIFE,
     PRIOR_ACCEPT,
@@ -25,6 +22,8 @@ from batchrun.spec_decode.dflash.width_policy import (
     WidthPolicy,
     candidate_widths,
 )
+from tests.spec_decode.job_replay import Job, ReplayStep
+from tests.spec_decode.job_replay import speculator as model_free_speculator
 
 BLOCK = 16
 WIDTHS = candidate_widths(BLOCK)
@@ -54,35 +53,14 @@ class Costs:
         return max(memory, self.ms_per_row * decoding * width) + draft
 
 
-@dataclass(frozen=True)
-class Step:
-    """The part of the engine's StepPlan the speculator reads: every request decodes."""
-
-    width: int
-    num_live: int
-
-    @property
-    def num_decoding(self) -> int:
-        return self.num_live
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_live * self.width
-
-    @property
-    def uniform(self) -> bool:
-        return True
+def speculator(batch: int) -> Speculator:
+    """The speculator's width logic without a model (job_replay.py's)."""
+    return model_free_speculator(WIDTHS, Job(rows=batch, prompt_len=1, max_tokens=1, batch=batch))
 
 
-def speculator(batch: int) -> DFlashSpeculator:
-    """The speculator's width logic without a model: only its policy and step bookkeeping run."""
-    spec = DFlashSpeculator.__new__(DFlashSpeculator)
-    Speculator.__init__(spec)
-    spec.target = SimpleNamespace(graphs=SimpleNamespace(bucket=ladder_bucket))  # type: ignore[assignment]
-    spec.tp, spec.block_size, spec.widths = None, BLOCK, WIDTHS
-    spec.context = DraftContext.zeros(batch + 1, torch.device("cpu"))
-    spec.start_job(batch, 4096)
-    return spec
+def decode_step(width: int, batch: int) -> ReplayStep:
+    """A step in which every request decodes, as the speculator reads it."""
+    return ReplayStep(width, batch, batch, 0, 0, writes_context=True, constrained=False)
 
 
 ROW_STEPS = 64  # steps a row decodes: batch / ROW_STEPS rows are replaced a step
@@ -100,7 +78,7 @@ def run(
         replaced += batch / ROW_STEPS
         if replaced >= 1:  # the rows that finished give their slots to new ones
             new = [SimpleNamespace(row_index=t)] * int(replaced)
-            spec.admit(new, torch.zeros(len(new), dtype=torch.long))  # type: ignore[arg-type]
+            spec.admit(new, torch.zeros(len(new), dtype=torch.long))
             replaced -= len(new)
         p, accepted = accept(t), []
         for _ in range(batch):
@@ -109,7 +87,7 @@ def run(
                 a += 1
             accepted.append(a)
         ms = costs.step(batch, width)
-        spec.learn(Step(width, batch), accepted, ms / 1e3)
+        spec.learn(decode_step(width, batch), accepted, ms / 1e3)
         out.append((width, ms, batch + sum(accepted)))
     return out
 
