@@ -1,4 +1,5 @@
-"""`batchrun run`: run a job locally, under torchrun (--tp) or on a Ray cluster (--ray)."""
+"""`batchrun run`: run a job locally, with worker processes on this node (--workers), under
+torchrun (--tp) or on a Ray cluster (--ray)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from batchrun.cli.options import job_flags, job_of
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
 from batchrun.io.storage import is_uri
 from batchrun.runners.local import run_job, summary_line
+from batchrun.runners.workers import check_workers, run_workers
 
 
 def _stops_cleanly(command: Callable[..., None]) -> Callable[..., None]:
@@ -56,7 +58,12 @@ def _stops_cleanly(command: Callable[..., None]) -> Callable[..., None]:
 def run(job_file: Path | None, ray_address: str | None, replicas: int | None, **flags: Any) -> None:
     """Run a job: JOB_FILE (TOML), overridden by flags. Prints a summary line when done."""
     job = job_of(job_file, flags)
-    if ray_address is not None:
+    check_workers(job, ray=ray_address is not None)
+    if job.run.workers > 1:
+        if replicas is not None:
+            raise click.UsageError("--replicas needs --ray")
+        stats = run_workers(job)
+    elif ray_address is not None:
         from batchrun.runners.ray.run import run_job_ray
 
         if job.run.tp > 1:

@@ -12,6 +12,7 @@ from batchrun.config.job import JobSpec
 from batchrun.io.overrides import OVERRIDE_COLUMNS
 from batchrun.io.prompts import CHAT_KWARGS_COLUMN, CONSTRAINT_COLUMNS, template_thinks
 from batchrun.runners.opened_job import OpenedJob, open_job
+from batchrun.runners.workers import check_workers, planned_devices
 
 if TYPE_CHECKING:
     from batchrun.models.dflash_loader import DraftSpec
@@ -27,6 +28,9 @@ def validate(job_file: Path | None, **flags: Any) -> None:
     from batchrun.preflight import preflight  # needs transformers, as `run` does
 
     job = job_of(job_file, flags)
+    check_workers(job, ray=False)
+    if job.run.workers > 1:
+        planned_devices(job)
     opened = open_job(job)
     found = preflight(job, opened.prompt)
     if job.run.tp > 1:

@@ -393,6 +393,29 @@ class RunPart:
         "from a Slurm array task or a torchrun rank, if any).",
         unset="from SLURM_ARRAY_TASK_ID/COUNT or RANK/WORLD_SIZE, else every row",
     )
+    workers: int = option(
+        1,
+        kind=Kind.INT,
+        low=1,
+        doc="Worker processes on this node, one per device of `devices` (or all of them on "
+        "the CPU with device cpu): they share the output and each takes the next unclaimed "
+        "row group as it frees up, so a slow worker takes less; a killed worker's row groups "
+        "are taken over once its claim is stale. One progress bar and one stats.json for the "
+        "job. Not with tp > 1, ray or shard.",
+        help="Worker processes on this node (one per GPU, or on the CPU with --device cpu), "
+        "pulling row groups as they free up.",
+        metavar="N",
+    )
+    devices: str | None = option(  # "0,1,3": CUDA device indices, one per worker
+        None,
+        kind=Kind.TEXT,
+        schema={"pattern": "^[0-9]+(,[0-9]+)*$"},
+        doc='With workers: the CUDA devices the workers run on, as indices ("0,1,3"), one '
+        "per worker in order; at least as many as workers.",
+        help='With --workers: the CUDA devices to use, as "0,1,..." (unset: every visible GPU).',
+        metavar="LIST",
+        unset="every visible GPU",
+    )
     quiet: bool = option(
         False,
         kind=Kind.BOOL,

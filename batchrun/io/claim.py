@@ -281,6 +281,22 @@ def acquire(
     raise AssertionError("unreachable")
 
 
+def try_claim(directory: Path, rows: RowRange) -> Path | None:
+    """One attempt, never waiting: claim `rows` (a chunk of a multi-worker job, whose workers
+    share one output: batchrun.runners.workers) with a claim file in `directory`. Returns the
+    file (delete it to release the claim), or None if a live claim there overlaps (stale ones
+    are deleted on the way: a claim of a process that is gone is taken over at once on its host).
+    Of two workers claiming at once, the one that lists second sees the other's file: at most one
+    holds the rows; both may withdraw, and try again on their next pass."""
+    info = ClaimInfo.for_this_process((rows[0], rows[1]), rows)
+    path = directory / f"{info.token}{CLAIM_SUFFIX}"
+    create_claim_file(path, info)
+    if _live_conflicts(directory, info):
+        path.unlink(missing_ok=True)
+        return None
+    return path
+
+
 class Claim:
     """A claim this process holds; a daemon thread beats its heartbeat until release()."""
 

@@ -28,6 +28,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path, PurePath
@@ -54,6 +55,7 @@ from batchrun.io.store import LOCAL, Store, store_for
 from batchrun.stats import Timing
 
 DAMAGED_DIR = "damaged"  # in _progress/
+CHUNKS_DIR = "chunks"  # in _claims/: the chunk claims of a multi-worker job's workers
 JOB_FILE = "job.json"
 MAX_TIME = 1e11  # seconds since the epoch (year 5138): later manifest times are not real ones
 JOB_KEY = b"batchrun.job"  # a part's Parquet metadata key holding its job's hash
@@ -169,6 +171,9 @@ class OutputDir:
         self.rows = rows  # the row_index range this run covers (its shard's), for its claim
         self._next_number: int | None = None  # of this shard's next part, found on first commit
         self._claim: Claim | None = None
+        # Also checked before each commit: a worker of a multi-worker job holds no claim of the
+        # output (its parent does) and checks that the parent still runs.
+        self.guard: Callable[[], None] | None = None
         self._job: str | None = None  # this job's hash, once check() or prepare() saw it
         self._footers: dict[tuple[str, int, int], _Footer] = {}  # parts never change in place
         self.run_started = time.time()  # for part manifests; prepare() restarts it (engine ready)
@@ -211,6 +216,16 @@ class OutputDir:
     def _verify_claim(self) -> None:
         if self._claim is not None:
             self._claim.verify()
+        if self.guard is not None:
+            self.guard()
+
+    def chunk_claims(self) -> Path:
+        """Where the workers of a multi-worker job claim chunks of rows: beside the output's
+        claims (in claims_dir for an object-store output), one directory per chunk."""
+        if self.store.local:
+            return Path(self.path) / CLAIMS_DIR / CHUNKS_DIR
+        assert self.claims_dir is not None  # check() refused the output without one
+        return claims_home(self.claims_dir, self.shown) / CHUNKS_DIR
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -456,6 +471,10 @@ class OutputDir:
             for start, stop in ranges:
                 done[max(start, 0) : max(stop, 0)] = True  # a forged part's negative rows: none
         return done
+
+    def part_row_ranges(self, part: PurePath) -> list[list[int]]:
+        """The [start, stop) row_index ranges a committed part holds."""
+        return self._row_ranges(part)
 
     def _row_ranges(self, part: PurePath) -> list[list[int]]:
         manifest = self._manifest(part)

@@ -15,7 +15,7 @@ import contextlib
 import copy
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -28,7 +28,7 @@ from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR
 from batchrun.io.output_schema import OutputRow, error_rows, finished_row
 from batchrun.io.prefetch import prefetch
 from batchrun.io.prompts import RequestBuilder
-from batchrun.io.reader import RowSelection, iter_batches
+from batchrun.io.reader import InputBatch, RowSelection, iter_batches
 from batchrun.io.reasoning import reasoning_split
 from batchrun.io.row_samples import RowSamples
 from batchrun.io.sink import OutputSink, RunFacts
@@ -100,15 +100,7 @@ def _run_job(
         if engine is None:
             engine = build_engine(job, found.tokenizer if found is not None else None, tp)
         clock.engine_ready()  # tokens/s counts generation only, not start-up and model loading
-        builder = RequestBuilder(
-            job.row_defaults(),
-            opened.prompt,
-            opened.source.schema,
-            copy.deepcopy(engine.tokenizer),  # used on the prefetch thread only
-            engine.max_model_len,
-            engine.vocab_size,
-            lambda: engine.grammars,
-        )
+        builder = request_builder(job, opened, engine)
         damaged = opened.out.prepare(opened.fingerprint, job.output.overwrite) if leads else []
         if damaged:
             print(
@@ -127,6 +119,19 @@ def _run_job(
         return run.execute()
     finally:
         opened.out.release()
+
+
+def request_builder(job: JobSpec, opened: OpenedJob, engine: EngineLike) -> RequestBuilder:
+    """What turns the job's input rows into the engine's requests."""
+    return RequestBuilder(
+        job.row_defaults(),
+        opened.prompt,
+        opened.source.schema,
+        copy.deepcopy(engine.tokenizer),  # used on the prefetch thread only
+        engine.max_model_len,
+        engine.vocab_size,
+        lambda: engine.grammars,
+    )
 
 
 def summary_line(stats: dict[str, Any], output: str) -> str:
@@ -172,6 +177,14 @@ class LocalRun:
             writes=writes,
         )
         self.selection = RowSelection(self.sink.done, opened.rows)
+        # Where the input rows come from, and how many are read and queued ahead: a worker of
+        # a multi-worker job (batchrun.runners.workers) reads the chunks it claims, few ahead.
+        self.batches: Callable[[], Iterator[InputBatch]] = lambda: iter_batches(
+            opened.source, self.selection
+        )
+        self.prefetch_rows = PREFETCH_ROWS
+        self.max_queued = QUEUE_FACTOR * self.job.engine.max_batch_size  # requests in the engine
+        self.window = self.job.run.schedule_window
         # Rows admitted whose samples have not all finished: their input columns, and samples.
         self.row_inputs: dict[int, pa.RecordBatch] = {}
         self.samples: RowSamples[Request] = RowSamples()
@@ -181,13 +194,19 @@ class LocalRun:
             self._loop()
         return self._finish()
 
+    def generate_rows(self) -> bool:
+        """The run without its end (stats.json, _SUCCESS): what a worker of a multi-worker job
+        runs, whose parent ends the job. Returns whether a signal stopped it."""
+        with self.sink.writing():
+            self._loop()
+        return self.stopped
+
     def _loop(self) -> None:
         rows = self._input_rows()
-        max_queued = QUEUE_FACTOR * self.job.engine.max_batch_size
         self._report(force=True)
         try:
             requests = self._requests(rows)
-            for finished in generate(self.engine, requests, max_queued, self._stopping):
+            for finished in generate(self.engine, requests, self.max_queued, self._stopping):
                 for request in finished:
                     self._collect(request)
                 self.sink.maybe_commit()
@@ -259,7 +278,7 @@ class LocalRun:
         id_columns = [self.opened.id_column] if self.opened.id_column is not None else []
 
         def rows() -> Iterator[InputRow]:
-            for batch in iter_batches(self.opened.source, self.selection):
+            for batch in self.batches():
                 row_indices = batch.row_indices.tolist()
                 built = self.builder.build_batch(batch.batch, row_indices, id_columns)
                 for i, (values, request) in enumerate(built):
@@ -267,12 +286,12 @@ class LocalRun:
 
         ordered = windowed(
             rows(),
-            window=self.job.run.schedule_window,
+            window=self.window,
             max_len=self.engine.max_model_len,
             page_size=self.job.engine_config().page_size,
             request=lambda row: row[3] if isinstance(row[3], Request) else None,
         )
-        return prefetch(ordered, depth=PREFETCH_ROWS)
+        return prefetch(ordered, depth=self.prefetch_rows)
 
     def _admit(
         self,

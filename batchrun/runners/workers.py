@@ -1,0 +1,356 @@
+"""`batchrun run --workers N`: N worker processes on this node, one per GPU (or N on the CPU),
+sharing one output.
+
+The parent (this process) checks the job, claims the output and prepares it as a single run
+does, then starts the workers (batchrun.runners.worker_process). They pull chunks of row groups
+through claims as they need rows (batchrun.runners.chunks): no fixed shards, so a slow worker
+takes less. Each commits parts of its own name (those of shard I of N); the parent draws one
+progress bar from their reports and, once every row is committed, writes the job's stats.json
+and _SUCCESS. A worker killed mid-job leaves claims that are stale at once on this host (its
+process is gone): the workers still reading take its chunks over, and when all have ended with
+rows left, the parent starts another round of workers for them (as long as a round commits
+rows). A worker's error stops the others and the job, in one line. SIGTERM or SIGINT stop every
+worker cleanly (what is finished is committed), as for a single run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from batchrun.config.job import JobSpec
+from batchrun.errors import EXIT_STOPPED, JobError, JobStopped, signal_name
+from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR, OutputDir
+from batchrun.io.output_schema import build_table
+from batchrun.io.parts import STATS_FILE, is_temp
+from batchrun.io.progress_bar import ProgressBar
+from batchrun.runners.chunks import chunk_rows, plan_chunks
+from batchrun.runners.metrics import MetricsPlan
+from batchrun.runners.opened_job import OpenedJob, open_job
+from batchrun.runners.stop_signals import StopSignals, stop_line
+from batchrun.runners.worker_process import WorkerTask
+from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
+
+POLL_SECONDS = 0.2
+
+
+def check_workers(job: JobSpec, ray: bool) -> None:
+    """JobError (one line) for what cannot go with --workers / --devices."""
+    run = job.run
+    if run.workers == 1:
+        if run.devices is not None:
+            raise JobError("--devices needs --workers N above 1 (one device: --device cuda:I)")
+        return
+    if ray:
+        raise JobError("--workers starts processes on this node; with --ray use --replicas")
+    if run.tp > 1:
+        raise JobError("--workers runs the whole model in each process; not with --tp above 1")
+    if run.shard is not None:
+        raise JobError(
+            "--workers shares the rows between processes through claims; not with --shard "
+            "(nor a shard from a Slurm array or torchrun)"
+        )
+
+
+def _visible_gpus() -> int:
+    import torch  # only to count GPUs: the parent runs no model
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def worker_devices(job: JobSpec, visible: int | None = None) -> list[str]:
+    """The device of each worker: cpu for each, or the CUDA devices of --devices (default every
+    visible GPU), the first --workers of them. JobError for a combination that cannot work."""
+    workers, device, listed = job.run.workers, job.engine.device, job.run.devices
+    if device == "cpu":
+        if listed is not None:
+            raise JobError("--devices names CUDA devices; not with --device cpu")
+        return ["cpu"] * workers
+    if device not in ("auto", "cuda"):
+        raise JobError(
+            f"--device {device} is one device; --workers spreads over --devices (leave "
+            "--device at auto or cuda, or use --device cpu)"
+        )
+    visible = _visible_gpus() if visible is None else visible
+    if visible == 0:
+        if device == "cuda" or listed is not None:
+            raise JobError("--workers: no CUDA device is visible (use --device cpu)")
+        return ["cpu"] * workers  # auto without a GPU runs on the CPU, as a single run does
+    indices = [int(i) for i in listed.split(",")] if listed is not None else list(range(visible))
+    if len(set(indices)) < len(indices):
+        raise JobError(f"--devices {listed} names a device twice")
+    if max(indices) >= visible:
+        raise JobError(f"--devices {listed}: this process sees {visible} CUDA device(s)")
+    if workers > len(indices):
+        what = f"--devices {listed} lists" if listed is not None else "this node has"
+        raise JobError(f"--workers {workers} needs a GPU each; {what} {len(indices)}")
+    return [f"cuda:{i}" for i in indices[:workers]]
+
+
+def planned_devices(job: JobSpec) -> list[str]:
+    """The workers' devices, once their metrics ports are known to fit (JobError if not)."""
+    devices = worker_devices(job)
+    for index in range(len(devices)):
+        MetricsPlan.of(job, worker=index)  # a port past 65535 is refused before anything starts
+    return devices
+
+
+@dataclass
+class _Worker:
+    """A worker process the parent started, and what it reported."""
+
+    index: int
+    device: str
+    process: subprocess.Popen[bytes]
+    conn: Connection | None
+    tokens: tuple[int, int, int] = (0, 0, 0)  # completion tokens, speculated tokens, rounds
+    rows: int = 0  # input rows it finished (reported)
+    error: str | None = None
+    report: dict[str, Any] | None = None
+    told: bool = False  # how it ended was said
+
+
+@dataclass
+class _Job:
+    """The parent's view of the run: the workers of every round and the job's progress bar."""
+
+    opened: OpenedJob
+    devices: list[str]
+    bar: ProgressBar
+    committed_before: int
+    workers: list[_Worker] = field(default_factory=list)
+
+    def draw(self, force: bool = False) -> None:
+        rows = min(self.committed_before + sum(w.rows for w in self.workers), self.bar.total)
+        tokens = sum(w.tokens[0] for w in self.workers)
+        spec, rounds = (sum(w.tokens[i] for w in self.workers) for i in (1, 2))
+        self.bar.update(rows, tokens, spec / rounds if rounds else None, force)
+
+
+def run_workers(job: JobSpec) -> dict[str, Any]:
+    """Run the job with job.run.workers processes; returns its stats.json content. Raises
+    JobStopped (with its line) when SIGTERM or SIGINT stopped it, JobError when a worker failed
+    or rows are left that no round of workers could do."""
+    devices = planned_devices(job)
+    clock = RunClock()
+    opened = open_job(job)
+    out = opened.out
+    with StopSignals() as stop:
+        out.acquire()
+        try:
+            damaged = out.prepare(opened.fingerprint, job.output.overwrite)
+            if damaged:
+                print(
+                    f"batchrun: warning: {len(damaged)} damaged part(s) moved to "
+                    f"{PROGRESS_DIR}/{DAMAGED_DIR}/ ({', '.join(damaged)}); their rows are redone",
+                    file=sys.stderr,
+                )
+            total = opened.source.total_rows
+            committed = int(out.done_mask(total).sum())
+            bar = ProgressBar(total, enabled=not job.run.quiet)
+            state = _Job(opened, devices, bar, committed)
+            try:
+                if committed == total and out.complete():
+                    existing = _existing_stats(out)
+                    if existing is not None:
+                        return existing  # a second run adds nothing
+                stop.defer()
+                _rounds(state, stop, clock)
+            finally:
+                bar.close()
+            return _finish(state, clock)
+        finally:
+            out.release()
+
+
+def _rounds(state: _Job, stop: StopSignals, clock: RunClock) -> None:
+    """Rounds of workers until every row is committed; raises when that cannot be."""
+    out, total = state.opened.out, state.opened.source.total_rows
+    committed = state.committed_before
+    first = True
+    while first or committed < total:
+        size = chunk_rows(total, len(state.devices))
+        chunks = plan_chunks(state.opened.source, size)
+        done = out.done_mask(total)
+        left = sum(1 for c in chunks if not done[c.start : c.stop].all())
+        count = max(1, min(len(state.devices), left))
+        started = [_start(state, index, count, chunks, size) for index in range(count)]
+        state.workers += started
+        _watch(state, started, stop)
+        now = int(out.done_mask(total).sum())
+        if stop.signum is not None:
+            overwrite = state.opened.job.output.overwrite
+            line = stop_line(stop.signum, now, now - state.committed_before, total - now, overwrite)
+            raise JobStopped(stop.signum, line)
+        failed = [w for w in started if w.error is not None]
+        if failed:
+            raise JobError(f"worker {failed[0].index}: {failed[0].error}")
+        if now < total and now == committed and not first:
+            raise JobError(
+                f"{total - now} rows are left after a round of workers committed none; "
+                "run the same command again to resume"
+            )
+        committed, first = now, False
+
+
+def _start(state: _Job, index: int, count: int, chunks: list[Any], size: int) -> _Worker:
+    job = state.opened.job
+    device = state.devices[index]
+    worker_job = dataclasses.replace(
+        job,
+        engine=dataclasses.replace(job.engine, device=device),
+        output=dataclasses.replace(job.output, overwrite=False),  # the parent has prepared it
+    )
+    task = WorkerTask(worker_job, index, count, tuple(chunks), size, os.getpid())
+    ours, theirs = socket.socketpair()
+    env = dict(os.environ)  # the node's cores shared among the workers, as torchrun's ranks do
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // count)))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "batchrun.runners.worker_process", str(theirs.fileno())],
+        pass_fds=(theirs.fileno(),),
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+    theirs.close()
+    conn = Connection(ours.detach())
+    conn.send(task)
+    state.bar.log(f"batchrun: worker {index}/{count} (pid {process.pid}) on {device}")
+    return _Worker(index, device, process, conn)
+
+
+def _watch(state: _Job, workers: list[_Worker], stop: StopSignals) -> None:
+    """Relay the workers' reports until each has ended. On a signal, each is sent SIGTERM (it
+    commits what it finished); on a worker's error, the others are."""
+    signalled = False
+    while True:
+        open_conns = [w.conn for w in workers if w.conn is not None]
+        for conn in wait(open_conns, timeout=POLL_SECONDS) if open_conns else ():
+            worker = next(w for w in workers if w.conn is conn)
+            _receive(state, worker)
+        if not open_conns:
+            time.sleep(POLL_SECONDS)
+        state.draw()
+        ended = [w for w in workers if w.process.poll() is not None]
+        for worker in ended:
+            _ended(state, worker)
+        stopping = stop.signum is not None or any(w.error is not None for w in workers)
+        if stopping and not signalled:
+            signalled = True
+            for worker in workers:
+                if worker.process.poll() is None:
+                    worker.process.send_signal(signal.SIGTERM)
+        if len(ended) == len(workers) and all(w.conn is None for w in workers):
+            state.draw(force=True)
+            return
+
+
+def _receive(state: _Job, worker: _Worker) -> None:
+    assert worker.conn is not None
+    try:
+        message = worker.conn.recv()
+    except (EOFError, OSError):  # it ended (or was killed)
+        worker.conn.close()
+        worker.conn = None
+        return
+    kind = message[0]
+    if kind == "progress":
+        worker.rows += message[1]
+        worker.tokens = tuple(message[2:5])
+    elif kind == "log":
+        state.bar.log(message[1])
+    elif kind == "error":
+        worker.error = message[1]
+    elif kind == "done":
+        worker.report = message[1]
+
+
+def _ended(state: _Job, worker: _Worker) -> None:
+    """Say once how a worker ended, unless it ended well."""
+    status = worker.process.returncode
+    if worker.told or status in (0, EXIT_STOPPED):
+        return
+    worker.told = True
+    pid = worker.process.pid
+    if status < 0:
+        state.bar.log(
+            f"batchrun: worker {worker.index} (pid {pid}) was killed by "
+            f"{signal_name(-status)}; its rows are taken over"
+        )
+    elif worker.error is None:
+        worker.error = f"exited with status {status} (pid {pid}); see its messages above"
+
+
+def _existing_stats(out: OutputDir) -> dict[str, Any] | None:
+    try:
+        data = json.loads(out.store.read_text(out.path / STATS_FILE))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "rows" in data else None
+
+
+def _finish(state: _Job, clock: RunClock) -> dict[str, Any]:
+    """Every row is committed: stats.json over every part, then _SUCCESS; the workers' temps
+    and chunk claims go."""
+    out = state.opened.out
+    if not out.committed_parts():  # a job without rows still leaves a part: its schema
+        out.commit(build_table(state.opened.schema, [], []))
+    reports = [w.report for w in state.workers if w.report is not None]
+    totals = StatsAccumulator()
+    for part in out.committed_parts():
+        totals.add(out.read_table(part, STATS_COLUMNS))
+    info = _job_info([r["info"] for r in reports], state.devices)
+    wall = clock.timing().wall_seconds
+    worker_timing = Timing.longest([Timing(*r["timing"]) for r in reports])
+    stats = totals.to_dict(
+        info=info,
+        block_size=reports[0]["block_size"] if reports else None,
+        timing=Timing(wall, worker_timing.load_seconds, worker_timing.generation_seconds),
+        run_completion_tokens=sum(r["run_tokens"] for r in reports),
+        extra={
+            "input_rows": state.opened.source.total_rows,
+            "shard": None,
+            "workers": len(state.devices),
+        },
+    )
+    out.write_json(out.path / STATS_FILE, stats)
+    out.mark_success()
+    _clean_up(out)
+    return stats
+
+
+def _job_info(infos: list[Mapping[str, Any]], devices: list[str]) -> dict[str, Any]:
+    """The engine facts of the job: the first worker's, with every worker's devices and steps."""
+    if not infos:
+        return {}
+    info = dict(infos[0])
+    info["device"] = ",".join(dict.fromkeys(devices))
+    steps: dict[str, int] = {}
+    for one in infos:
+        for kind, count in (one.get("steps") or {}).items():
+            steps[kind] = steps.get(kind, 0) + count
+    if infos[0].get("steps") is not None:
+        info["steps"] = steps
+    return info
+
+
+def _clean_up(out: OutputDir) -> None:
+    """The temps of killed workers' unfinished parts and the chunk claims (every worker ended)."""
+    if out.store.local:
+        for directory in (out.path, out.progress):
+            for entry in out.store.glob(directory, "*"):
+                if is_temp(entry.name):
+                    out.store.remove(entry)
+    with contextlib.suppress(OSError):
+        shutil.rmtree(out.chunk_claims())
