@@ -278,6 +278,9 @@ class WidthPolicy:
                 default=0.0,
             )
             floor = max(floor, requests * w * min(self._ms_per_row, default=0.0))
+            # Its own first samples, if any: a hiccup only adds time, so no more than halves a
+            # step; a width that loses even at half its least sample is not run again.
+            floor = max(floor, min(self.samples.get((w, bucket)) or [0.0]) / 2)
             if not floor or expected_tokens(accept, w) / floor > best_rate * (1 + SWITCH_MARGIN):
                 return w
         return None
