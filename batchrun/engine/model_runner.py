@@ -176,8 +176,10 @@ class ModelRunner:
         the speculator reads."""
         width = plan.width
         # A dormant drafter (width 1, no context written): no features to capture either.
-        capture = width > 1 or self.speculator.writes_context
-        graphs = self.target_graphs.get(width) if capture else self.quiet_graphs
+        speculator = self.speculator
+        quiet = width == 1 and bool(speculator.capture_layers) and not speculator.writes_context
+        capture = not quiet
+        graphs = self.quiet_graphs if quiet else self.target_graphs.get(width)
         if graphs is not None and self.graph_host.replayable(graphs, plan):
             size = plan.num_requests
             metas = partial(self._graph_target_metas, size, width)

@@ -649,9 +649,10 @@ def test_a_dormant_drafter_writes_nothing_and_changes_nothing(
     lengths = [3 + (7 * i) % 29 for i in range(40)]
     jobs = greedy_jobs(random_prompts(seed=5, lengths=lengths), [60] * 40)
     sizes: dict[str, Any] = dict(max_batch_size=32, max_batched_tokens=512, num_pages=1200)
-    # Graphs on (emulated off a GPU): decode-only steps replay them, the quiet ones included.
-    engine = cpu_engine(target, draft, verify_width="auto", cuda_graphs=True, **sizes)
-    captures.clear()  # the captures at start-up
+    # Graphs (emulated off a GPU): decode-only steps replay them, the quiet ones included.
+    engine = cpu_engine(target, draft, verify_width="auto", **sizes)
+    engine.capture_graphs()
+    captures.clear()  # the captures
     spec = run_to_end(engine, requests_of(jobs))
     _, plain = run(target, None, jobs, **sizes)
     check_same_outputs(sorted(spec, key=lambda r: r.row_index), plain)
@@ -664,3 +665,4 @@ def test_a_dormant_drafter_writes_nothing_and_changes_nothing(
     # times), then writes its context again: while asleep nothing was stored.
     woke = captures.index(True, quiet) if True in captures[quiet:] else len(captures)
     assert not [s for s in stored if quiet < s <= woke], (quiet, woke)
+    assert any(name == "target1-quiet" for name, _ in engine.runner.replays)
