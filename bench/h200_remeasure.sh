@@ -59,6 +59,8 @@ for stage in ${STAGES:-nodraft}; do
             --widths '' --tau '' --fp8-weights --kv-cache-dtype fp8 --scratch /tmp/bm8 ;;
     drafts-a)  # every drafter mode on the shorter workloads
         jobs jobs-w1-w2-b1-drafts w1,w2,b1 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
+    drafts-short)  # the drafter on the two short workloads at tau 6.5 (a last call's budget)
+        jobs jobs-w2-b1-drafts w2,b1 --tau 6.5 --widths auto --scratch /tmp/bj ;;
     drafts-j1)
         jobs jobs-j1-drafts j1 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
     drafts-b)
