@@ -22,11 +22,11 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import batchrun.engine.memory
+from batchrun.bench.shapes import shape_from_flags
 from batchrun.cli import cli
 from batchrun.config.parts import MAX_BATCH_SIZE, MAX_BATCHED_TOKENS
 from batchrun.engine.memory import BatchFootprint, check_batch_memory
 from batchrun.errors import JobError
-from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.tools.tiny_draft import make_tiny_draft
 from tests.job.test_preflight import assert_refused_alike, one_line_error
 
@@ -210,19 +210,7 @@ def test_the_memory_refusal_names_the_largest_value_that_fits(
     assert one_line_error(over).startswith(f"batchrun: error: max_batch_size {int(largest) + 1}")
 
 
-QWEN3_8B = Qwen3Shape(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_layers=36,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-)
+QWEN3_8B = shape_from_flags("qwen3-8b")  # the benchmark's shape table
 H200 = 139 << 30
 
 
