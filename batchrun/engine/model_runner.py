@@ -178,7 +178,6 @@ class ModelRunner:
         # A dormant drafter (width 1, no context written): no features to capture either.
         speculator = self.speculator
         quiet = width == 1 and bool(speculator.capture_layers) and not speculator.writes_context
-        capture = not quiet
         graphs = self.quiet_graphs if quiet else self.target_graphs.get(width)
         if graphs is not None and self.graph_host.replayable(graphs, plan):
             size = plan.num_requests
@@ -199,7 +198,7 @@ class ModelRunner:
             mixed_decoding=plan.num_decoding if chunks else 0,
         )
         store = chunks or width == 1
-        hidden, features = self._forward(inputs, store_context=store, capture=capture)
+        hidden, features = self._forward(inputs, store_context=store, capture=not quiet)
         row_slot, row_step, sampled = inputs.row_slot, inputs.row_step, hidden
         if args.logit_rows is not None:
             rows = args.logit_rows

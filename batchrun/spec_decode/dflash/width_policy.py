@@ -196,6 +196,10 @@ class WidthPolicy:
         times = self.samples.get((width, bucket), ())
         return min(times) if len(times) >= MIN_SAMPLES else None
 
+    def _least(self, width: int, bucket: int) -> float:
+        """The least step time seen at `width` in `bucket`, however few (0.0: none)."""
+        return min(self.samples.get((width, bucket)) or [0.0])
+
     def choose(
         self,
         bucket: int,
@@ -247,8 +251,8 @@ class WidthPolicy:
         cost)."""
         steps = -(-PROBE_ROUNDS // max(requests, 1))
         drafting = [w for w in self.widths if w > 1]
-        one = min(self.samples.get((1, bucket)) or [0.0])
-        probe = min(self.samples.get((drafting[0], bucket)) or [0.0]) if drafting else 0.0
+        one = self._least(1, bucket)
+        probe = self._least(drafting[0], bucket) if drafting else 0.0
         if one and probe:
             return steps * max(probe - one, 0.0)
         step = one or min(self._recent_ms, default=0.0)
@@ -274,13 +278,13 @@ class WidthPolicy:
                 continue
             # The least it can cost: what a narrower width costs here (one sample will do).
             floor = max(
-                (min(self.samples.get((v, bucket)) or [0.0]) for v in self.widths if v < w),
+                (self._least(v, bucket) for v in self.widths if v < w),
                 default=0.0,
             )
             floor = max(floor, requests * w * min(self._ms_per_row, default=0.0))
             # Its own first samples, if any: a hiccup only adds time, so no more than halves a
             # step; a width that loses even at half its least sample is not run again.
-            floor = max(floor, min(self.samples.get((w, bucket)) or [0.0]) / 2)
+            floor = max(floor, self._least(w, bucket) / 2)
             if not floor or expected_tokens(accept, w) / floor > best_rate * (1 + SWITCH_MARGIN):
                 return w
         return None
