@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU only in Triton's interpreter, chosen when triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
+
 from batchrun.tools.bpe import build_tokenizer  # noqa: E402
 from batchrun.tools.tiny import make_tiny_model  # noqa: E402
 from tests.helpers.dflash_reference import one_thread as single_thread  # noqa: E402
@@ -64,6 +66,12 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(out, vocab_size=TOKENIZER_VOCAB, max_bytes=TOKENIZER_BYTES)
     return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
+    """The test tokenizer, loaded once a module (a module may define its own)."""
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
 @pytest.fixture(scope="session")

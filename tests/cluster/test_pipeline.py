@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request, Status, sample_requests
@@ -124,11 +124,6 @@ def fake_token(prompt_ids: list[int], position: int, vocab_size: int) -> int:
 
 # The fake satisfies the protocol the pipeline is typed against.
 _: type[EngineLike] = FakeEngine
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
 BAD_ROWS = {

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import EXIT_STOPPED, JobStopped
@@ -37,11 +37,6 @@ STOP_LINE = re.compile(
     r"(\d+) left for the next run; run the same command again to resume"
 )
 ROWS = 120
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
 def part_rows(out: Path) -> list[int]:

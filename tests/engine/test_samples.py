@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3ForCausalLM
+from transformers import PreTrainedTokenizerBase, Qwen3ForCausalLM
 
 from batchrun.config.job import JobSpec
 from batchrun.engine.config import EngineConfig
@@ -275,11 +275,6 @@ def test_a_job_with_n_gives_each_row_its_samples(tmp_path: Path, tiny_model: Pat
     alone = {r["row_index"]: r for r in read_output(tmp_path / "single").to_pylist()}
     for row in firsts:
         assert row["completion_token_ids"] == alone[row["row_index"]]["completion_token_ids"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
 def test_resume_after_a_failure_writes_each_sample_once(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from batchrun.admission_order import admission_order, windowed
 from batchrun.config.job import JobSpec
@@ -180,11 +180,6 @@ def test_shards_with_ordering_write_each_row_once(tmp_path: Path, tiny_model: Pa
     sharded = pa.concat_tables(pq.read_table(p) for p in sorted((tmp_path / "out").glob("part-*")))
     assert sharded.sort_by("row_index").equals(whole)
     assert (tmp_path / "out" / "_SUCCESS").exists()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
 def test_resume_copes_with_rows_committed_out_of_input_order(

@@ -35,11 +35,6 @@ VOCAB = 500
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
-
-
 def make_job(**keys: Any) -> JobSpec:
     return JobSpec.from_keys(dict(**{"input": "in", "output": "out", "target": "model", **keys}))
 

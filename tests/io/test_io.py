@@ -187,11 +187,6 @@ def test_output_column_name_collision_is_a_job_error() -> None:
 # -- rows to requests ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
-
-
 def builder_for(
     tokenizer: PreTrainedTokenizerBase,
     columns: dict[str, pa.DataType],
