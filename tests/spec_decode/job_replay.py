@@ -2,18 +2,20 @@
 (schedule, launched, update_from_output) and the real DFlashSpeculator (next_width, admit,
 learn, writes_context, over its WidthPolicy), stepped in the engine's order (the next step is
 chosen and launched before the last one is read back). No model runs: each step's time comes from
-a cost model of the H200 at the Qwen3-8B shape that charges the drafter's work (its forward at a
-drafting width, its context writes at width 1 and in prefill chunks), and each round's
-acceptance is drawn from the scenario's chance per draft, which may change per row and over a
-row's output."""
+a cost model that charges the drafter's work (its forward at a drafting width, timed on its own
+as the draft clock times it, its context writes at width 1 and in prefill chunks): the H200 at
+the Qwen3-8B shape, or the demo pair on this project's 2-core CPU. Each round's acceptance is
+drawn from the scenario's chance per draft, which may change per row and over a row's output."""
 
 from __future__ import annotations
 
 import random
+from bisect import bisect
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Protocol
 
 import torch
 
@@ -38,6 +40,11 @@ TOKEN = 7  # every sampled token (no stop token: rows end at max_tokens)
 Acceptance = Callable[[int, int], float]
 
 
+class Costs(Protocol):
+    def step(self, step: ReplayStep) -> float: ...  # milliseconds, the draft's included
+    def draft(self, step: ReplayStep) -> float: ...  # the draft's own forward (0: none)
+
+
 @dataclass(frozen=True)
 class H200Costs:
     """Milliseconds of a step: weights and K/V read (memory-bound) or its rows' matmuls
@@ -55,16 +62,60 @@ class H200Costs:
     context_share_of_prefill: float = 0.016
     mask_ms_per_row: float = 0.004
 
+    def draft(self, step: ReplayStep) -> float:
+        if step.width == 1:
+            return 0.0
+        return self.draft_ms_per_row * step.num_decoding * BLOCK + self.draft_weights_ms
+
     def step(self, step: ReplayStep) -> float:
         d, w = step.num_decoding, step.width
         memory = self.weights_ms + self.kv_ms_per_token * step.context
-        ms = max(memory, self.ms_per_row * step.num_rows)
-        if w > 1:
-            ms += self.draft_ms_per_row * d * BLOCK + self.draft_weights_ms
+        ms = max(memory, self.ms_per_row * step.num_rows) + self.draft(step)
         if step.writes_context:
             ms += self.context_ms_per_request * d * (w == 1)
             ms += self.ms_per_row * self.context_share_of_prefill * step.prefill_rows
         return ms + self.mask_ms_per_row * d * w * step.constrained
+
+
+@dataclass(frozen=True)
+class DemoCpuCosts:
+    """Milliseconds of a step of the demo pair (batchrun/demo) on a 2-core CPU, fitted to the
+    demo job's step times (48 rows, every width): a fixed part, a part per request that grows
+    with its context (the torch backend gathers each request's K/V once a layer, and past some
+    300 tokens they leave the caches), a part per row, the draft's forward over the block (its
+    logits: most of a drafting step) and the draft's context writes (5-10% of a width-1 step)."""
+
+    fixed_ms: float = 7.7
+    ms_per_row: float = 0.049
+    # (context tokens, ms per request) measured; linear between, and past the last
+    gather: tuple[tuple[int, float], ...] = (
+        (80, 0.0),
+        (200, 0.11),
+        (280, 0.5),
+        (360, 0.86),
+        (440, 1.33),
+    )
+    draft_ms_per_request: float = 0.52
+    context_ms_per_request: float = 0.07
+    prefill_ms_per_row: float = 0.075
+
+    def _gather(self, context: int) -> float:
+        points = self.gather
+        i = min(max(bisect(points, (context, 0.0)), 1), len(points) - 1)
+        (c0, g0), (c1, g1) = points[i - 1], points[i]
+        return max(g0 + (g1 - g0) * (context - c0) / (c1 - c0), 0.0)
+
+    def draft(self, step: ReplayStep) -> float:
+        return self.draft_ms_per_request * step.num_decoding if step.width > 1 else 0.0
+
+    def step(self, step: ReplayStep) -> float:
+        d = step.num_decoding
+        per_request = self._gather(step.context // max(d, 1)) if d else 0.0
+        ms = self.fixed_ms + d * per_request + self.ms_per_row * d * step.width
+        ms += self.prefill_ms_per_row * step.prefill_rows + self.draft(step)
+        if step.writes_context and step.width == 1:
+            ms += self.context_ms_per_request * d
+        return ms
 
 
 @dataclass(frozen=True)
@@ -124,13 +175,27 @@ class Replay:
         return self.tokens / self.seconds
 
 
-def speculator(widths: tuple[int, ...], job: Job) -> Speculator:
+class CostClock:
+    """The draft clock of draft_clock.py, reading the cost model's draft time."""
+
+    def __init__(self, costs: Costs) -> None:
+        self.costs = costs
+
+    def take_ms(self, step: ReplayStep) -> float | None:
+        return self.costs.draft(step) if step.width > 1 else None
+
+    def clear(self) -> None:
+        pass
+
+
+def speculator(widths: tuple[int, ...], job: Job, costs: Costs = H200Costs()) -> Speculator:
     """The DFlash speculator's width logic without a model (its policy, admissions and step
     bookkeeping run; nothing is drafted); plain decoding for widths (1,) without a draft."""
     spec = DFlashSpeculator.__new__(DFlashSpeculator)
     Speculator.__init__(spec)
     spec.target = SimpleNamespace(graphs=SimpleNamespace(bucket=ladder_bucket))  # type: ignore[assignment]
     spec.tp, spec.block_size, spec.widths = None, BLOCK, widths
+    spec.clock = CostClock(costs)  # type: ignore[assignment]
     spec.context = DraftContext.zeros(job.batch + 1, torch.device("cpu"))
     spec.start_job(job.batch, job.budget)
     return spec
@@ -140,7 +205,7 @@ def replay(
     job: Job,
     accept: Acceptance | None,
     width: int | str = "auto",
-    costs: H200Costs = H200Costs(),
+    costs: Costs = H200Costs(),
     seed: int = 0,
 ) -> Replay:
     """The job with no draft (accept None) or with the draft at `width` (auto, or a fixed
@@ -149,7 +214,7 @@ def replay(
         spec, decode_width, min_width = Speculator(), 1, 1
     else:
         widths = candidate_widths(BLOCK) if width == "auto" else (int(width),)
-        spec, decode_width, min_width = speculator(widths, job), BLOCK, widths[0]
+        spec, decode_width, min_width = speculator(widths, job, costs), BLOCK, widths[0]
     pages = job.rows * (job.prompt_len + job.max_tokens + 3 * BLOCK) // 16 + job.rows
     scheduler = Scheduler(
         PagePool(pages, 16), job.batch, job.budget, decode_width=decode_width, min_width=min_width

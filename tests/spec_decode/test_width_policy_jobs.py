@@ -1,9 +1,10 @@
 """The verify-width policy over whole jobs, replayed through the engine's own scheduler and
-speculator (job_replay.py) over a cost model of the H200 that charges the drafter's work. Every
-scenario holds `auto` to >= 0.97x of no draft and of the best fixed width in hindsight; each rule
-of the policy is pinned by a scenario that breaks that contract without it. Where the policy
-falls short today the scenario is an expected failure that says why (strict: it is noticed when
-it starts to hold)."""
+speculator (job_replay.py) over cost models that charge the drafter's work: the H200 at the
+Qwen3-8B shape, and the demo pair on a 2-core CPU (where the draft's forward costs two width-1
+steps and a step's cost grows six-fold over the job). Every scenario holds `auto` to >= 0.97x of
+no draft and of the best fixed width in hindsight; each rule of the policy is pinned by a
+scenario that breaks that contract without it. Where the policy falls short today the scenario
+is an expected failure that says why (strict: it is noticed when it starts to hold)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import batchrun.spec_decode.dflash.speculator as speculator_module
 import batchrun.spec_decode.dflash.width_policy as width_policy
 from batchrun.spec_decode.dflash.width_policy import expected_tokens
-from tests.spec_decode.job_replay import Acceptance, Job, replay
+from tests.spec_decode.job_replay import Acceptance, Costs, DemoCpuCosts, H200Costs, Job, replay
 
 FIXED = (2, 4, 8, 16)  # `verify_width` 2 .. the block; "none" is the job without a draft
 
@@ -44,6 +45,10 @@ def scenario(name: str, job: Job) -> Acceptance:
         # Within each row: a prompt's boilerplate first, then text the drafter knows.
         "improve in rows": lambda row, pos: 0.0 if pos < half_out else 0.9,
         "mixed rows": lambda row, pos: 0.9 if row % 2 == 0 else 0.0,
+        # The demo drafter on greedy rows (its first positions), and the demo job whose second
+        # half of rows runs at temperature 2 (batchrun bench --demo-policy): all in one batch.
+        "demo greedy": lambda row, pos: 0.7,
+        "demo half hot": lambda row, pos: 0.7 if row < half_rows else 0.0,
     }[name]
 
 
@@ -56,19 +61,22 @@ W1 = Job(rows=256, prompt_len=1024, max_tokens=256, batch=128)  # bench/workload
 W2 = Job(rows=64, prompt_len=1024, max_tokens=256, batch=32)
 PREFILL_HEAVY = Job(rows=512, prompt_len=4096, max_tokens=64, batch=128)
 DECODE_HEAVY = Job(rows=128, prompt_len=128, max_tokens=2048, batch=128)  # like w4
+DEMO = Job(rows=48, prompt_len=78, max_tokens=384, batch=48)  # jobs/demo.toml
+H200, CPU = H200Costs(), DemoCpuCosts()
 
 
 @cache
-def no_draft(job: Job) -> float:
-    return replay(job, None).tokens_per_second
+def no_draft(job: Job, costs: Costs) -> float:
+    return replay(job, None, costs=costs).tokens_per_second
 
 
-def ratios(job: Job, name: str) -> tuple[float, float]:
+def ratios(job: Job, name: str, costs: Costs = H200) -> tuple[float, float]:
     """auto against no draft, and against the best of no draft and the fixed widths."""
     accept = scenario(name, job)
-    auto = replay(job, accept).tokens_per_second
-    best = max([no_draft(job)] + [replay(job, accept, w).tokens_per_second for w in FIXED])
-    return auto / no_draft(job), auto / best
+    auto = replay(job, accept, costs=costs).tokens_per_second
+    fixed = [replay(job, accept, w, costs=costs).tokens_per_second for w in FIXED]
+    none = no_draft(job, costs)
+    return auto / none, auto / max([none, *fixed])
 
 
 def short(reason: str) -> pytest.MarkDecorator:
@@ -76,38 +84,19 @@ def short(reason: str) -> pytest.MarkDecorator:
 
 
 CONSTANT, CHANGING = ["useless", "tau 3", "tau 6.5"], ["collapse", "improve", "improve in rows"]
-BIG_BATCH = short(
-    "batch 256: the drafter never pays, and a good one keeps writing its context (2.4% of a "
-    "step) with a probe each 100 probe costs; dormancy covers only a drafter that lost on "
-    "acceptance (0.964-0.970 of no draft)"
-)
 MIXED = short(
     "one acceptance for the batch: a useless row's misses and a good row's hits pool, so rows "
     "the drafter knows wait for the pool to shift (batch 1: 0.90 of the full block, batch 32: "
     "0.96 of no draft); per-row acceptance and widths would close it"
 )
-NARROW_WIN = short(
-    "width 4 beats width 1 by 1.6% here; the policy measures it, and judges within its 5% "
-    "switch margin that it cannot win (0.969 of width 4)"
-)
-
-
-def marks(batch: int, name: str) -> tuple[pytest.MarkDecorator, ...]:
-    if batch == 256:
-        return (BIG_BATCH,)
-    return (NARROW_WIN,) if (batch, name) == (128, "tau 6.5") else ()
 
 
 SCENARIOS = [
     *[
-        pytest.param(at_batch(b), s, id=f"batch {b}, {s}", marks=marks(b, s))
+        pytest.param(at_batch(b), s, id=f"batch {b}, {s}")
         for b in (1, 8, 32, 128, 256)
         for s in CONSTANT + CHANGING
-        if not (b == 256 and s in ("useless", "collapse", "improve in rows"))
     ],
-    pytest.param(at_batch(256), "useless", id="batch 256, useless"),
-    pytest.param(at_batch(256), "collapse", id="batch 256, collapse"),
-    pytest.param(at_batch(256), "improve in rows", id="batch 256, improve in rows"),
     pytest.param(at_batch(8), "mixed rows", id="batch 8, mixed rows"),
     pytest.param(W1, "mixed rows", id="w1, mixed rows"),
     pytest.param(DECODE_HEAVY, "mixed rows", id="decode-heavy, mixed rows"),
@@ -117,11 +106,20 @@ SCENARIOS = [
     *[pytest.param(PREFILL_HEAVY, s, id=f"prefill-heavy, {s}") for s in ("useless", "tau 6.5")],
     *[pytest.param(DECODE_HEAVY, s, id=f"decode-heavy, {s}") for s in CONSTANT + ["improve"]],
 ]
+DEMO_SCENARIOS = ["useless", "demo greedy", "demo half hot", "collapse", "improve in rows"]
 
 
 @pytest.mark.parametrize("job, name", SCENARIOS)
 def test_auto_keeps_up_with_no_draft_and_the_best_fixed_width(job: Job, name: str) -> None:
     vs_none, vs_best = ratios(job, name)
+    assert vs_none >= 0.97 and vs_best >= 0.97, (vs_none, vs_best)
+
+
+@pytest.mark.parametrize("name", DEMO_SCENARIOS)
+def test_auto_keeps_up_on_the_cpu_demo(name: str) -> None:
+    """The demo job's shape on the CPU cost model: the draft's forward costs two width-1 steps
+    at first, and under half of one by the end, as every request's K/V outgrows the caches."""
+    vs_none, vs_best = ratios(DEMO, name, CPU)
     assert vs_none >= 0.97 and vs_best >= 0.97, (vs_none, vs_best)
 
 
@@ -138,54 +136,78 @@ def _prefill_steps_measured(policy: object, **kw: object) -> int:
 
 
 # Each rule, the scenario that needs it, and how the rule is taken out.
-RULES: list[tuple[str, Job, str, Callable[[pytest.MonkeyPatch], None]]] = [
+RULES: list[tuple[str, Job, str, Costs, Callable[[pytest.MonkeyPatch], None]]] = [
     (
         "steps with prefill chunks decode at width 1",
         W1,
         "tau 3",
+        H200,
         lambda mp: mp.setattr(speculator_module, "step_width", _prefill_steps_measured),
     ),
     (
         "acceptance is forgotten (HALF_LIFE)",
         W1,
         "collapse",
+        H200,
         lambda mp: mp.setattr(width_policy, "HALF_LIFE", 10**9),
     ),
     (
         "a drafter held at width 1 is probed again (PROBE_EVERY)",
         at_batch(8),
         "improve",
+        H200,
         lambda mp: mp.setattr(width_policy, "PROBE_EVERY", math.inf),
     ),
     (
-        "a drafter that lost goes dormant (DORMANT_AFTER)",
-        at_batch(128),
+        "a drafter held at width 1 goes dormant (DORMANT_AFTER)",
+        DEMO,
         "useless",
+        CPU,
         lambda mp: mp.setattr(width_policy, "DORMANT_AFTER", 10**9),
     ),
     (
         "a probe takes PROBE_ROUNDS rounds",
         at_batch(1),
         "useless",
+        H200,
         lambda mp: mp.setattr(width_policy, "PROBE_ROUNDS", 1),
     ),
     (
         "another bucket's choice bounds only under the same acceptance (CHOICE_DRIFT)",
         DECODE_HEAVY,
         "improve",
+        H200,
         lambda mp: mp.setattr(width_policy, "CHOICE_DRIFT", math.inf),
+    ),
+    (
+        "the draft's own time bounds a drafting width's cost (record_draft)",
+        DEMO,
+        "useless",
+        CPU,
+        lambda mp: mp.setattr(width_policy.WidthPolicy, "record_draft", lambda *_: None),
+    ),
+    (
+        "a cost under what the width must cost now is old (_cost_now)",
+        DEMO,
+        "useless",
+        CPU,
+        lambda mp: mp.setattr(
+            width_policy.WidthPolicy, "_cost_now", lambda self, w, b, _: self.cost(w, b)
+        ),
     ),
 ]
 
 
-@pytest.mark.parametrize("rule, job, name, without", RULES, ids=[r[0] for r in RULES])
+@pytest.mark.parametrize("rule, job, name, costs, without", RULES, ids=[r[0] for r in RULES])
 def test_each_rule_is_needed(
     rule: str,
     job: Job,
     name: str,
+    costs: Costs,
     without: Callable[[pytest.MonkeyPatch], None],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert min(ratios(job, name)) >= 0.97
+    assert min(ratios(job, name, costs)) >= 0.97
     without(monkeypatch)
-    assert min(ratios(job, name)) < 0.97, rule
+    no_draft.cache_clear()  # a rule may change nothing of the job without a draft; be sure
+    assert min(ratios(job, name, costs)) < 0.97, rule

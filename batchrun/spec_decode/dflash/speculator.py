@@ -27,6 +27,7 @@ from batchrun.spec_decode.base import (
     StepShape,
     TargetView,
 )
+from batchrun.spec_decode.dflash.draft_clock import DraftClock
 from batchrun.spec_decode.dflash.graphs import DraftGraphs
 from batchrun.spec_decode.dflash.inputs import (
     DraftContext,
@@ -112,9 +113,7 @@ class DFlashSpeculator(Speculator):
         self.policy: WidthPolicy | None = None
         self.width_steps: Counter[int] = Counter()  # verify width -> steps decoding at it
         self._last_width = 0  # the width of the step read back before
-        # While the policy wakes a dormant drafter: requests admitted before writes resumed,
-        # whose context has holes, not yet replaced by new ones (None: not waking).
-        self._holey: int | None = None
+        self.clock = DraftClock(device)
 
     # -- the width ----------------------------------------------------------------------------
 
@@ -124,7 +123,7 @@ class DFlashSpeculator(Speculator):
         self.policy = WidthPolicy(self.block_size, self.widths) if many else None
         self.width_steps = Counter()
         self._last_width = 0
-        self._holey = None
+        self.clock.clear()
 
     @property
     def writes_context(self) -> bool:
@@ -149,54 +148,45 @@ class DFlashSpeculator(Speculator):
         )
         if self.tp is not None:  # chosen from this rank's step times: rank 0's wins
             width = self.tp.first_int(width)
-        if self.policy.waking and self._holey is None:
-            self._holey = running
-            self._relearn_when_replaced(0)
         return width
 
-    def _relearn_when_replaced(self, admitted: int) -> None:
-        """Counts down the requests with holes in their context as new ones take slots; the
-        policy re-learns the drafter from requests whose context is whole."""
-        if self._holey is None or self.policy is None:
-            return
-        self._holey -= admitted
-        if self._holey <= 0:
-            self.policy.relearn()
-            self._holey = None
-
     def learn(self, step: StepShape, accepted: list[int], seconds: float) -> None:
-        """Feeds the policy: the rounds' acceptance, every step's time, its rows' (a job's first
-        step too: often a compute-bound prefill), and the step's cost when every request
-        decoded (a step with prefill chunks says little about a width's cost) and the width
-        was the last step's too (a switch costs the pipeline more than the width does)."""
+        """Feeds the policy: the rounds' acceptance, the draft's own time, every step's time,
+        its rows' (a job's first step too: often a compute-bound prefill), and the step's cost
+        when every request decoded (a step with prefill chunks says little about a width's
+        cost) and the width was the last step's too (a switch costs the pipeline more than the
+        width does; the draft's time, on the device's clock, is its own either way)."""
         width, first = step.width, self._last_width == 0
         switched = not first and width != self._last_width
         self._last_width = width
         if step.num_decoding:
             self.width_steps[width] += 1
+        draft_ms = self.clock.take_ms(step)
         policy = self.policy
         if policy is None:
             return
         for a in accepted if width > 1 else ():
             policy.record_round(width, a)
+        bucket = self.target.graphs.bucket(step.num_live, self.max_batch_size)
+        if draft_ms is not None and step.uniform:
+            policy.record_draft(bucket, draft_ms)
         if seconds <= 0:
             return
         policy.record_elapsed(seconds * 1e3)
         if not switched:
             policy.record_rows(step.num_rows, seconds * 1e3)
         if not switched and not first and step.uniform:
-            bucket = self.target.graphs.bucket(step.num_live, self.max_batch_size)
             policy.record_cost(width, bucket, seconds * 1e3)
 
     def aborted(self) -> None:
         self._last_width = 0
+        self.clock.clear()
 
     # -- a step -------------------------------------------------------------------------------
 
     def admit(self, requests: Sequence[Admitted], slots: torch.Tensor) -> None:
         self.context.admit(slots)
         self.hooks.admit(requests, slots)
-        self._relearn_when_replaced(len(requests))
 
     @torch.inference_mode()
     def propose(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor | None:
@@ -210,7 +200,7 @@ class DFlashSpeculator(Speculator):
                 self._store_verified(slots[:d])
             self._verified_unstored = False  # dormant: dropped, a hole in the context
             return None
-        drafts = self._draft_step(step, slots)
+        drafts = self.clock.time(step, lambda: self._draft_step(step, slots))
         # In place: a graph's target reads them there.
         self.hooks.rewrite(drafts, slots[:d], self.target.state.out_len)
         return drafts[:, : width - 1]

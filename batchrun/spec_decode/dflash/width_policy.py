@@ -43,20 +43,16 @@ HALF_LIFE = 64
 PROBE_EVERY = 100
 PROBE_ROUNDS = 8
 PROBE_GUESS = 0.25
-# A drafter the policy has kept at width 1 for this many measured steps in a row, whose whole
-# block is expected to commit under DORMANT_TOKENS tokens a round (a drafting step costs more
-# than that over a width-1 step at any batch: 1.25x at batch 1 on an H200, more on a CPU), goes
-# dormant: width-1 steps stop capturing features and writing its context, so a drafter that
-# has lost costs what no drafter does. A drafter that is good but costs too much at this batch
-# is kept writing: the batch and the contexts change, and it may win again. 16 steps: past the
-# noise of a single unlucky choice, a small share of any job. To be tried again after PROBE_EVERY
-# steps it wakes first (its context is written again) and is re-learned once the requests that
-# ran while it slept, whose context has holes, have been replaced (the speculator counts them).
-# Only from DORMANT_MIN_BATCH requests on: the writes cost 1.6% of a step at batch 128 on an
-# H200 and about 0.2% at 16 or fewer, less than the holes cost, which keep a drafter that
-# improves within a row from being taken up before its rows are replaced.
+# A drafter the policy has kept at width 1 for this many measured steps in a row, because it
+# accepts too little or costs too much at this batch, goes dormant: width-1 steps stop capturing
+# features and writing its context (1.6% of a step at batch 128 on an H200, 5-10% on a CPU), so
+# a drafter that loses costs what no drafter does. 16 steps: past the noise of a single unlucky
+# choice, a small share of any job. When PROBE_EVERY comes round it is probed at once, on rows
+# whose context has holes: on the demo pair those rounds accept about 70% of what rows without
+# holes do, and the gap closes within some 20 rounds of writes. A probe that finds it losing
+# puts it back to sleep at once. Only from DORMANT_MIN_BATCH requests on: the writes cost about
+# 0.2% of a step at 16 or fewer on an H200, less than the holes do.
 DORMANT_AFTER = 16
-DORMANT_TOKENS = 1.2
 DORMANT_MIN_BATCH = 16
 
 
@@ -161,8 +157,9 @@ class WidthPolicy:
         self._step = 0
         self._ms_per_row: deque[float] = deque(maxlen=RECENT_SAMPLES)  # of compute-bound steps
         self._recent_ms: deque[float] = deque(maxlen=RECENT_SAMPLES)  # any step's
+        self._draft_ms: dict[int, deque[float]] = {}  # bucket -> the draft's newest own times
         self._ones = 0  # measured steps in a row at width 1 after the drafter was tried
-        self.waking = False  # dormant, past PROBE_EVERY: its context is written again
+        self._woken = False  # re-learned while dormant: a losing probe sends it back at once
 
     @property
     def dormant(self) -> bool:
@@ -172,7 +169,7 @@ class WidthPolicy:
     @property
     def writes_context(self) -> bool:
         """Whether the draft's context is written (width-1 steps capture features for it)."""
-        return not self.dormant or self.waking
+        return not self.dormant
 
     def relearn(self) -> None:
         """Forget the acceptance and the choices made from it: the narrowest drafting width
@@ -181,7 +178,8 @@ class WidthPolicy:
         self.trials = [0] * len(self.trials)
         self._rounds = 0
         self._chosen.clear()
-        self._ones, self.waking = 0, False
+        self._woken = self.dormant
+        self._ones = 0
 
     def accept(self) -> list[float]:
         return [
@@ -195,6 +193,12 @@ class WidthPolicy:
         replay) only ever add time."""
         times = self.samples.get((width, bucket), ())
         return min(times) if len(times) >= MIN_SAMPLES else None
+
+    def _cost_now(self, width: int, bucket: int, requests: int) -> float | None:
+        """The cost, or what the width must cost now if more: a cost under that is old (costs
+        grow with the context)."""
+        cost = self.cost(width, bucket)
+        return None if cost is None else max(cost, self._floor(width, bucket, requests))
 
     def _least(self, width: int, bucket: int) -> float:
         """The least step time seen at `width` in `bucket`, however few (0.0: none)."""
@@ -216,16 +220,8 @@ class WidthPolicy:
             return 1
         probe_ms = self._probe_ms(bucket, requests or bucket)
         if any(self.trials) and self._since_round_ms > PROBE_EVERY * probe_ms:
-            # Too old to tell what the drafter does now, as are the choices made from them. A
-            # dormant drafter's context has holes: it wakes, and the speculator re-learns it
-            # once the requests with holes are gone.
-            if self.dormant:
-                self.waking = True
-            else:
-                self.relearn()
-        if self.dormant:
-            self._ones += 1
-            return 1
+            # Too old to tell what the drafter does now, as are the choices made from them.
+            self.relearn()
         fits = [w for w in self.widths if max_width is None or w <= max_width] or [1]
         for w in self.widths:  # stale: forget it, so that it may be measured afresh below
             at = self._measured_at.get((w, bucket))
@@ -234,27 +230,31 @@ class WidthPolicy:
         accept = self.accept()
         block_tokens = expected_tokens(accept, self.widths[-1])
         widths = [w for w in self._widths_for(bucket, block_tokens) if w in fits] or fits
-        known = {w: c for w in widths if (c := self.cost(w, bucket)) is not None}
+        n = requests or bucket
+        known = {w: c for w in widths if (c := self._cost_now(w, bucket, n)) is not None}
         width = self._to_measure(widths, known, accept, bucket, requests or bucket)
         if width is None:
             current = self._chosen.get(bucket, (None, 0.0))[0]
             width = best_width(accept, known, current)
             self._chosen[bucket] = (width, block_tokens)
-        lost = any(self.trials) and block_tokens < DORMANT_TOKENS
-        held = width == 1 and lost and bucket >= DORMANT_MIN_BATCH
+        tried = any(self.trials)
+        held = width == 1 and tried and bucket >= DORMANT_MIN_BATCH
+        if held and self._woken:  # its probe after sleeping found it losing, as before
+            self._ones = DORMANT_AFTER - 1
         self._ones = self._ones + 1 if held else 0
+        self._woken = self._woken and not tried
         return width
 
     def _probe_ms(self, bucket: int, requests: int) -> float:
-        """What a probe (PROBE_ROUNDS rounds at the narrowest drafting width) costs over as
-        many width-1 steps, here (from any step times seen: a probe runs too few steps for a
-        cost)."""
-        steps = -(-PROBE_ROUNDS // max(requests, 1))
+        """What a probe (PROBE_ROUNDS rounds at the narrowest drafting width, and the step
+        launched while its last is read back) costs over as many width-1 steps, here (from any
+        step times seen: a probe runs too few steps for a cost)."""
+        steps = -(-PROBE_ROUNDS // max(requests, 1)) + 1
         drafting = [w for w in self.widths if w > 1]
         one = self._least(1, bucket)
         probe = self._least(drafting[0], bucket) if drafting else 0.0
-        if one and probe:
-            return steps * max(probe - one, 0.0)
+        if one and probe:  # at least the draft's own forward (the width's cost may be old)
+            return steps * max(probe - one, self._draft_least(bucket))
         step = one or min(self._recent_ms, default=0.0)
         return steps * PROBE_GUESS * step if step else float("inf")
 
@@ -276,18 +276,22 @@ class WidthPolicy:
         for w in reversed(widths):
             if w in known:
                 continue
-            # The least it can cost: what a narrower width costs here (one sample will do).
-            floor = max(
-                (self._least(v, bucket) for v in self.widths if v < w),
-                default=0.0,
-            )
-            floor = max(floor, requests * w * min(self._ms_per_row, default=0.0))
             # Its own first samples, if any: a hiccup only adds time, so no more than halves a
             # step; a width that loses even at half its least sample is not run again.
-            floor = max(floor, self._least(w, bucket) / 2)
+            floor = max(self._floor(w, bucket, requests), self._least(w, bucket) / 2)
             if not floor or expected_tokens(accept, w) / floor > best_rate * (1 + SWITCH_MARGIN):
                 return w
         return None
+
+    def _floor(self, width: int, bucket: int, requests: int) -> float:
+        """The least a step of `width` can cost here now, its own samples aside: what a
+        narrower width costs (one sample will do), its rows' matmuls, and at a drafting width
+        the draft's own forward and a verify, which costs at least a width-1 step."""
+        floor = max((self._least(v, bucket) for v in self.widths if v < width), default=0.0)
+        floor = max(floor, requests * width * min(self._ms_per_row, default=0.0))
+        if width > 1 and (draft := self._draft_least(bucket)):
+            floor = max(floor, draft + self._least(1, bucket))
+        return floor
 
     def _widths_for(self, bucket: int, block_tokens: float) -> tuple[int, ...]:
         """The widths between the choices of the larger and smaller buckets (all of them where
@@ -326,6 +330,13 @@ class WidthPolicy:
         """Every step's time, switches included: the clock of the probes."""
         self._since_round_ms += ms
         self._recent_ms.append(ms)
+
+    def record_draft(self, bucket: int, ms: float) -> None:
+        """The draft's own time in a step of `bucket` (draft_clock.py)."""
+        self._draft_ms.setdefault(bucket, deque(maxlen=RECENT_SAMPLES)).append(ms)
+
+    def _draft_least(self, bucket: int) -> float:
+        return min(self._draft_ms.get(bucket) or [0.0])
 
     def record_cost(self, width: int, bucket: int, ms: float) -> None:
         key = (width, bucket)
