@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import batchrun
+from batchrun.bench.jobs import add_ratios
 from batchrun.config.job import load_job
 from batchrun.errors import JobError
 from batchrun.runners.local import run_job
@@ -111,19 +112,8 @@ def run_demo_policy(
                     "acceptance_length": stats["acceptance_length"],
                     "verify_width_steps": stats["verify_width_steps"],
                 }
-                _ratios(result["jobs"][name])
+                add_ratios(result["jobs"][name])
                 progress(result)
     for name, entry in result["jobs"].items():
         print(name, json.dumps(entry["ratios"]), flush=True)
     return result
-
-
-def _ratios(entry: dict[str, Any]) -> None:
-    runs = entry["runs"]
-    rate = {mode: run["tokens_per_second"] for mode, run in runs.items()}
-    ratios = {}
-    if "none" in rate and "auto" in rate:
-        ratios["auto / none"] = rate["auto"] / rate["none"]
-        if "full" in rate:
-            ratios["auto / best of none and full"] = rate["auto"] / max(rate["none"], rate["full"])
-    entry["ratios"] = ratios

@@ -120,7 +120,7 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
             prompts, budgets = w.rows_of(plan.shape.vocab_size, 0)
             entry = result["workloads"][w.name]
             entry["hf_generate"] = generate_job(target, prompts, budgets, w.batch, dtype, device)
-            _ratios(entry)
+            add_ratios(entry)
             print(f"{w.name} generate(): {entry['hf_generate']}", flush=True)
             progress(result)
     return result
@@ -197,7 +197,7 @@ class _Mode:
                 if tau is not None:
                     run |= {"oracle": True, "designed_tau": tau}
                 entry["runs"][name] = run
-                _ratios(entry)
+                add_ratios(entry)
                 print(f"{w.name} {name}: {_line(run)}", flush=True)
                 progress(self.result)
 
@@ -314,17 +314,17 @@ def _figures(stats: dict[str, Any], bound: dict[str, float] | None) -> dict[str,
     return run
 
 
-def _ratios(entry: dict[str, Any]) -> None:
-    """Each run's tokens/s against no draft, a draft's adaptive width against the better of no
-    draft and the full block, no draft against generate()."""
+def add_ratios(entry: dict[str, Any]) -> None:
+    """Each run's tokens/s against no draft, a draft's adaptive width ("auto" or "<draft>
+    auto") against the better of no draft and its full block, no draft against generate()."""
     runs = entry["runs"]
     base = runs.get("none", {}).get("tokens_per_second")
     ratios: dict[str, float] = {}
     for name, run in runs.items():
         if base and name != "none":
             ratios[f"{name} / none"] = run["tokens_per_second"] / base
-        full = runs.get(name.replace(" auto", " full"))
-        if base and name.endswith(" auto") and full:
+        full = runs.get(name[: -len("auto")] + "full")
+        if base and name.split(" ")[-1] == "auto" and full:
             best = max(base, full["tokens_per_second"])
             ratios[f"{name} / best of none and full"] = run["tokens_per_second"] / best
     hf = entry.get("hf_generate", {}).get("tokens_per_second")

@@ -175,9 +175,16 @@ class ModelRunner:
         """The target over the step's rows: the logits of the rows to sample, and the features
         the speculator reads."""
         width = plan.width
-        # A dormant drafter (width 1, no context written): no features to capture either.
+        chunks = plan.num_rows > plan.num_decoding * width
+        # A dormant drafter's decode steps (width 1, no context written): no features to capture
+        # either. Prompts' context is written still: a probe then sees every row's prompt.
         speculator = self.speculator
-        quiet = width == 1 and bool(speculator.capture_layers) and not speculator.writes_context
+        quiet = (
+            width == 1
+            and not chunks
+            and bool(speculator.capture_layers)
+            and not speculator.writes_context
+        )
         graphs = self.quiet_graphs if quiet else self.target_graphs.get(width)
         if graphs is not None and self.graph_host.replayable(graphs, plan):
             size = plan.num_requests
@@ -185,7 +192,6 @@ class ModelRunner:
             replayed = self.graph_host.replay(graphs, size, [self.backend], metas)
             logits, row_slot, row_step, *captured = replayed
             return TargetOutput(logits, row_slot, row_step, captured[0] if captured else None)
-        chunks = plan.num_rows > plan.num_decoding * width
         inputs = target_inputs(
             args,
             self.state,

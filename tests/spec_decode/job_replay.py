@@ -71,9 +71,9 @@ class H200Costs:
         d, w = step.num_decoding, step.width
         memory = self.weights_ms + self.kv_ms_per_token * step.context
         ms = max(memory, self.ms_per_row * step.num_rows) + self.draft(step)
-        if step.writes_context:
+        if step.writes_context:  # prompts' context is written always
             ms += self.context_ms_per_request * d * (w == 1)
-            ms += self.ms_per_row * self.context_share_of_prefill * step.prefill_rows
+        ms += self.ms_per_row * self.context_share_of_prefill * step.prefill_rows
         return ms + self.mask_ms_per_row * d * w * step.constrained
 
 
@@ -264,7 +264,7 @@ def _shape(scheduled: ScheduledStep, width: int, writes: bool, constrained: bool
         num_decoding=len(decoding),
         prefill_rows=sum(it.num_new for it in items if not it.decoding),
         context=sum(it.req.state.num_cached for it in decoding),
-        writes_context=writes,
+        writes_context=writes or any(not it.decoding for it in items),  # as the runner does
         constrained=constrained,
     )
 

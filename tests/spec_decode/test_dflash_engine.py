@@ -656,13 +656,12 @@ def test_a_dormant_drafter_writes_nothing_and_changes_nothing(
     spec = run_to_end(engine, requests_of(jobs))
     _, plain = run(target, None, jobs, **sizes)
     check_same_outputs(sorted(spec, key=lambda r: r.row_index), plain)
-    policy = engine.speculator.policy
-    assert isinstance(engine.speculator, DFlashSpeculator) and policy is not None
-    assert policy.dormant
+    assert False in captures  # it went dormant
     quiet = captures.index(False)  # the first step that captured nothing: dormant from here
     assert quiet < len(captures) // 2, (quiet, len(captures))  # early in the job
-    # It sleeps until a probe is due (a share of the time that depends on the machine's step
-    # times), then writes its context again: while asleep nothing was stored.
+    # It sleeps until a probe is due or the batch falls under DORMANT_MIN_BATCH at the job's
+    # end (a share of the time that depends on the machine's step times), then writes its
+    # context again: while asleep nothing was stored.
     woke = captures.index(True, quiet) if True in captures[quiet:] else len(captures)
     assert not [s for s in stored if quiet < s <= woke], (quiet, woke)
     assert any(name == "target1-quiet" for name, _ in engine.runner.replays)

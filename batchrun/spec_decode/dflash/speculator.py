@@ -127,9 +127,10 @@ class DFlashSpeculator(Speculator):
 
     @property
     def writes_context(self) -> bool:
-        """False while the policy holds the drafter dormant: width-1 steps then capture no
-        features and write none of its context. Pinned widths, fixed widths and tensor
-        parallelism (each rank's draft must see the same context) always write."""
+        """False while the policy holds the drafter dormant: width-1 decode steps then capture
+        no features and write none of its context (prefill chunks still do). Pinned widths,
+        fixed widths and tensor parallelism (each rank's draft must see the same context)
+        always write."""
         policy = self.policy
         if policy is None or self.tp is not None or self.hooks.pinned_width is not None:
             return True
@@ -209,8 +210,6 @@ class DFlashSpeculator(Speculator):
         return self.drafts[:size]
 
     def store_context(self, features: torch.Tensor, rows: ContextRows) -> None:
-        if not self.writes_context:  # a prefill chunk's rows while dormant
-            return
         window_kv_index = None
         if self.ring is not None:  # a chunk's rows, up to the ring's last positions
             end = rows.meta.kv_lens.long()[rows.row_req]

@@ -47,8 +47,9 @@ PROBE_GUESS = 0.25
 # accepts too little or costs too much at this batch, goes dormant: width-1 steps stop capturing
 # features and writing its context (1.6% of a step at batch 128 on an H200, 5-10% on a CPU), so
 # a drafter that loses costs what no drafter does. 16 steps: past the noise of a single unlucky
-# choice, a small share of any job. When PROBE_EVERY comes round it is probed at once, on rows
-# whose context has holes: on the demo pair those rounds accept about 70% of what rows without
+# choice, a small share of any job. Prompts are written still (a step with prefill chunks is
+# not quiet), so every row's holes are in its output. When PROBE_EVERY comes round it is probed
+# at once, holes and all: on the demo pair those rounds accept about 70% of what rows without
 # holes do, and the gap closes within some 20 rounds of writes. A probe that finds it losing
 # puts it back to sleep at once. Only from DORMANT_MIN_BATCH requests on: the writes cost about
 # 0.2% of a step at 16 or fewer on an H200, less than the holes do.
