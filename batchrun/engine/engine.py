@@ -48,6 +48,7 @@ from batchrun.engine.startup import (
 )
 from batchrun.engine.step_inputs import plan_step, rows_sampled
 from batchrun.errors import JobError
+from batchrun.host_memory import keep_freed_memory
 from batchrun.layers.moe import fused_kernel
 from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.grammar import Grammars
@@ -80,6 +81,8 @@ class Engine:
         device = tp.device if tp is not None else resolve_device(config.device)
         if device.type == "cuda":  # a dropped engine's KV pools, freed before these are sized
             collect_everything()
+        else:  # a CPU step's temporaries reused, not faulted in afresh each step
+            keep_freed_memory()
         clock = StartupClock(device)
         models = models or load_models(config, tokenizer, device, tp, clock)
         self.config, self.tp, self.model = config, tp, models.target

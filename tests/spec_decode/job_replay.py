@@ -10,7 +10,6 @@ drawn from the scenario's chance per draft, which may change per row and over a 
 from __future__ import annotations
 
 import random
-from bisect import bisect
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,39 +79,31 @@ class H200Costs:
 @dataclass(frozen=True)
 class DemoCpuCosts:
     """Milliseconds of a step of the demo pair (batchrun/demo) on a 2-core CPU, fitted to the
-    demo job's step times (48 rows, every width): a fixed part, a part per request that grows
-    with its context (the torch backend gathers each request's K/V once a layer, and past some
-    300 tokens they leave the caches), a part per row, the draft's forward over the block (its
-    logits: most of a drafting step) and the draft's context writes (5-10% of a width-1 step)."""
+    demo job's step times (48 rows, every width, host_memory.py's allocator settings): a fixed
+    part, a part per row, a part per request and token of context (the torch backend gathers
+    each request's K/V once a layer: 2.8x a width-1 step over the job), the draft's forward
+    over the block (its logits and its own context: 2.4 width-1 steps at first, 1.3 by the
+    end) and its context writes at width 1 (5% of a step)."""
 
-    fixed_ms: float = 7.7
+    fixed_ms: float = 6.35
     ms_per_row: float = 0.049
-    # (context tokens, ms per request) measured; linear between, and past the last
-    gather: tuple[tuple[int, float], ...] = (
-        (80, 0.0),
-        (200, 0.11),
-        (280, 0.5),
-        (360, 0.86),
-        (440, 1.33),
-    )
-    draft_ms_per_request: float = 0.52
-    context_ms_per_request: float = 0.07
+    ms_per_context_token: float = 0.00164
+    draft_ms_per_request: float = 0.65
+    draft_ms_per_context_token: float = 0.00115
+    context_ms_per_request: float = 0.03
     prefill_ms_per_row: float = 0.075
 
-    def _gather(self, context: int) -> float:
-        points = self.gather
-        i = min(max(bisect(points, (context, 0.0)), 1), len(points) - 1)
-        (c0, g0), (c1, g1) = points[i - 1], points[i]
-        return max(g0 + (g1 - g0) * (context - c0) / (c1 - c0), 0.0)
-
     def draft(self, step: ReplayStep) -> float:
-        return self.draft_ms_per_request * step.num_decoding if step.width > 1 else 0.0
+        if step.width == 1:
+            return 0.0
+        d = step.num_decoding
+        return self.draft_ms_per_request * d + self.draft_ms_per_context_token * step.context
 
     def step(self, step: ReplayStep) -> float:
         d = step.num_decoding
-        per_request = self._gather(step.context // max(d, 1)) if d else 0.0
-        ms = self.fixed_ms + d * per_request + self.ms_per_row * d * step.width
-        ms += self.prefill_ms_per_row * step.prefill_rows + self.draft(step)
+        ms = self.fixed_ms + self.ms_per_row * d * step.width
+        ms += self.ms_per_context_token * step.context + self.draft(step)
+        ms += self.prefill_ms_per_row * step.prefill_rows
         if step.writes_context and step.width == 1:
             ms += self.context_ms_per_request * d
         return ms

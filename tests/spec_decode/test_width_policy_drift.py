@@ -178,22 +178,3 @@ def test_a_drafter_held_at_width_1_is_probed_at_a_cost_of_1_percent() -> None:
     assert all(expected <= g <= expected + 3 for g in gaps), (gaps, expected)
     assert max(seen) == 2  # a probe never led to a wide step
     assert 0.004 < extra / spent < 0.006
-
-
-def test_a_drafter_whose_probe_finds_it_losing_goes_back_to_sleep_at_once() -> None:
-    """A useless drafter at batch 32 sleeps; each probe that finds it still useless puts it back
-    to sleep at its first width-1 step, not DORMANT_AFTER steps later (those would write its
-    context for nothing)."""
-    spec = speculator(32)
-    writes = []
-    for _ in range(3000):
-        width = spec.next_width(32, prefill_pending=False)
-        step = decode_step(width, 32, spec.writes_context)
-        writes.append((width, spec.writes_context))
-        spec.learn(step, [0] * 32 if width > 1 else [], COSTS.step(step) / 1e3)
-    probes = [i for i, (w, _) in enumerate(writes) if w > 1 and writes[i - 1][0] == 1]
-    assert len(probes) >= 3, probes
-    for i in probes[1:]:  # after the first, the drafter was asleep before each probe
-        after = [w for w, _ in writes[i:]]
-        first_one = i + after.index(1)
-        assert not writes[first_one][1], writes[i : first_one + 2]

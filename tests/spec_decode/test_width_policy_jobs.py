@@ -1,10 +1,10 @@
 """The verify-width policy over whole jobs, replayed through the engine's own scheduler and
 speculator (job_replay.py) over cost models that charge the drafter's work: the H200 at the
-Qwen3-8B shape, and the demo pair on a 2-core CPU (where the draft's forward costs two width-1
-steps and a step's cost grows six-fold over the job). Every scenario holds `auto` to >= 0.97x of
-no draft and of the best fixed width in hindsight; each rule of the policy is pinned by a
-scenario that breaks that contract without it. Where the policy falls short today the scenario
-is an expected failure that says why (strict: it is noticed when it starts to hold)."""
+Qwen3-8B shape, and the demo pair on a 2-core CPU (where the draft's forward costs more than two
+width-1 steps and a step's cost nearly triples over the job). Every scenario holds `auto` to
+>= 0.97x of no draft and of the best fixed width in hindsight; each rule of the policy is pinned
+by a scenario that breaks that contract without it. Where the policy falls short today the
+scenario is an expected failure that says why (strict: it is noticed when it starts to hold)."""
 
 from __future__ import annotations
 
@@ -119,8 +119,8 @@ def test_auto_keeps_up_with_no_draft_and_the_best_fixed_width(job: Job, name: st
 
 @pytest.mark.parametrize("name", DEMO_SCENARIOS)
 def test_auto_keeps_up_on_the_cpu_demo(name: str) -> None:
-    """The demo job's shape on the CPU cost model: the draft's forward costs two width-1 steps
-    at first, and under half of one by the end, as every request's K/V outgrows the caches."""
+    """The demo job's shape on the CPU cost model: the draft's forward costs 2.4 width-1 steps
+    at first and 1.3 by the end, as every request's context grows."""
     vs_none, vs_best = ratios(DEMO, name, CPU)
     assert vs_none >= 0.97 and vs_best >= 0.97, (vs_none, vs_best)
 
@@ -187,15 +187,6 @@ RULES: list[tuple[str, Job, str, Costs, Callable[[pytest.MonkeyPatch], None]]] =
         "useless",
         CPU,
         lambda mp: mp.setattr(width_policy.WidthPolicy, "record_draft", lambda *_: None),
-    ),
-    (
-        "a cost under what the width must cost now is old (_cost_now)",
-        DEMO,
-        "useless",
-        CPU,
-        lambda mp: mp.setattr(
-            width_policy.WidthPolicy, "_cost_now", lambda self, w, b, _: self.cost(w, b)
-        ),
     ),
 ]
 

@@ -45,14 +45,14 @@ PROBE_ROUNDS = 8
 PROBE_GUESS = 0.25
 # A drafter the policy has kept at width 1 for this many measured steps in a row, because it
 # accepts too little or costs too much at this batch, goes dormant: width-1 steps stop capturing
-# features and writing its context (1.6% of a step at batch 128 on an H200, 5-10% on a CPU), so
-# a drafter that loses costs what no drafter does. 16 steps: past the noise of a single unlucky
-# choice, a small share of any job. Prompts are written still (a step with prefill chunks is
-# not quiet), so every row's holes are in its output. When PROBE_EVERY comes round it is probed
-# at once, holes and all: on the demo pair those rounds accept about 70% of what rows without
-# holes do, and the gap closes within some 20 rounds of writes. A probe that finds it losing
-# puts it back to sleep at once. Only from DORMANT_MIN_BATCH requests on: the writes cost about
-# 0.2% of a step at 16 or fewer on an H200, less than the holes do.
+# features and writing its context (1.6% of a step at batch 128 on an H200, 5% on the CPU
+# demo), so a drafter that loses costs what no drafter does. 16 steps: past the noise of a
+# single unlucky choice, a small share of any job. Prompts are written still (a step with
+# prefill chunks is not quiet), so every row's holes are in its output. When PROBE_EVERY comes
+# round it is probed at once, holes and all: on the demo pair those rounds accept about 70% of
+# what rows without holes do, and the gap closes within some 20 rounds of writes. Only from
+# DORMANT_MIN_BATCH requests on: the writes cost about 0.2% of a step at 16 or fewer on an
+# H200, less than the holes do.
 DORMANT_AFTER = 16
 DORMANT_MIN_BATCH = 16
 
@@ -160,7 +160,6 @@ class WidthPolicy:
         self._recent_ms: deque[float] = deque(maxlen=RECENT_SAMPLES)  # any step's
         self._draft_ms: dict[int, deque[float]] = {}  # bucket -> the draft's newest own times
         self._ones = 0  # measured steps in a row at width 1 after the drafter was tried
-        self._woken = False  # re-learned while dormant: a losing probe sends it back at once
 
     @property
     def dormant(self) -> bool:
@@ -179,7 +178,6 @@ class WidthPolicy:
         self.trials = [0] * len(self.trials)
         self._rounds = 0
         self._chosen.clear()
-        self._woken = self.dormant
         self._ones = 0
 
     def accept(self) -> list[float]:
@@ -194,12 +192,6 @@ class WidthPolicy:
         replay) only ever add time."""
         times = self.samples.get((width, bucket), ())
         return min(times) if len(times) >= MIN_SAMPLES else None
-
-    def _cost_now(self, width: int, bucket: int, requests: int) -> float | None:
-        """The cost, or what the width must cost now if more: a cost under that is old (costs
-        grow with the context)."""
-        cost = self.cost(width, bucket)
-        return None if cost is None else max(cost, self._floor(width, bucket, requests))
 
     def _least(self, width: int, bucket: int) -> float:
         """The least step time seen at `width` in `bucket`, however few (0.0: none)."""
@@ -231,19 +223,14 @@ class WidthPolicy:
         accept = self.accept()
         block_tokens = expected_tokens(accept, self.widths[-1])
         widths = [w for w in self._widths_for(bucket, block_tokens) if w in fits] or fits
-        n = requests or bucket
-        known = {w: c for w in widths if (c := self._cost_now(w, bucket, n)) is not None}
+        known = {w: c for w in widths if (c := self.cost(w, bucket)) is not None}
         width = self._to_measure(widths, known, accept, bucket, requests or bucket)
         if width is None:
             current = self._chosen.get(bucket, (None, 0.0))[0]
             width = best_width(accept, known, current)
             self._chosen[bucket] = (width, block_tokens)
-        tried = any(self.trials)
-        held = width == 1 and tried and bucket >= DORMANT_MIN_BATCH
-        if held and self._woken:  # its probe after sleeping found it losing, as before
-            self._ones = DORMANT_AFTER - 1
+        held = width == 1 and any(self.trials) and bucket >= DORMANT_MIN_BATCH
         self._ones = self._ones + 1 if held else 0
-        self._woken = self._woken and not tried
         return width
 
     def _probe_ms(self, bucket: int, requests: int) -> float:
