@@ -23,6 +23,7 @@ ENGINE_STACK = {
     "kernels",
     "parallel",
     "device",
+    "host_memory",
     "errors",
 }
 
