@@ -163,7 +163,7 @@ class WidthPolicy:
 
     @property
     def dormant(self) -> bool:
-        """Drafting has lost for DORMANT_AFTER steps: width 1 until re-learned."""
+        """Width 1 was chosen for DORMANT_AFTER measured steps in a row: context unwritten."""
         return self._ones >= DORMANT_AFTER
 
     @property
