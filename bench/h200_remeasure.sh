@@ -57,8 +57,9 @@ for stage in ${STAGES:-nodraft}; do
         rm -rf /tmp/bm
         jobs jobs-moe-w1-fp8-weights-fp8-kv w1 --shape qwen3-30b-a3b --num-layers 24 \
             --widths '' --tau '' --fp8-weights --kv-cache-dtype fp8 --scratch /tmp/bm8 ;;
-    drafts-a)  # every drafter mode on the shorter workloads
-        jobs jobs-w1-w2-b1-drafts w1,w2,b1 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
+    drafts-a)  # every drafter mode on the shorter workloads, constant and changing acceptance
+        jobs jobs-w1-w2-b1-drafts w1,w2,b1 --tau 3,6.5 --scenarios 'collapse,mixed rows' \
+            --widths auto,full --scratch /tmp/bj ;;
     drafts-short)  # the drafter on the two short workloads at tau 6.5 (a last call's budget)
         jobs jobs-w2-b1-drafts w2,b1 --tau 6.5 --widths auto --scratch /tmp/bj ;;
     drafts-j1)

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from batchrun.bench.oracle import FITS, SCENARIOS
 from batchrun.bench.workloads import WORKLOADS
 
 
@@ -46,6 +47,15 @@ def _kv_cache_dtypes(text: str) -> tuple[str, ...]:
     bad = [n for n in names if n not in KV_CACHE_DTYPES]
     if bad or not names:
         raise click.BadParameter(f"expected auto, fp8 or a comma list of them, got {text!r}")
+    return names
+
+
+def _scenarios(text: str) -> tuple[str, ...]:
+    """A comma list of the oracle's scenarios (oracle.SCENARIOS)."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in SCENARIOS]
+    if bad:
+        raise click.BadParameter(f"unknown scenario {bad[0]!r}: choose from {', '.join(SCENARIOS)}")
     return names
 
 
@@ -114,6 +124,14 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     "--jobs: the target tau of the acceptance oracle, which replaces the draft's proposals "
     "so that a full block commits tau tokens on average; the oracle exists only in the "
     "benchmark (batchrun run cannot reach it).",
+)
+@click.option(
+    "--scenarios",
+    default="",
+    callback=lambda _ctx, _param, value: _scenarios(value),
+    help="--jobs: also run the acceptance oracle in these scenarios, where acceptance changes "
+    f"over the job: a comma list of {', '.join(SCENARIOS)} (each row's drafts kept right at "
+    f"{FITS:g} or 0 by its row and output position; see bench/oracle.py).",
 )
 @click.option(
     "--acceptance-from",
@@ -345,6 +363,7 @@ def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> d
         shape=shape,
         workloads=tuple(WORKLOADS[n].scaled(opts["job_scale"]) for n in names),
         taus=_floats(opts["tau"]),
+        scenarios=opts["scenarios"],
         widths=tuple(w for w in opts["widths"].split(",") if w),
         scratch=opts["scratch"] or Path(tempfile.gettempdir()) / "batchrun-bench",
         dtype=dtype,

@@ -3,9 +3,10 @@ checkpoint of a real model's shape (and a random DFlash draft for it) is written
 directory with a tokenizer over its whole vocabulary, each workload is written as Parquet, and
 every run goes through `batchrun run`'s own path (job, pipeline, parts committed). Per workload:
 no draft; the random draft, which accepts nothing; and the acceptance oracle (bench/oracle.py,
-labelled in every figure) at each tau; each draft run at the adaptive width and at the full
-block. Each figure sits beside the job's bound from the matmul and copy rates measured in the
-same run, and transformers' generate() on the same prompts where asked.
+labelled in every figure) at each tau and in each changing-acceptance scenario; each draft run
+at the adaptive width and at the full block. Each figure sits beside the job's bound from the
+matmul and copy rates measured in the same run, and transformers' generate() on the same prompts
+where asked.
 
 One engine per mode (no draft, auto, full) is built for the largest batch and runs every
 workload in turn, as a fresh engine would (`Engine.new_job`), after an untimed warm-up job of
@@ -27,7 +28,7 @@ import torch
 
 from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.bench.hooks import BenchHooks, installed
-from batchrun.bench.oracle import AcceptanceOracle
+from batchrun.bench.oracle import SCENARIOS, AcceptanceOracle
 from batchrun.bench.roofline import job_bound, measure_ceilings
 from batchrun.bench.scratch_models import write_scratch_models
 from batchrun.bench.shapes import DRAFT_LAYERS
@@ -42,7 +43,8 @@ from batchrun.runners.local import run_job
 ORACLE_LABEL = (
     "benchmark-only acceptance oracle: the draft's forward runs, then its proposals are the "
     "target's own continuation (from this run's no-draft job), each kept right with the "
-    "constant chance that gives a full block tau tokens"
+    "constant chance that gives a full block tau tokens (a scenario's runs: the chance its rule "
+    "gives the row at that output position)"
 )
 
 
@@ -61,10 +63,14 @@ class JobsPlan:
     default_batch: bool = False  # set no max_batch_size: the job default, as a user who sets none
     profiled: tuple[str, ...] = ()  # profile the no-draft run of these
     kv_cache_dtype: str = "auto"  # the target's KV cache: auto (the model dtype) or fp8
+    scenarios: tuple[str, ...] = ()  # oracle runs whose acceptance changes (oracle.SCENARIOS)
 
 
 def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Every workload in every mode; `progress` gets the result so far after each run."""
+    unknown = [s for s in plan.scenarios if s not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"unknown scenario {unknown[0]!r}: choose from {', '.join(SCENARIOS)}")
     device = torch.device(plan.device)
     dtype = getattr(torch, plan.dtype)
     cuda = device.type == "cuda"
@@ -172,7 +178,9 @@ class _Mode:
     ) -> None:
         for w in self.plan.workloads:
             constrained = w.json_schema is not None
-            for i, (name, tau) in enumerate(_runs(self.mode, self.plan.taus, constrained)):
+            _, budgets = w.rows_of(self.plan.shape.vocab_size, 0)
+            runs = _runs(self.mode, self.plan.taus, self.plan.scenarios, constrained)
+            for i, (name, marks) in enumerate(runs):
                 job = _job(self.plan, self.target, self.draft, self.mode, w, self.inputs, name)
                 if i == 0:
                     warm = replace(
@@ -182,8 +190,8 @@ class _Mode:
                     )
                     _run(self.engine, warm, w.batch, None)
                 oracle = None
-                if tau is not None:
-                    oracle = self._oracle(continuations[w.name], tau)
+                if marks:
+                    oracle = self._oracle(continuations[w.name], dict(enumerate(budgets)), marks)
                 entry = self.result["workloads"][w.name]
                 if self.mode == "none" and w.name in self.plan.profiled:
                     stats, entry["profile"] = _profiled(
@@ -193,19 +201,27 @@ class _Mode:
                     stats = _run(self.engine, job, w.batch, oracle)
                 if self.mode == "none":  # a constrained workload's oracle replays "json"
                     continuations[w.name] = outputs(Path(job.output.directory))
-                run = _figures(stats, entry.get("bound"))
-                if tau is not None:
-                    run |= {"oracle": True, "designed_tau": tau}
+                run = _figures(stats, entry.get("bound")) | marks
                 entry["runs"][name] = run
                 add_ratios(entry)
                 print(f"{w.name} {name}: {_line(run)}", flush=True)
                 progress(self.result)
 
-    def _oracle(self, continuation: dict[int, list[int]], tau: float) -> AcceptanceOracle:
+    def _oracle(
+        self, continuation: dict[int, list[int]], budgets: dict[int, int], marks: dict[str, Any]
+    ) -> AcceptanceOracle:
+        """The oracle a run's marks (from _runs) name: at its tau or in its scenario."""
         engine = self.engine
         assert engine.block_size is not None
         return AcceptanceOracle(
-            continuation, tau, engine.block_size, self.largest, engine.vocab_size, engine.device
+            continuation,
+            marks.get("designed_tau"),
+            engine.block_size,
+            self.largest,
+            engine.vocab_size,
+            engine.device,
+            scenario=marks.get("scenario"),
+            budgets=budgets,
         )
 
 
@@ -213,15 +229,20 @@ def _capped(span: tuple[int, int], most: int) -> tuple[int, int]:
     return (min(span[0], most), min(span[1], most))
 
 
-def _runs(mode: str, taus: tuple[float, ...], constrained: bool) -> list[tuple[str, float | None]]:
-    """(run name, oracle tau or None) of an engine mode. A constrained workload's runs are
-    "json ..." (its rows' schemas) after an unconstrained "none" of the same rows."""
+def _runs(
+    mode: str, taus: tuple[float, ...], scenarios: tuple[str, ...], constrained: bool
+) -> list[tuple[str, dict[str, Any]]]:
+    """(run name, its oracle's marks: {} for none) of an engine mode: the oracle at each tau,
+    then in each scenario. A constrained workload's runs are "json ..." (its rows' schemas)
+    after an unconstrained "none" of the same rows."""
     if mode == "none":
-        return [("none", None), *([("json", None)] if constrained else [])]
-    runs: list[tuple[str, float | None]] = [(f"useless {mode}", None)] + [
-        (f"oracle tau {t:g} {mode}", t) for t in taus
+        return [("none", {}), *([("json", {})] if constrained else [])]
+    runs: list[tuple[str, dict[str, Any]]] = [
+        (f"useless {mode}", {}),
+        *((f"oracle tau {t:g} {mode}", {"oracle": True, "designed_tau": t}) for t in taus),
+        *((f"{s} {mode}", {"oracle": True, "scenario": s}) for s in scenarios),
     ]
-    return [(f"json {name}" if constrained else name, tau) for name, tau in runs]
+    return [(f"json {name}" if constrained else name, marks) for name, marks in runs]
 
 
 def _job(

@@ -102,10 +102,60 @@ def test_a_json_schema_workload_runs_constrained_beside_unconstrained(tmp_path: 
     assert all(c == completions["json"] for r, c in completions.items() if r.startswith("json"))
 
 
+def test_scenario_runs_follow_each_width_with_their_ratios(tmp_path: Path) -> None:
+    plan = JobsPlan(
+        shape_name="tiny",
+        shape=TINY,
+        workloads=(WORKLOADS["w2"].scaled(0.1),),
+        taus=(),
+        widths=("auto", "full"),
+        scratch=tmp_path,
+        dtype="float32",
+        device="cpu",
+        scenarios=("collapse", "mixed rows"),
+    )
+    entry = run_jobs(plan, lambda _: None)["workloads"]["w2"]
+    runs = entry["runs"]
+    assert list(runs) == [
+        "none",
+        "useless auto",
+        "collapse auto",
+        "mixed rows auto",
+        "useless full",
+        "collapse full",
+        "mixed rows full",
+    ]
+    for scenario in ("collapse", "mixed rows"):
+        for width in ("auto", "full"):
+            run = runs[f"{scenario} {width}"]
+            assert run["oracle"] and run["scenario"] == scenario and "designed_tau" not in run
+            assert run["tokens_per_second"] > 0 and run["error_rows"] == 0
+            assert f"{scenario} {width} / none" in entry["ratios"]
+        assert f"{scenario} auto / best of none and full" in entry["ratios"]
+        # The oracle reached the verify: a full block accepts where the scenario's drafter fits.
+        assert runs[f"{scenario} full"]["acceptance_length"] > 1.2, scenario
+    # Lossless: every run wrote the no-draft completions (float32).
+    written = {run: outputs(tmp_path / "out" / "w2" / run.replace(" ", "-")) for run in runs}
+    assert all(o == written["none"] for o in written.values())
+
+
+def test_scenarios_reach_the_jobs_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    import batchrun.bench.jobs as jobs
+    from batchrun.cli import cli
+
+    plans: list[JobsPlan] = []
+    monkeypatch.setattr(jobs, "run_jobs", lambda plan, _: plans.append(plan) or {"workloads": {}})
+    args = ["bench", "--jobs", "w1", "--scenarios", "collapse,mixed rows", "--device", "cpu"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert plans[0].scenarios == ("collapse", "mixed rows")
+
+
 @pytest.mark.parametrize(
     "args",
     [
         ["--jobs", "w9"],
+        ["--jobs", "w1", "--scenarios", "collapse,nope"],
         ["--jobs", "w1", "--tau", "x"],
         ["--jobs", "w1", "--tau", "0,nan"],
         ["--jobs", "w1", "--job-scale", "-1"],

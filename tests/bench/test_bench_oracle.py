@@ -6,16 +6,21 @@ reads: the job benchmark's measured acceptance shows it.)"""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from torch import Tensor
 
 from batchrun.bench.hooks import BenchHooks
-from batchrun.bench.oracle import AcceptanceOracle
+from batchrun.bench.oracle import SCENARIOS, AcceptanceOracle
 from batchrun.engine.core.requests import Request
 from batchrun.sampling.params import SamplingParams
 from batchrun.tools.tiny_draft import make_tiny_draft
 from tests.helpers.engine_runs import cpu_engine, run_to_end
+from tests.spec_decode.job_replay import Job
+from tests.spec_decode.test_width_policy_jobs import scenario
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 BLOCK = 8
@@ -57,3 +62,86 @@ def test_the_oracle_gives_its_acceptance_and_the_target_output(
         assert measured == 1.0  # nothing accepted, ever
     else:  # a round's length is capped by max_tokens at the end, so a little under
         assert tau * 0.8 < measured <= tau * 1.1, measured
+
+
+@dataclass(frozen=True)
+class Row:
+    row_index: int
+
+
+def drawn(scenario: str, rows: int, budget: int, draws: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The oracle's drafts in `scenario` for every row of a job of `rows` rows of `budget`
+    tokens, each slot's request at every output length, `draws` times: whether each draft is
+    its continuation's token [draws, budget, rows, BLOCK - 1], the drafts' output positions
+    [budget, 1, BLOCK - 1] and whether each was wrong as the oracle writes a wrong one."""
+    vocab = 1000
+    gen = torch.Generator().manual_seed(1)
+    table = torch.randint(0, vocab, (rows, budget), generator=gen)
+    continuation = {r: table[r].tolist() for r in range(rows)}
+    oracle = AcceptanceOracle(
+        continuation,
+        None,
+        BLOCK,
+        rows,
+        vocab,
+        torch.device("cpu"),
+        scenario=scenario,
+        budgets=dict.fromkeys(range(rows), budget),
+    )
+    slots = torch.arange(rows)
+    oracle.admit([Row(r) for r in range(rows)], slots)
+    positions = torch.arange(budget).unsqueeze(1) + torch.arange(BLOCK - 1)  # [out_len, draft]
+    padded = torch.cat([table, torch.zeros(rows, BLOCK, dtype=torch.int64)], dim=1)  # as it pads
+    truth = padded[:, positions].transpose(0, 1)  # [out_len, row, draft]
+    right = torch.empty(draws, budget, rows, BLOCK - 1, dtype=torch.bool)
+    miss = torch.empty_like(right)
+    for d in range(draws):
+        for length in range(budget):
+            drafts = torch.empty(rows, BLOCK - 1, dtype=torch.int64)
+            oracle.rewrite(drafts, slots, torch.full((rows + 1,), length))
+            right[d, length] = drafts == truth[length]
+            miss[d, length] = drafts == (truth[length] + 1) % vocab
+    return right, positions.unsqueeze(1), miss
+
+
+def test_collapse_keeps_drafts_right_until_half_of_each_row_then_none() -> None:
+    budget = 40  # the switch: output position 20
+    right, positions, miss = drawn("collapse", 4, budget, 50)
+    assert (right | miss).all()  # the continuation's token, or one the target will not choose
+    assert (right.cumprod(dim=-1).bool() == right).all()  # right only after right ones
+    late = (positions >= budget // 2).expand_as(right)
+    assert not right[late].any()  # a useless drafter past the switch: every draft wrong
+    # Before it: the first draft of a round is right with chance 0.9, each next one given those.
+    first = right[..., : budget // 2, :, 0]
+    assert 0.5 < first.float().mean() < 1.0
+    early = (positions < budget // 2).expand_as(right)
+    after_right = right[..., :-1] & early[..., 1:]
+    share = right[..., 1:][after_right].float().mean()
+    assert 0.5 < share < 1.0
+
+
+def test_mixed_rows_keep_the_drafts_of_even_rows_and_none_of_odd_ones() -> None:
+    right, _, _ = drawn("mixed rows", 6, 24, 20)
+    assert not right[:, :, 1::2].any()
+    for row in range(0, 6, 2):
+        assert 0.5 < right[:, :, row, 0].float().mean() < 1.0, row
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_scenarios_are_the_width_policy_replays(name: str) -> None:
+    """Each scenario gives every row and output position the chance the CPU replays of the
+    width policy (tests/spec_decode/test_width_policy_jobs.py) give it."""
+    job = Job(rows=7, prompt_len=8, max_tokens=11, batch=2)
+    replayed = scenario(name, job)
+    for row in range(job.rows):
+        early, late, switch = SCENARIOS[name](row, job.rows, job.max_tokens)
+        for pos in range(job.max_tokens):
+            assert (early if pos < switch else late) == replayed(row, pos), (row, pos)
+
+
+def test_the_oracle_takes_one_of_tau_and_scenario() -> None:
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError):
+        AcceptanceOracle({}, None, BLOCK, 1, 10, cpu)
+    with pytest.raises(ValueError):
+        AcceptanceOracle({}, 3.0, BLOCK, 1, 10, cpu, scenario="collapse")
