@@ -14,13 +14,11 @@ import torch
 from torch import Tensor
 
 from batchrun.bench.hooks import BenchHooks
-from batchrun.bench.oracle import SCENARIOS, AcceptanceOracle
+from batchrun.bench.oracle import AcceptanceOracle
 from batchrun.engine.core.requests import Request
 from batchrun.sampling.params import SamplingParams
 from batchrun.tools.tiny_draft import make_tiny_draft
 from tests.helpers.engine_runs import cpu_engine, run_to_end
-from tests.spec_decode.job_replay import Job
-from tests.spec_decode.test_width_policy_jobs import scenario
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 BLOCK = 8
@@ -125,18 +123,6 @@ def test_mixed_rows_keep_the_drafts_of_even_rows_and_none_of_odd_ones() -> None:
     assert not right[:, :, 1::2].any()
     for row in range(0, 6, 2):
         assert 0.5 < right[:, :, row, 0].float().mean() < 1.0, row
-
-
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_scenarios_are_the_width_policy_replays(name: str) -> None:
-    """Each scenario gives every row and output position the chance the CPU replays of the
-    width policy (tests/spec_decode/test_width_policy_jobs.py) give it."""
-    job = Job(rows=7, prompt_len=8, max_tokens=11, batch=2)
-    replayed = scenario(name, job)
-    for row in range(job.rows):
-        early, late, switch = SCENARIOS[name](row, job.rows, job.max_tokens)
-        for pos in range(job.max_tokens):
-            assert (early if pos < switch else late) == replayed(row, pos), (row, pos)
 
 
 def test_the_oracle_takes_one_of_tau_and_scenario() -> None:

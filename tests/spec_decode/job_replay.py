@@ -213,7 +213,7 @@ def replay(
     params = SamplingParams(max_tokens=job.max_tokens, ignore_eos=True)
     for i in range(job.rows):
         scheduler.add(Request(i, [1] * job.prompt_len, params))
-    stopper, rng, result = Stopper(None, set(), 1 << 30), random.Random(seed), Replay()
+    stopper, draws, result = Stopper(None, set(), 1 << 30), Draws(seed), Replay()
     launched: Launched | None = None
     while scheduler.num_unfinished or launched is not None:
         step_width = spec.next_width(len(scheduler.running), scheduler.prefill_pending)
@@ -231,7 +231,7 @@ def replay(
                 step,
                 epochs=[it.req.state.epoch for it in items],
                 counts=[rows_sampled(it) for it in items],
-                accepted=[_drawn(it.req, step_width, accept, rng) for it in items if it.decoding],
+                accepted=[_drawn(it.req, step_width, accept, draws) for it in items if it.decoding],
                 ms=costs.step(step),
             )
             scheduler.launched(scheduled)
@@ -260,10 +260,33 @@ def _shape(scheduled: ScheduledStep, width: int, writes: bool, constrained: bool
     )
 
 
-def _drawn(req: Request, width: int, accept: Acceptance | None, rng: random.Random) -> int:
-    p = accept(req.row_index, len(req.output.token_ids)) if accept is not None else 0.0
+class Draws:
+    """One uniform number per (row, output position), the same in every replay of a seed: a
+    draft proposing a row's token at a position is right or not whatever the width or step
+    that verifies it (as a drafter's guess depends on the text, not on the schedule), so
+    replays at different widths compare on the same luck."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.rows: dict[int, list[float]] = {}
+
+    def __call__(self, row: int, pos: int) -> float:
+        numbers = self.rows.get(row)
+        if numbers is None:
+            numbers = self.rows[row] = []
+        if pos >= len(numbers):
+            rng = random.Random(f"{self.seed}-{row}-{len(numbers)}")
+            numbers += [rng.random() for _ in range(pos + 256 - len(numbers))]
+        return numbers[pos]
+
+
+def _drawn(req: Request, width: int, accept: Acceptance | None, draws: Draws) -> int:
+    """Drafts accepted in a round from the row's output position: draft j is right where the
+    draw at its position is under the chance (at the round's start) of the scenario."""
+    pos = len(req.output.token_ids)
+    p = accept(req.row_index, pos) if accept is not None else 0.0
     accepted = 0
-    while accepted < width - 1 and rng.random() < p:
+    while accepted < width - 1 and draws(req.row_index, pos + accepted) < p:
         accepted += 1
     return accepted
 

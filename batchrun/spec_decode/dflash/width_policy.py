@@ -37,9 +37,11 @@ HALF_LIFE = 64
 # drafter that turned good is taken up within about 100 probe costs (some 200 steps at batch 1
 # on an H200, 170 at batch 128). A probe is PROBE_ROUNDS rounds (one step from batch 8 on): one
 # round's miss leaves the later positions at the prior, which at batch 1 makes the whole block
-# look worth verifying; a probe that sees a draft accepted ends there. Before the probe width's
-# cost is measured, a probe step is guessed to cost PROBE_GUESS of a step more (an H200's
-# width 2 at batch 1 to 8, the least at any batch: the guess errs towards probing early).
+# look worth verifying; a probe that sees a draft accepted ends there, and no step is launched
+# to probe while enough rounds to end it are in flight (the engine launches the next step
+# before it reads the last back: on the CPU demo that second step doubled a probe's cost).
+# Before the draft's time is measured, a probe step is guessed to cost PROBE_GUESS of a step
+# more (an H200's width 2 at batch 1 to 8, the least at any batch: it errs towards probing early).
 PROBE_EVERY = 100
 PROBE_ROUNDS = 8
 PROBE_GUESS = 0.25
@@ -160,6 +162,7 @@ class WidthPolicy:
         self._recent_ms: deque[float] = deque(maxlen=RECENT_SAMPLES)  # any step's
         self._draft_ms: dict[int, deque[float]] = {}  # bucket -> the draft's newest own times
         self._ones = 0  # measured steps in a row at width 1 after the drafter was tried
+        self._probing = 0  # rounds launched to probe the drafter, not yet recorded
 
     @property
     def dormant(self) -> bool:
@@ -179,6 +182,7 @@ class WidthPolicy:
         self._rounds = 0
         self._chosen.clear()
         self._ones = 0
+        self._probing = 0
 
     def accept(self) -> list[float]:
         return [
@@ -234,15 +238,17 @@ class WidthPolicy:
         return width
 
     def _probe_ms(self, bucket: int, requests: int) -> float:
-        """What a probe (PROBE_ROUNDS rounds at the narrowest drafting width, and the step
-        launched while its last is read back) costs over as many width-1 steps, here (from any
-        step times seen: a probe runs too few steps for a cost)."""
-        steps = -(-PROBE_ROUNDS // max(requests, 1)) + 1
+        """What a probe (PROBE_ROUNDS rounds at the narrowest drafting width) costs over as many
+        width-1 steps, here: at least the draft's own forward a step, and what a step of that
+        width took over a width-1 one where both were timed (a probe step follows a switch, so
+        its own time is seldom kept)."""
+        steps = -(-PROBE_ROUNDS // max(requests, 1))
         drafting = [w for w in self.widths if w > 1]
         one = self._least(1, bucket)
         probe = self._least(drafting[0], bucket) if drafting else 0.0
-        if one and probe:  # at least the draft's own forward (the width's cost may be old)
-            return steps * max(probe - one, self._draft_least(bucket))
+        extra = max(probe - one if one and probe else 0.0, self._draft_least(bucket))
+        if extra:
+            return steps * extra
         step = one or min(self._recent_ms, default=0.0)
         return steps * PROBE_GUESS * step if step else float("inf")
 
@@ -259,7 +265,12 @@ class WidthPolicy:
             return 1
         drafting = [w for w in widths if w > 1]
         if drafting and self.trials[0] < PROBE_ROUNDS and not self.hits[0]:
-            return drafting[0]  # the drafter is unknown: learn its acceptance cheaply
+            # The drafter is unknown: learn its acceptance cheaply (the cheapest width while
+            # the rounds in flight will do).
+            if self._probe_in_flight():
+                return widths[0]
+            self._probing += requests
+            return drafting[0]
         best_rate = max((expected_tokens(accept, w) / c for w, c in known.items()), default=0.0)
         for w in reversed(widths):
             if w in known:
@@ -270,6 +281,10 @@ class WidthPolicy:
             if not floor or expected_tokens(accept, w) / floor > best_rate * (1 + SWITCH_MARGIN):
                 return w
         return None
+
+    def _probe_in_flight(self) -> bool:
+        """Whether the probe rounds launched and not yet read back will end the probe."""
+        return self.trials[0] + self._probing >= PROBE_ROUNDS
 
     def _floor(self, width: int, bucket: int, requests: int) -> float:
         """The least a step of `width` can cost here now, its own samples aside: what a
@@ -301,6 +316,7 @@ class WidthPolicy:
     def record_round(self, width: int, accepted: int) -> None:
         """A verify of `width` rows accepted `accepted` drafts."""
         self._since_round_ms, self._rounds = 0.0, self._rounds + 1
+        self._probing = 0  # a step's rounds are read back together: those in flight are in
         if self._rounds >= HALF_LIFE:
             self.hits = [h / 2 for h in self.hits]
             self.trials = [t / 2 for t in self.trials]
