@@ -60,6 +60,9 @@ for stage in ${STAGES:-nodraft}; do
     drafts-a)  # every drafter mode on the shorter workloads, constant and changing acceptance
         jobs jobs-w1-w2-b1-drafts w1,w2,b1 --tau 3,6.5 --scenarios 'collapse,mixed rows' \
             --widths auto,full --scratch /tmp/bj ;;
+    drafts-policy)  # the width policy's contract on a short call: tau 6.5 and the scenarios
+        jobs jobs-w1-w2-b1-policy w1,w2,b1 --tau 6.5 --scenarios 'collapse,mixed rows' \
+            --widths auto,full --scratch /tmp/bj ;;
     drafts-short)  # the drafter on the two short workloads at tau 6.5 (a last call's budget)
         jobs jobs-w2-b1-drafts w2,b1 --tau 6.5 --widths auto --scratch /tmp/bj ;;
     drafts-j1)
