@@ -63,8 +63,9 @@ for stage in ${STAGES:-nodraft}; do
     drafts-policy)  # the width policy's contract on a short call: tau 6.5 and the scenarios
         jobs jobs-w1-w2-b1-policy w1,w2,b1 --tau 6.5 --scenarios 'collapse,mixed rows' \
             --widths auto,full --scratch /tmp/bj ;;
-    drafts-short)  # the drafter on the two short workloads at tau 6.5 (a last call's budget)
-        jobs jobs-w2-b1-drafts w2,b1 --tau 6.5 --widths auto --scratch /tmp/bj ;;
+    drafts-short)  # the policy on the two short workloads (a last call's budget)
+        jobs jobs-w2-b1-drafts w2,b1 --tau 6.5 --scenarios 'collapse,mixed rows' \
+            --widths auto,full --scratch /tmp/bj ;;
     drafts-j1)
         jobs jobs-j1-drafts j1 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
     drafts-b)

@@ -93,6 +93,32 @@ def test_a_drafter_that_accepts_nothing_is_ruled_out_after_one_step() -> None:
     assert set(seen) == {1}
 
 
+@pytest.mark.parametrize("requests", [1, 3, PROBE_ROUNDS, 48])
+def test_a_probe_launches_no_more_rounds_than_it_needs(requests: int) -> None:
+    """The engine launches the next step before it reads the last back: while the rounds in
+    flight will end the probe, the next step decodes at width 1 (a second probe step doubled
+    a probe's cost on the CPU demo). Once they are read back, a drafter that missed them all
+    is not probed again."""
+    policy, bucket = WidthPolicy(16, WIDTHS), 64
+    for _ in range(MIN_SAMPLES):  # width 1 measured first
+        assert policy.choose(bucket, requests=requests) == 1
+        policy.record_cost(1, bucket, 5.0)
+    in_flight: list[int] = []  # each launched step's rounds, read back one step late
+    launched = []
+    for _ in range(2 * PROBE_ROUNDS + 4):
+        width = policy.choose(bucket, requests=requests)
+        launched.append(width)
+        in_flight.append(requests if width > 1 else 0)
+        if width > 1:
+            policy.record_draft(bucket, 3.0)  # a draft's forward: more than a wide step gains
+        if len(in_flight) > 1:
+            for _ in range(in_flight.pop(0)):
+                policy.record_round(2, 0)
+    probe_steps = -(-PROBE_ROUNDS // requests)
+    assert launched[: probe_steps + 1] == [2] * probe_steps + [1]
+    assert set(launched[probe_steps:]) == {1}
+
+
 def test_steps_with_prefill_decode_one_row() -> None:
     """Compute-bound: a verify row costs what a prefill row does and is kept with chance < 1."""
     policy = WidthPolicy(16, WIDTHS)

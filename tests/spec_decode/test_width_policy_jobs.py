@@ -162,18 +162,11 @@ RULES: list[tuple[str, Job, str, Costs, Callable[[pytest.MonkeyPatch], None]]] =
         lambda mp: mp.setattr(width_policy, "PROBE_EVERY", math.inf),
     ),
     (
-        "a drafter held at width 1 goes dormant (DORMANT_AFTER)",
+        "a drafter held at width 1 goes dormant (DORMANT_AFTER, or a probe that saw nothing)",
         DEMO,
         "useless",
         CPU,
-        lambda mp: mp.setattr(width_policy, "DORMANT_AFTER", 10**9),
-    ),
-    (
-        "no probe step while the rounds in flight will end the probe",
-        DEMO,
-        "useless",
-        CPU,
-        lambda mp: mp.setattr(width_policy.WidthPolicy, "_probe_in_flight", lambda _: False),
+        lambda mp: mp.setattr(width_policy.WidthPolicy, "dormant", property(lambda _: False)),
     ),
     (
         "a probe takes PROBE_ROUNDS rounds",

@@ -52,7 +52,9 @@ PROBE_GUESS = 0.25
 # single unlucky choice, a small share of any job. Prompts are written still (a step with
 # prefill chunks is not quiet), so every row's holes are in its output. When PROBE_EVERY comes
 # round it is probed at once, holes and all: on the demo pair those rounds accept about 70% of
-# what rows without holes do, and the gap closes within some 20 rounds of writes. Only from
+# what rows without holes do, and the gap closes within some 20 rounds of writes. A probe that
+# saw nothing accepted sends it back to sleep at once (16 steps of writes per probe cost the
+# CPU demo 0.7% of its job). Only from
 # DORMANT_MIN_BATCH requests on: the writes cost about 0.2% of a step at 16 or fewer on an
 # H200, less than the holes do.
 DORMANT_AFTER = 16
@@ -163,6 +165,7 @@ class WidthPolicy:
         self._draft_ms: dict[int, deque[float]] = {}  # bucket -> the draft's newest own times
         self._ones = 0  # measured steps in a row at width 1 after the drafter was tried
         self._probing = 0  # rounds launched to probe the drafter, not yet recorded
+        self._probed_at = 0  # the step that launched the newest of them
 
     @property
     def dormant(self) -> bool:
@@ -235,6 +238,8 @@ class WidthPolicy:
             self._chosen[bucket] = (width, block_tokens)
         held = width == 1 and any(self.trials) and bucket >= DORMANT_MIN_BATCH
         self._ones = self._ones + 1 if held else 0
+        if held and self.trials[0] >= PROBE_ROUNDS and not self.hits[0]:
+            self._ones = DORMANT_AFTER  # a probe saw nothing accepted: back to sleep at once
         return width
 
     def _probe_ms(self, bucket: int, requests: int) -> float:
@@ -246,7 +251,7 @@ class WidthPolicy:
         drafting = [w for w in self.widths if w > 1]
         one = self._least(1, bucket)
         probe = self._least(drafting[0], bucket) if drafting else 0.0
-        extra = max(probe - one if one and probe else 0.0, self._draft_least(bucket))
+        extra = max(probe - one if one and probe else 0.0, self._draft_newest(bucket))
         if extra:
             return steps * extra
         step = one or min(self._recent_ms, default=0.0)
@@ -270,6 +275,7 @@ class WidthPolicy:
             if self._probe_in_flight():
                 return widths[0]
             self._probing += requests
+            self._probed_at = self._step
             return drafting[0]
         best_rate = max((expected_tokens(accept, w) / c for w, c in known.items()), default=0.0)
         for w in reversed(widths):
@@ -283,8 +289,11 @@ class WidthPolicy:
         return None
 
     def _probe_in_flight(self) -> bool:
-        """Whether the probe rounds launched and not yet read back will end the probe."""
-        return self.trials[0] + self._probing >= PROBE_ROUNDS
+        """Whether the probe rounds launched and not yet read back will end the probe. A step
+        is read back before the one after the next is launched: rounds launched longer ago that
+        were never recorded (their requests left the step) are not waited for."""
+        in_flight = self._probing if self._step - self._probed_at <= 2 else 0
+        return self.trials[0] + in_flight >= PROBE_ROUNDS
 
     def _floor(self, width: int, bucket: int, requests: int) -> float:
         """The least a step of `width` can cost here now, its own samples aside: what a
@@ -316,7 +325,7 @@ class WidthPolicy:
     def record_round(self, width: int, accepted: int) -> None:
         """A verify of `width` rows accepted `accepted` drafts."""
         self._since_round_ms, self._rounds = 0.0, self._rounds + 1
-        self._probing = 0  # a step's rounds are read back together: those in flight are in
+        self._probing = max(self._probing - 1, 0)
         if self._rounds >= HALF_LIFE:
             self.hits = [h / 2 for h in self.hits]
             self.trials = [t / 2 for t in self.trials]
@@ -338,6 +347,12 @@ class WidthPolicy:
     def record_draft(self, bucket: int, ms: float) -> None:
         """The draft's own time in a step of `bucket` (draft_clock.py)."""
         self._draft_ms.setdefault(bucket, deque(maxlen=RECENT_SAMPLES)).append(ms)
+
+    def _draft_newest(self, bucket: int) -> float:
+        """The draft's newest time here: its forward grows with the rows' context, so a
+        probe's cost is what it took last, not at the start of the job."""
+        times = self._draft_ms.get(bucket)
+        return times[-1] if times else 0.0
 
     def _draft_least(self, bucket: int) -> float:
         return min(self._draft_ms.get(bucket) or [0.0])
