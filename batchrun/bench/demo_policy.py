@@ -113,7 +113,23 @@ def run_demo_policy(
                     "verify_width_steps": stats["verify_width_steps"],
                 }
                 add_ratios(result["jobs"][name])
+                result["jobs"][name]["ratios_by_round"] = _ratios_by_round(rates, name)
                 progress(result)
     for name, entry in result["jobs"].items():
         print(name, json.dumps(entry["ratios"]), flush=True)
     return result
+
+
+def _ratios_by_round(
+    rates: dict[tuple[str, str], list[float]], name: str
+) -> dict[str, list[float]]:
+    """`auto` against no draft and against the better of no draft and `full`, within each
+    round: the modes of a round run back to back, so the machine's drift between rounds (a
+    few percent on a shared CPU) cancels; the median of these is the figure to hold."""
+    none, auto, full = (rates.get((name, m), []) for m in MODES)
+    rounds = range(min(len(none), len(auto)))
+    best = [max(none[r], full[r]) if r < len(full) else none[r] for r in rounds]
+    return {
+        "auto / none": [auto[r] / none[r] for r in rounds],
+        "auto / best of none and full": [auto[r] / best[r] for r in rounds],
+    }

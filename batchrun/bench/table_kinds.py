@@ -4,6 +4,7 @@ shown, so a table cannot leave out the runs that went badly."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -234,15 +235,28 @@ def demo_policy(results: dict[str, Result]) -> list[str]:
                 run = entry["runs"].get(mode)
                 runs = ", ".join(f"{r:,.0f}" for r in run["tokens_per_second_runs"]) if run else ""
                 cells.append(f"{run['tokens_per_second']:,.0f} ({runs})" if run else MISSING)
-            ratios = entry.get("ratios", {})
-            cells += [
-                _number(ratios.get("auto / none"), "{:.2f}x"),
-                _number(ratios.get("auto / best of none and full"), "{:.2f}x"),
-            ]
+            ratios, by_round = entry.get("ratios", {}), entry.get("ratios_by_round", {})
+            for key in ("auto / none", "auto / best of none and full"):
+                cells.append(_number(ratios.get(key), "{:.2f}x"))
+                rounds = by_round.get(key)
+                cells.append(
+                    f"{statistics.median(rounds):.2f}x ({min(rounds):.2f}-{max(rounds):.2f})"
+                    if rounds
+                    else MISSING
+                )
             rows.append([name, *cells])
         return rows
 
-    header = ["job", "no draft, tok/s (runs)", "`auto`", "`full`", "auto / none", "auto / best"]
+    header = [
+        "job",
+        "no draft, tok/s (runs)",
+        "`auto`",
+        "`full`",
+        "auto / none",
+        "by round: median (range)",
+        "auto / best",
+        "by round: median (range)",
+    ]
     several = len(results) > 1
     return markdown((["file"] if several else []) + header, _per_file(results, rows_of))
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from safetensors.torch import load_file
 
 from batchrun.bench.demo_policy import (
     COLLAPSE_TEMPERATURE,
+    _ratios_by_round,
     demo_job_file,
     write_collapsing_input,
     write_useless_draft,
@@ -46,3 +48,20 @@ def test_the_collapsing_input_samples_its_second_half_hot(tmp_path: Path) -> Non
     temperature = table["temperature"].to_pylist()
     assert temperature == [0.0] * (n // 2) + [COLLAPSE_TEMPERATURE] * (n - n // 2)
     assert len(set(table["seed"].to_pylist())) == n
+
+
+def test_ratios_pair_the_modes_of_each_round() -> None:
+    """A machine that slows between rounds slows every mode of the round alike: the round's
+    ratio sees none of it (here auto is 0.9 of no draft in every round, full slower still)."""
+    speed = [1.0, 0.5, 2.0]
+    rates = {
+        ("job", "none"): [100 * s for s in speed],
+        ("job", "auto"): [90 * s for s in speed],
+        ("job", "full"): [50 * s for s in speed[:2]],  # a round cut short: no full yet
+    }
+    by_round = _ratios_by_round(rates, "job")
+    assert by_round["auto / none"] == pytest.approx([0.9] * 3)
+    assert by_round["auto / best of none and full"] == pytest.approx([0.9] * 3)
+    rates["job", "full"] = [200 * s for s in speed]  # full the better: auto against it
+    by_round = _ratios_by_round(rates, "job")
+    assert by_round["auto / best of none and full"] == pytest.approx([0.45] * 3)
