@@ -134,7 +134,9 @@ def test_a_drafter_that_turns_good_is_picked_up(batch: int) -> None:
     steps = run(lambda t: 0.0 if t < SWITCH else GOOD, SWITCH + bound + after, batch)
     widths = [w for w, _, _ in steps]
     held = widths[SWITCH // 2 : SWITCH]
-    assert held.count(1) >= (1 - PROBES) * len(held), held  # the drafter was dropped
+    # The drafter was dropped: width 1 but for probes (at batch 1 a probe is PROBE_ROUNDS
+    # steps, one every PROBE_EVERY probe costs and one for each new row).
+    assert held.count(1) >= 0.85 * len(held), held
     assert settled(widths, lambda w: w > 1) <= bound
     good = run(lambda t: GOOD, 100 + after, batch)
     ratio = speed_vs_no_draft(steps[SWITCH + bound :], batch)

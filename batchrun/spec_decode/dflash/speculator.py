@@ -188,6 +188,8 @@ class DFlashSpeculator(Speculator):
     def admit(self, requests: Sequence[Admitted], slots: torch.Tensor) -> None:
         self.context.admit(slots)
         self.hooks.admit(requests, slots)
+        if self.policy is not None:
+            self.policy.record_admitted(len(requests))
 
     @torch.inference_mode()
     def propose(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor | None:

@@ -42,6 +42,10 @@ HALF_LIFE = 64
 # before it reads the last back: on the CPU demo that second step doubled a probe's cost).
 # Before the draft's time is measured, a probe step is guessed to cost PROBE_GUESS of a step
 # more (an H200's width 2 at batch 1 to 8, the least at any batch: it errs towards probing early).
+# A batch whose rows have turned over since the newest round (as many admitted since as are
+# running) is re-learned too, at once: the estimate describes rows that have left. At batch 1
+# that is each new row at width 1, the rows a drafter knows and those it does not taking turns
+# (without it 0.89x of the full block there; it costs a useless drafter one probe a row).
 PROBE_EVERY = 100
 PROBE_ROUNDS = 8
 PROBE_GUESS = 0.25
@@ -166,6 +170,7 @@ class WidthPolicy:
         self._ones = 0  # measured steps in a row at width 1 after the drafter was tried
         self._probing = 0  # rounds launched to probe the drafter, not yet recorded
         self._probed_at = 0  # the step that launched the newest of them
+        self._fresh = 0  # requests admitted since the newest round
 
     @property
     def dormant(self) -> bool:
@@ -219,8 +224,10 @@ class WidthPolicy:
         if not measure:
             return 1
         probe_ms = self._probe_ms(bucket, requests or bucket)
-        if any(self.trials) and self._since_round_ms > PROBE_EVERY * probe_ms:
-            # Too old to tell what the drafter does now, as are the choices made from them.
+        stale = self._since_round_ms > PROBE_EVERY * probe_ms
+        if any(self.trials) and (stale or self._fresh >= (requests or bucket)):
+            # Too old to tell what the drafter does now, or measured on rows that have left
+            # (as many admitted since as are running): so are the choices made from them.
             self.relearn()
         fits = [w for w in self.widths if max_width is None or w <= max_width] or [1]
         for w in self.widths:  # stale: forget it, so that it may be measured afresh below
@@ -326,6 +333,7 @@ class WidthPolicy:
         """A verify of `width` rows accepted `accepted` drafts."""
         self._since_round_ms, self._rounds = 0.0, self._rounds + 1
         self._probing = max(self._probing - 1, 0)
+        self._fresh = 0
         if self._rounds >= HALF_LIFE:
             self.hits = [h / 2 for h in self.hits]
             self.trials = [t / 2 for t in self.trials]
@@ -333,6 +341,10 @@ class WidthPolicy:
         for j in range(min(accepted + 1, width - 1)):
             self.trials[j] += 1
             self.hits[j] += j < accepted
+
+    def record_admitted(self, requests: int) -> None:
+        """Requests that joined the batch (their rows may draft unlike those measured)."""
+        self._fresh += requests
 
     def record_rows(self, rows: int, ms: float) -> None:
         """A step's rows and time, timed alone (a compute-bound one's tell the matmuls' rate)."""
