@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,21 @@ from tests.cluster.test_pipeline import FakeEngine, make_job, write_input
 from tests.io.test_output_safety import start
 from tests.job.test_cli import invoke, write_job, write_prompts
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "sigint_not_ignored")
+
+
+@pytest.fixture
+def sigint_not_ignored() -> Iterator[None]:
+    """A shell without job control starts a background job with SIGINT ignored (`cmd &` in a
+    script, `nohup`), and run_job rightly leaves an ignored SIGINT alone; these tests send
+    SIGINT to this process, so they take it back for their duration."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if previous is not None:  # None: a handler not set from Python, left as it is
+        signal.signal(signal.SIGINT, previous)
+
 
 STOP_LINE = re.compile(
     r"batchrun: stopped by (SIG\w+): (\d+) rows committed \((\d+) in this run\), "
