@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from batchrun.bench.oracle import FITS, SCENARIOS
+from batchrun.bench.oracle import FITS, SCENARIOS, check_scenarios
 from batchrun.bench.workloads import WORKLOADS
 
 
@@ -53,9 +53,10 @@ def _kv_cache_dtypes(text: str) -> tuple[str, ...]:
 def _scenarios(text: str) -> tuple[str, ...]:
     """A comma list of the oracle's scenarios (oracle.SCENARIOS)."""
     names = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [n for n in names if n not in SCENARIOS]
-    if bad:
-        raise click.BadParameter(f"unknown scenario {bad[0]!r}: choose from {', '.join(SCENARIOS)}")
+    try:
+        check_scenarios(names)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
     return names
 
 

@@ -28,7 +28,7 @@ import torch
 
 from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.bench.hooks import BenchHooks, installed
-from batchrun.bench.oracle import SCENARIOS, AcceptanceOracle
+from batchrun.bench.oracle import AcceptanceOracle, check_scenarios
 from batchrun.bench.roofline import job_bound, measure_ceilings
 from batchrun.bench.scratch_models import write_scratch_models
 from batchrun.bench.shapes import DRAFT_LAYERS
@@ -68,9 +68,7 @@ class JobsPlan:
 
 def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Every workload in every mode; `progress` gets the result so far after each run."""
-    unknown = [s for s in plan.scenarios if s not in SCENARIOS]
-    if unknown:
-        raise ValueError(f"unknown scenario {unknown[0]!r}: choose from {', '.join(SCENARIOS)}")
+    check_scenarios(plan.scenarios)
     device = torch.device(plan.device)
     dtype = getattr(torch, plan.dtype)
     cuda = device.type == "cuda"
@@ -99,10 +97,11 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
         "startup": {},
         "workloads": {},
     }
-    inputs = {}
+    inputs, row_budgets = {}, {}
     for w in plan.workloads:
         inputs[w.name] = _write_inputs(plan, w)
         prompts, budgets = w.rows_of(plan.shape.vocab_size, 0)
+        row_budgets[w.name] = dict(enumerate(budgets))  # what a scenario's oracle reads
         entry: dict[str, Any] = {"workload": asdict(w), "runs": {}}
         if ceilings is not None:
             lengths = [len(p) for p in prompts]
@@ -113,7 +112,8 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
         result["workloads"][w.name] = entry
     continuations: dict[str, dict[int, list[int]]] = {}  # the no-draft outputs, per workload
     for mode in ("none", *plan.widths):
-        runs = _Mode(plan, mode, target, draft if mode != "none" else None, inputs, result)
+        draft_here = draft if mode != "none" else None
+        runs = _Mode(plan, mode, target, draft_here, inputs, row_budgets, result)
         runs.run_all(continuations, progress)
         del runs
         collect_everything()  # an engine's graphs hold reference cycles: free its KV pools now
@@ -158,10 +158,11 @@ class _Mode:
         target: Path,
         draft: Path | None,
         inputs: dict[str, tuple[Path, Path, Path]],
+        budgets: dict[str, dict[int, int]],
         result: dict[str, Any],
     ) -> None:
         self.plan, self.mode, self.target, self.draft = plan, mode, target, draft
-        self.inputs, self.result = inputs, result
+        self.inputs, self.budgets, self.result = inputs, budgets, result
         self.largest = max(w.batch for w in plan.workloads)
         built = time.perf_counter()
         first = _job(plan, target, draft, mode, plan.workloads[0], inputs, mode)
@@ -178,7 +179,6 @@ class _Mode:
     ) -> None:
         for w in self.plan.workloads:
             constrained = w.json_schema is not None
-            _, budgets = w.rows_of(self.plan.shape.vocab_size, 0)
             runs = _runs(self.mode, self.plan.taus, self.plan.scenarios, constrained)
             for i, (name, marks) in enumerate(runs):
                 job = _job(self.plan, self.target, self.draft, self.mode, w, self.inputs, name)
@@ -191,7 +191,7 @@ class _Mode:
                     _run(self.engine, warm, w.batch, None)
                 oracle = None
                 if marks:
-                    oracle = self._oracle(continuations[w.name], dict(enumerate(budgets)), marks)
+                    oracle = self._oracle(continuations[w.name], self.budgets[w.name], marks)
                 entry = self.result["workloads"][w.name]
                 if self.mode == "none" and w.name in self.plan.profiled:
                     stats, entry["profile"] = _profiled(

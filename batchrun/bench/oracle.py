@@ -42,6 +42,13 @@ SCENARIOS: dict[str, Rule] = {
 }
 
 
+def check_scenarios(names: Sequence[str]) -> None:
+    """ValueError naming the first of `names` that is not a scenario."""
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"unknown scenario {unknown[0]!r}: choose from {', '.join(SCENARIOS)}")
+
+
 class AcceptanceOracle:
     def __init__(
         self,
