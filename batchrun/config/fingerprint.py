@@ -2,11 +2,12 @@
 jobs are never mixed in one output directory.
 
 Covered: each input file's identity (resolved path, size, mtime, a hash of its Parquet footer,
-which holds its row counts and column statistics), the prompt column and its kind, the resolved
-dtype, the target's and draft's files (names, sizes, mtimes), the sampling defaults (the
-options declared with a fingerprint record, batchrun/sampling/params.py) and the
-log-probability columns asked for, the chat template's arguments and an fp8 KV cache, which
-rounds what attention reads (a job without them has no such key, as before they existed). Not
+which holds its row counts and column statistics), the prompt column and its kind, the options
+declared with a fingerprint record (batchrun/sampling/option.py's Record): the resolved dtype,
+the target's and draft's files (names, sizes, mtimes), the sampling defaults, the reasoning
+parser and an fp8 KV cache, which rounds what attention reads; and the log-probability columns
+asked for and the chat template's arguments (a job without the last four has no such key, as
+before they existed). Not
 covered, as they do not change outputs: the id column, batch sizes, part sizes, the shard, the
 schedule window. The context length comes from the target's config.json (no job key sets it),
 so the model files cover it. A model directory may also be an output directory (of this job or
@@ -17,6 +18,7 @@ writing into its own target would be a different job on its next run.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from batchrun.io.fingerprint import FINGERPRINT_VERSION, input_file_identity, mo
 from batchrun.io.overrides import token_bias_keys
 from batchrun.io.prompts import PromptColumn
 from batchrun.io.reader import InputSource
-from batchrun.sampling.option import Kind, Record, declared
+from batchrun.sampling.option import Kind, Option, Record, declared, key_of
 from batchrun.sampling.params import SamplingParams
 
 
@@ -38,9 +40,7 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
         "version": FINGERPRINT_VERSION,
         "input": {f.location: input_file_identity(f) for f in source.files},
         "prompt": {"column": prompt.name, "kind": prompt.kind.value},
-        "dtype": resolved_dtype(engine),
-        "target": model_files(Path(engine.target)),
-        "draft": model_files(Path(engine.draft)) if engine.draft is not None else None,
+        **recorded_keys(engine, Record.ALWAYS),
         "sampling": sampling_keys(job.sampling),
     }
     top_k = output.prompt_logprobs
@@ -51,12 +51,24 @@ def job_fingerprint(job: JobSpec, source: InputSource, prompt: PromptColumn) -> 
     chat_kwargs = job.input.chat_kwargs()
     if chat_kwargs:  # the chat template's arguments; unset: no key, as before they existed
         fingerprint["chat_template_kwargs"] = chat_kwargs
-    if output.reasoning_parser is not None:  # its columns; unset: none
-        fingerprint["reasoning_parser"] = output.reasoning_parser
-    if engine.kv_cache_dtype != "auto":  # fp8 K/V change outputs; auto: no key, as before
-        fingerprint["kv_cache_dtype"] = engine.kv_cache_dtype
+    fingerprint |= recorded_keys(output, Record.WHEN_SET) | recorded_keys(engine, Record.WHEN_SET)
     data: dict[str, Any] = json.loads(json.dumps(fingerprint))  # tuples become lists, as on disk
     return data
+
+
+def recorded_keys(part: Any, record: Record) -> dict[str, Any]:
+    """The keys of a job part (not sampling) that its declarations record so, by job key: each
+    value as _RECORDED_AS writes it, else as it is. Those of _RECORDED_AS come first, in its
+    order (job.json's since before the declarations), then the others in field order."""
+    keys: dict[str, Any] = {}
+    first = {key: place for place, key in enumerate(_RECORDED_AS)}
+    fields = sorted(declared(type(part)), key=lambda pair: first.get(key_of(*pair), len(first)))
+    for item, spec in fields:
+        value = getattr(part, item.name)
+        if spec.record is record and _recorded(spec, value, item.default):
+            key = key_of(item, spec)
+            keys[key] = _RECORDED_AS[key](part) if key in _RECORDED_AS else value
+    return keys
 
 
 def sampling_keys(params: SamplingParams) -> dict[str, Any]:
@@ -66,13 +78,18 @@ def sampling_keys(params: SamplingParams) -> dict[str, Any]:
     keys: dict[str, Any] = {}
     for item, spec in declared(type(params)):
         value = getattr(params, item.name)
-        if spec.record is Record.ALWAYS or (
-            spec.record is Record.WHEN_SET and value != item.default
-        ):
+        if _recorded(spec, value, item.default):
             keys[item.name] = token_bias_keys(value) if spec.kind is Kind.TOKEN_BIAS else value
     if params.constraint is not None:  # likewise
         keys[params.constraint.kind] = params.constraint.value
     return keys
+
+
+def _recorded(spec: Option, value: Any, default: Any) -> bool:
+    """Whether the fingerprint holds an option of this value: one recorded always, or one
+    recorded when set, away from its default (a job that does not set it keeps the
+    fingerprint it had before the option existed)."""
+    return spec.record is Record.ALWAYS or (spec.record is Record.WHEN_SET and value != default)
 
 
 def resolved_dtype(engine: EnginePart) -> str:
@@ -88,3 +105,16 @@ def resolved_dtype(engine: EnginePart) -> str:
     except JobError:
         return "auto"  # the start-up checks report what is wrong
     return str(resolve_dtype("auto", config, device)).removeprefix("torch.")
+
+
+def _model_files(model: str | None) -> dict[str, list[int]] | None:
+    return model_files(Path(model)) if model is not None else None
+
+
+# How the fingerprint writes a recorded key whose value is not what changes outputs: the dtype
+# the engine will resolve, the files of the model directories.
+_RECORDED_AS: dict[str, Callable[[EnginePart], Any]] = {
+    "dtype": resolved_dtype,
+    "target": lambda engine: _model_files(engine.target),
+    "draft": lambda engine: _model_files(engine.draft),
+}

@@ -27,13 +27,13 @@ from batchrun.config.paths import PATH_KEYS, check_path, resolve_paths
 from batchrun.config.schema import job_schema
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.core.requests import row_seed
+from batchrun.engine.options import engine_options
 from batchrun.errors import JobError
 from batchrun.io.chat_args import chat_kwargs_problem
 from batchrun.io.output_schema import output_schema
 from batchrun.io.overrides import BadOverride, token_bias, token_bias_keys
 from batchrun.io.prompts import THINKING_WITH_LOGPROBS, RowDefaults
 from batchrun.sampling.constraint import KINDS, Constraint
-from batchrun.sampling.grammar_compile import CompileBudget
 from batchrun.sampling.option import Kind
 from batchrun.sampling.params import SamplingParams
 
@@ -113,25 +113,15 @@ class JobSpec:
         return output_schema(input_schema, output.logprobs, output.prompt_logprobs, reasoning)
 
     def engine_config(self) -> EngineConfig:
-        engine = self.engine
+        """What the engine is told: the engine part's options as they are, its models as paths
+        and the log-probabilities the output asks for."""
+        engine, output = self.engine, self.output
         return EngineConfig(
             target=Path(engine.target),
             draft=Path(engine.draft) if engine.draft is not None else None,
-            dtype=engine.dtype,
-            device=engine.device,
-            attention_backend=engine.attention_backend,
-            kv_cache_dtype=engine.kv_cache_dtype,
-            cuda_graphs=engine.cuda_graphs,
-            verify_width=engine.verify_width,
-            prefix_caching=engine.prefix_caching,
-            logprobs=self.output.logprobs,
-            prompt_logprobs=self.output.prompt_logprobs,
-            max_batch_size=engine.max_batch_size,
-            max_batched_tokens=engine.max_batched_tokens,
-            gpu_memory_fraction=engine.gpu_memory_fraction,
-            compile_budget=CompileBudget(
-                engine.grammar_compile_timeout, engine.max_constraint_bytes
-            ),
+            logprobs=output.logprobs,
+            prompt_logprobs=output.prompt_logprobs,
+            **engine_options(engine),
         )
 
     def row_defaults(self) -> RowDefaults:

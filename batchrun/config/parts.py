@@ -1,29 +1,22 @@
 """The job's parts other than sampling (batchrun/sampling/params.py declares that one), each
-setting declared once: its type, range, default, help and where it may be set."""
+setting declared once: its type, range, default, help, where it may be set and whether the
+fingerprint records it. The engine's own options are declared in its stack
+(batchrun/engine/options.py), and the engine part takes them from there."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from batchrun.engine.options import EngineOptions
 from batchrun.errors import JobError
 from batchrun.io.prompts import DEFAULT_PROMPT_COLUMNS, PromptKind
 from batchrun.io.reasoning import REASONING_PARSERS
-from batchrun.sampling.grammar_compile import COMPILE_SECONDS, MAX_CONSTRAINT_BYTES
-from batchrun.sampling.option import Kind, option
+from batchrun.sampling.option import Kind, Record, option
 
 _PATH_NOTE = "Relative paths in a job file resolve against the job file's directory."
 _NAME = {"minLength": 1}  # a column name or path: not empty
 
-# Sanity maxima of the batch limits, so that an absurd number is refused before any model file
-# is read; what a device can really hold is checked at start-up, from the model's shapes
-# (engine/memory.py, check_batch_memory). 65,536 requests in flight: each holds at least a page
-# of K/V and samples a row of float32 logits, which at Qwen3's vocabulary of 151,936 are 40 GB
-# for 65,536 rows alone, and vLLM's default is 256 (its largest CUDA graph 512). 2^24 tokens per
-# forward: 400 full 40,960-token contexts; at Qwen3-8B's hidden size (4,096, bfloat16) the
-# residual stream of such a forward alone is 128 GiB.
-MAX_BATCH_SIZE = 1 << 16
-MAX_BATCHED_TOKENS = 1 << 24
 # Most probable tokens listed per position (logprobs = k, prompt_logprobs = K), vLLM's default.
 MAX_LOGPROBS = 20
 
@@ -210,6 +203,7 @@ class OutputPart:
         help="Split the think block from the answer: columns reasoning, reasoning_tokens.",
         flag_choices=True,
         unset="none",
+        record=Record.WHEN_SET,  # its columns; unset: none
     )
     overwrite: bool = option(
         False,
@@ -232,15 +226,17 @@ class OutputPart:
     )
 
 
-@dataclass(frozen=True)
-class EnginePart:
-    """The models and how the engine runs them; engine settings, not what a row asks."""
+@dataclass(frozen=True, kw_only=True)
+class _Models:
+    """The models the engine runs: the first keys of the engine part."""
 
+    # The fingerprint records their files (names, sizes, mtimes; config/fingerprint.py).
     target: str = option(
         kind=Kind.TEXT,
         schema=_NAME,
         doc=f"Target model directory (Hugging Face layout). {_PATH_NOTE}",
         help="Target model directory.",
+        record=Record.ALWAYS,
     )
     draft: str | None = option(  # None: no draft ("none" in a job file or flag)
         None,
@@ -250,110 +246,14 @@ class EnginePart:
         + _PATH_NOTE,
         help='DFlash draft model directory, or "none".',
         unset="none",
+        record=Record.ALWAYS,
     )
-    # A constraint whose text is longer, or whose compile takes longer, is its row's error.
-    max_constraint_bytes: int = option(
-        MAX_CONSTRAINT_BYTES,
-        kind=Kind.INT,
-        low=1,
-        doc="A json_schema, regex or choice (its grammar's text) longer than this many bytes is "
-        "not compiled: its row is an error row (a job key's: the job is refused).",
-        help="A constraint longer than this is not compiled: its row is an error row.",
-    )
-    grammar_compile_timeout: float = option(
-        COMPILE_SECONDS,
-        kind=Kind.FLOAT,
-        low=0,
-        low_open=True,
-        doc="Seconds a constraint's grammar may take to compile (off the step "
-        "loop: other rows decode meanwhile); a longer compile is given up and its row is an "
-        "error row (a job key's: the job is refused).",
-        help="Seconds a constraint may take to compile; then its row is an error row.",
-    )
-    dtype: str = option(
-        "auto",
-        kind=Kind.TEXT,
-        schema={"enum": ["auto", "float32", "bfloat16", "float16"]},
-        doc="Model weight and activation dtype.",
-        help="auto, float32, bfloat16 or float16.",
-    )
-    device: str = option(
-        "auto",
-        kind=Kind.TEXT,
-        schema={"pattern": "^(auto|cpu|cuda(:[0-9]+)?)$"},
-        doc="Device to run on: auto, cpu, cuda or cuda:N (under torchrun, auto "
-        "and cuda become cuda:LOCAL_RANK).",
-        help="auto, cpu, cuda or cuda:N.",
-    )
-    attention_backend: str = option(
-        "auto",
-        kind=Kind.TEXT,
-        schema={"enum": ["auto", "torch", "triton", "flashinfer"]},
-        doc="Attention implementation.",
-        help="auto (triton on a GPU, torch on a CPU), torch, triton or flashinfer (GPU, eager).",
-    )
-    kv_cache_dtype: str = option(  # auto (the model dtype) | fp8
-        "auto",
-        kind=Kind.TEXT,
-        schema={"enum": ["auto", "fp8"]},
-        doc="The target's KV cache: auto (the model dtype) or fp8 (float8_e4m3fn with a scale "
-        "per layer for K and one for V, 1.0 uncalibrated: half the bytes of bfloat16, so "
-        "about twice the pages; attention reads the values rounded to 3 mantissa bits, so "
-        "outputs may differ from auto's). fp8 runs on the torch and triton backends.",
-        help="The target's KV cache: auto (the model dtype) or fp8 (float8_e4m3fn, per-layer "
-        "scales: about twice the pages; torch and triton backends).",
-    )
-    cuda_graphs: bool = option(
-        True,
-        kind=Kind.BOOL,
-        doc="Capture CUDA graphs for decode steps (GPU only).",
-        help="CUDA graphs for decode/verify steps.",
-    )
-    prefix_caching: bool = option(
-        True,
-        kind=Kind.BOOL,
-        doc="Reuse the K/V of full pages of prompt tokens that rows share (automatic prefix "
-        "caching).",
-        help="Reuse the K/V of prompt prefixes that rows share.",
-    )
-    verify_width: int | str = option(
-        "auto",
-        kind=Kind.SCHEMA,
-        schema={"anyOf": [{"enum": ["auto", "full"]}, {"type": "integer", "minimum": 1}]},
-        doc="Tokens verified per request and step with a draft: auto (chosen each "
-        "step from measured step costs and acceptance), full (the draft's block size) or "
-        "1 up to the block size.",
-        help="Tokens verified per request and step with a draft: auto (chosen each step from "
-        "measured costs and acceptance), full (the block) or 1 .. the draft's block size.",
-    )
-    max_batch_size: int = option(
-        64,
-        kind=Kind.INT,
-        low=1,
-        high=MAX_BATCH_SIZE,
-        doc=f"Requests in flight in the engine at once (at most {MAX_BATCH_SIZE}, and what the "
-        "device's memory holds).",
-        help="Requests in flight.",
-    )
-    max_batched_tokens: int = option(
-        4096,
-        kind=Kind.INT,
-        low=1,
-        high=MAX_BATCHED_TOKENS,
-        doc=f"Tokens per forward pass (prefill chunks + decode; at most {MAX_BATCHED_TOKENS}, "
-        "and what the device's memory holds).",
-        help="Tokens per forward pass.",
-    )
-    gpu_memory_fraction: float = option(
-        0.9,
-        kind=Kind.FLOAT,
-        low=0,
-        low_open=True,
-        high=1,
-        doc="Fraction of the GPU's memory batchrun may use: the KV pools get "
-        "what is left of it after weights, CUDA graphs and activations.",
-        help="GPU memory batchrun may use (KV pools last).",
-    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnginePart(EngineOptions, _Models):
+    """The models, then how the engine runs them (engine/options.py declares those): engine
+    settings, not what a row asks. Keys in field order: the models' first."""
 
 
 @dataclass(frozen=True)

@@ -5,34 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchrun.engine.options import EngineOptions
 from batchrun.errors import JobError
-from batchrun.sampling.grammar_compile import CompileBudget
 from batchrun.spec_decode.dflash.width_policy import candidate_widths
 
 
-@dataclass(frozen=True)
-class EngineConfig:
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(EngineOptions):
+    """The job's engine options (engine/options.py declares them and their defaults), the
+    models, and what the engine is told beyond them (tests and benchmarks set the pages)."""
+
     target: Path
     draft: Path | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
-    cuda_graphs: bool = True
-    max_batch_size: int = 64  # requests in flight
-    max_batched_tokens: int = 4096  # tokens per forward (prefill chunks + decode/verify rows)
-    gpu_memory_fraction: float = 0.9  # of the GPU's memory: weights, graphs, activations, KV
     page_size: int = 16
-    # The target's KV pools: auto (the model dtype) | fp8 (float8_e4m3fn, per-tensor scales).
-    kv_cache_dtype: str = "auto"
     num_pages: int | None = None  # None: sized from free memory (GPU) or a fixed budget (CPU)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    verify_width: int | str = "auto"  # rows verified per request and step: auto, full, 1 .. B
-    prefix_caching: bool = True  # reuse the K/V of full pages whose tokens a request shares
     logprobs: int | None = None  # score each output token and its k most probable; None: off
     # Score each prompt token and its K most probable (turns prefix caching off); None: off.
     prompt_logprobs: int | None = None
-    # Structured outputs: a constraint over its size or its compile time is its row's error.
-    compile_budget: CompileBudget = CompileBudget()
 
 
 def verify_widths(verify_width: int | str, block_size: int | None) -> tuple[int, ...]:

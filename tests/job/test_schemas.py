@@ -12,8 +12,8 @@ import pytest
 
 from batchrun.config.job import JobSpec, validate_job_dict
 from batchrun.config.options import job_options
-from batchrun.config.parts import MAX_BATCH_SIZE, MAX_BATCHED_TOKENS
 from batchrun.config.schema import job_schema
+from batchrun.engine.options import MAX_BATCH_SIZE, MAX_BATCHED_TOKENS
 from batchrun.errors import JobError
 from batchrun.io.output_schema import OUTPUT_FIELDS, OutputRow, output_fields, output_schema
 from batchrun.sampling.params import SEED_END, SEED_MIN, SamplingParams

@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 import batchrun.engine.memory
 from batchrun.bench.shapes import shape_from_flags
 from batchrun.cli import cli
-from batchrun.config.parts import MAX_BATCH_SIZE, MAX_BATCHED_TOKENS
 from batchrun.engine.memory import BatchFootprint, check_batch_memory
+from batchrun.engine.options import MAX_BATCH_SIZE, MAX_BATCHED_TOKENS
 from batchrun.errors import JobError
 from batchrun.tools.tiny_draft import make_tiny_draft
 from tests.job.test_preflight import assert_refused_alike, one_line_error
