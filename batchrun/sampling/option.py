@@ -40,8 +40,9 @@ class Record(enum.Enum):
 @dataclass(frozen=True)
 class Option:
     """One option's declaration. Invariants: `low`/`high` bound a number (for TOKEN_BIAS, the
-    bias), `low_open` makes `low` exclusive; `help` None means no flag; `column` True means a
-    per-row cell of the same name overrides the job's value."""
+    bias), `low_open` makes `low` exclusive, `at_most` names the option whose value is its
+    upper bound (a rule the schema cannot state); `help` None means no flag; `column` True
+    means a per-row cell of the same name overrides the job's value."""
 
     kind: Kind
     doc: str  # the job schema's description
@@ -57,6 +58,8 @@ class Option:
     negatable: bool = True  # a boolean flag has its --no- form
     flag_choices: bool = False  # the flag offers the schema's enum as click choices
     key: str | None = None  # the job key and flag, when not the field's name
+    at_most: str | None = None  # another option of the part whose value bounds this one's
+    note: str | None = None  # said after the rule where it is stated: top_k's "(0 = off)"
 
     def bounds(self) -> tuple[float, float]:
         """(low, high), unbounded ends as -inf/inf."""

@@ -4,13 +4,11 @@ and fingerprint keys are derived from these declarations (batchrun/config/option
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from batchrun.sampling.constraint import Constraint
-from batchrun.sampling.option import Kind, Option, Record, declared, option
+from batchrun.sampling.option import Kind, Record, declared, option
+from batchrun.sampling.option_rules import rule_problem
 
 SEED_MIN, SEED_END = -(1 << 63), 1 << 64  # a seed's range; the engine uses it modulo 2^64
 MAX_SAMPLES = 1024  # n per row: a bad cell must not fill memory with requests
@@ -54,6 +52,7 @@ class SamplingParams:
         0,
         kind=Kind.INT,
         low=0,
+        note="(0 = off)",
         doc="Default top-k cutoff; 0 turns it off.",
         help="Top-k cutoff; 0 = off.",
         column=True,
@@ -160,6 +159,7 @@ class SamplingParams:
         0,
         kind=Kind.INT,
         low=0,
+        at_most="max_tokens",
         doc="Tokens generated before an end-of-sequence token, a stop token id or a stop string "
         "may end a row (the ids are masked until then); at most max_tokens. A per-row column "
         "min_tokens overrides it.",
@@ -197,33 +197,14 @@ class SamplingParams:
     reasoning: bool = False
 
     def problem(self) -> str | None:
-        """Why these parameters cannot run, or None. The engine samples in float32, so the
-        float rules hold for the float32 values too; a seed is used modulo 2^64."""
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            return f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
-        temperature = _float32(self.temperature)
-        if not (self.temperature >= 0 and math.isfinite(temperature)):
-            return f"temperature must be a finite number >= 0, got {_show(self.temperature)}"
-        if not (0 < self.top_p <= 1 and _float32(self.top_p) > 0):
-            return f"top_p must be in (0, 1], got {_show(self.top_p)}"
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            return f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
-        if not (isinstance(self.seed, int) and SEED_MIN <= self.seed < SEED_END):
-            return f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}"
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            return "stop must be a list of non-empty strings"
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            return "stop_token_ids must be a list of non-negative integers"
-        if not (isinstance(self.n, int) and 1 <= self.n <= MAX_SAMPLES):
-            return f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}"
-        if not isinstance(self.ignore_eos, bool):
-            return f"ignore_eos must be true or false, got {_show(self.ignore_eos)}"
-        problem = self._controls_problem()
-        if problem is not None:
-            return problem
-        budget = self.max_thinking_tokens
-        if budget is not None and not (isinstance(budget, int) and budget >= 0):
-            return f"max_thinking_tokens must be an integer >= 0, got {budget!r}"
+        """Why these parameters cannot run, or None: each option's declared rule in field
+        order, then the constraint's. The engine samples in float32, so the float rules hold
+        for the float32 values too; a seed is used modulo 2^64."""
+        for item, spec in declared(type(self)):
+            bound = getattr(self, spec.at_most) if spec.at_most is not None else None
+            problem = rule_problem(item.name, spec, getattr(self, item.name), bound)
+            if problem is not None:
+                return problem
         if self.constraint is not None:
             return self._constraint_problem(self.constraint)
         return None
@@ -241,26 +222,6 @@ class SamplingParams:
         if self.min_tokens:  # its end-of-sequence mask could forbid all the grammar allows
             return f"{constraint.kind} and min_tokens do not go together"
         return constraint.problem()
-
-    def _controls_problem(self) -> str | None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _within(value, *DECLARED[name].bounds()):
-                return f"{name} must be a number in {_interval(name)}, got {_show(value)}"
-        penalty = self.repetition_penalty
-        if not (_within(penalty, 0, math.inf) and 0 < _float32(penalty) < math.inf):
-            return f"repetition_penalty must be a finite number > 0, got {_show(penalty)}"
-        if not (_integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
-            return f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}"
-        for token, bias in self.logit_bias:
-            if not (_integer(token) and token >= 0):
-                return f"logit_bias keys must be token ids (integers >= 0), got {token!r}"
-            if not _within(bias, *DECLARED["logit_bias"].bounds()):
-                interval = _interval("logit_bias")
-                return f"logit_bias values must be numbers in {interval}, got {_show(bias)}"
-        if not _within(self.min_p, *DECLARED["min_p"].bounds()):
-            return f"min_p must be a number in {_interval('min_p')}, got {_show(self.min_p)}"
-        return None
 
     def vocab_problem(self, vocab_size: int) -> str | None:
         """Why valid parameters cannot run on a target of this vocabulary, or None."""
@@ -280,37 +241,3 @@ class SamplingParams:
     def controlled(self) -> bool:
         """Some control changes the row's logits (min_p filters them, as top-p does)."""
         return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
-
-
-# The declarations by name, for the rules that read their ranges.
-DECLARED: dict[str, Option] = {item.name: spec for item, spec in declared(SamplingParams)}
-
-
-def _interval(name: str) -> str:
-    """A declared closed range as "[low, high]"."""
-    low, high = DECLARED[name].bounds()
-    return f"[{low:g}, {high:g}]"
-
-
-def _float32(value: float) -> float:
-    with np.errstate(over="ignore"):
-        return float(np.float32(value))
-
-
-def _integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _within(value: object, low: float, high: float) -> bool:
-    """A finite number (not a bool) in [low, high]."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    # Compared before isfinite, which cannot take an integer beyond float range.
-    return number and low <= value <= high and math.isfinite(value)  # type: ignore[operator, arg-type]
-
-
-def _show(value: float) -> str:
-    """The value, with its float32 where that is what breaks the rule (0 or inf)."""
-    single = _float32(value)
-    if (single == 0 and value != 0) or (math.isinf(single) and not math.isinf(value)):
-        return f"{value!r} ({single:g} in float32)"
-    return repr(value)

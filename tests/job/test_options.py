@@ -289,3 +289,11 @@ def test_an_unchanged_job_keeps_its_fingerprint(
         if k not in ("input", "target", "draft", "prompt", "version")
     }
     assert rest == recorded
+
+
+def test_a_declared_option_is_held_to_its_range_by_problem() -> None:
+    assert ExtendedParams(typical_p=0.5).problem() is None
+    assert ExtendedParams(typical_p=1.5).problem() == "typical_p must be in (0, 1], got 1.5"
+    assert ExtendedParams(typical_p=1e-46).problem() == (
+        "typical_p must be in (0, 1], got 1e-46 (0 in float32)"
+    )
