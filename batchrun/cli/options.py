@@ -61,16 +61,7 @@ def _default_text(option: JobOption) -> str:
     """What the key is when the flag and the job file leave it unset."""
     if option.required:
         return "[required, here or in the job file]"
-    default = option.default
-    if default is None:
-        text = option.spec.unset or "none"
-    elif isinstance(default, bool):
-        text = "on" if default else "off"
-    elif isinstance(default, tuple):
-        text = ", ".join(map(str, default)) or "none"
-    else:
-        text = str(default)
-    return f"[default: {text}]"
+    return f"[default: {option.default_text}]"
 
 
 def job_flag(option: JobOption) -> Callable[[Any], Any]:

@@ -44,6 +44,19 @@ class JobOption:
     def required(self) -> bool:
         return self.default is dataclasses.MISSING
 
+    @property
+    def default_text(self) -> str:
+        """The default as --help and the docs' tables say it: on/off, a list joined by commas,
+        an unset value as its declaration says (else "none")."""
+        default = self.default
+        if default is None:
+            return self.spec.unset or "none"
+        if isinstance(default, bool):
+            return "on" if default else "off"
+        if isinstance(default, tuple):
+            return ", ".join(map(str, default)) or "none"
+        return str(default)
+
 
 @functools.cache
 def job_options() -> tuple[JobOption, ...]:
