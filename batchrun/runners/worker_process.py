@@ -28,9 +28,10 @@ from batchrun.io.progress_bar import ProgressBar
 from batchrun.io.sink import OutputSink
 from batchrun.runners.chunks import Chunk, ChunkPuller
 from batchrun.runners.engine_feed import build_engine
-from batchrun.runners.local import LocalRun, request_builder
+from batchrun.runners.local import LocalRun
 from batchrun.runners.metrics import MetricsPlan, published
 from batchrun.runners.opened_job import open_job
+from batchrun.runners.row_pipeline import Pace, request_builder
 from batchrun.runners.stop_signals import StopSignals
 from batchrun.stats import RunClock
 
@@ -112,30 +113,27 @@ def work(task: WorkerTask, conn: Connection) -> int:
         found = preflight(job, opened.prompt)
         engine = build_engine(job, found.tokenizer, None)
         clock.engine_ready()
-        builder = request_builder(job, opened, engine)
-        run = LocalRun(opened, engine, builder, clock, stop=stop, metrics=metrics)
+        builder = request_builder(job, opened.prompt, opened.source.schema, engine, True)
+        total = opened.source.total_rows
+        chunks = list(task.chunks)
+        worker = (task.index, task.count)
         puller = ChunkPuller(
-            opened.source,
-            out,
-            list(task.chunks),
-            task.chunk_rows,
-            run.sink.done,
-            (task.index, task.count),
+            opened.source, out, chunks, task.chunk_rows, out.done_mask(total), worker
         )
         # Claims follow the engine's demand: one chunk read ahead, no more queued than a batch
         # (nor, in a small job, than half a worker's share: a worker that starts late finds
         # rows), and rows reordered for admission within that many only.
-        run.batches, run.prefetch_rows = puller.batches, task.chunk_rows
-        half_share = -(-opened.source.total_rows // (2 * task.count))
-        run.max_queued = max(1, min(job.engine.max_batch_size, half_share))
-        run.window = min(run.window, max(run.max_queued, task.chunk_rows))
+        half_share = -(-total // (2 * task.count))
+        max_queued = max(1, min(job.engine.max_batch_size, half_share))
+        window = min(job.run.schedule_window, max(max_queued, task.chunk_rows))
+        pace = Pace(task.chunk_rows, max_queued, window)
+        run = LocalRun(
+            opened, engine, builder, clock, stop=stop, metrics=metrics, source=puller, pace=pace
+        )
         bar = PipeBar(conn, run.sink)
         run.sink.bar = run.sink.error_log.bar = bar
         stop.defer()
-        try:
-            stopped = run.generate_rows()
-        finally:
-            puller.release()  # after writing(): its rows are committed (or redone later)
+        stopped = run.generate_rows()  # the claims are released once its rows are committed
         stats = run.sink.current_stats()
         out.write_json(out.stats_path, stats)
         conn.send(("done", _report(engine.info(), engine.block_size, run, stats)))

@@ -32,7 +32,7 @@ from typing import Any
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped, signal_name
-from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR, OutputDir
+from batchrun.io.output_dir import OutputDir
 from batchrun.io.output_schema import build_table
 from batchrun.io.parts import STATS_FILE, is_temp
 from batchrun.io.progress_bar import ProgressBar
@@ -150,13 +150,7 @@ def run_workers(job: JobSpec) -> dict[str, Any]:
     with StopSignals() as stop:
         out.acquire()
         try:
-            damaged = out.prepare(opened.fingerprint, job.output.overwrite)
-            if damaged:
-                print(
-                    f"batchrun: warning: {len(damaged)} damaged part(s) moved to "
-                    f"{PROGRESS_DIR}/{DAMAGED_DIR}/ ({', '.join(damaged)}); their rows are redone",
-                    file=sys.stderr,
-                )
+            opened.prepare_output()
             total = opened.source.total_rows
             committed = int(out.done_mask(total).sum())
             bar = ProgressBar(total, enabled=not job.run.quiet)

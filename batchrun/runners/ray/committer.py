@@ -10,7 +10,6 @@ row, otherwise the run stops with an error, and the next run does the rest.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,7 +18,6 @@ import pyarrow as pa
 
 from batchrun.errors import JobError
 from batchrun.io.cells import column_values
-from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR
 from batchrun.io.output_schema import concat_parts, conform_part
 from batchrun.io.overrides import output_rows
 from batchrun.io.row_samples import RowSamples
@@ -54,13 +52,7 @@ def commit_outputs(
     found (target, draft, device, dtype, attention_backend, kv_cache_dtype, block_size)."""
     opened.out.acquire()  # before any actor starts: a second run on this output stops at once
     try:
-        damaged = opened.out.prepare(opened.fingerprint, opened.job.output.overwrite)
-        if damaged:
-            print(
-                f"batchrun: warning: {len(damaged)} damaged part(s) moved to "
-                f"{PROGRESS_DIR}/{DAMAGED_DIR}/ ({', '.join(damaged)}); their rows are redone",
-                file=sys.stderr,
-            )
+        opened.prepare_output()
         return RayCommitter(opened, found, clock, extra_stats or {}).execute(outputs)
     finally:
         opened.out.release()
