@@ -3,9 +3,9 @@
 
 It receives its WorkerTask, loads the model on its device, and runs the job's run loop over the
 chunks it claims (batchrun.runners.chunks), committing parts of its own name (those of shard I of
-N) into the shared output. Its parent holds the output's claim and writes stats.json and _SUCCESS:
-the worker sends its progress, its error rows' lines and, at the end, its engine's facts. It
-dies with its parent (a worker whose parent is gone commits nothing more).
+N) into the shared output. Its parent holds the output's claim and ends the job (the output
+sink's finish): the worker sends its progress, its error rows' lines and, at the end, its
+engine's facts. It dies with its parent (a worker whose parent is gone commits nothing more).
 """
 
 from __future__ import annotations

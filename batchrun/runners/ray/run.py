@@ -2,7 +2,7 @@
 
     read      ray.data.from_items(row groups with rows to do) -> map_batches(read_row_groups)
     generate  map_batches(BatchrunProcessor): an actor pool, one actor per GPU (--replicas)
-    commit    this process (the driver, committer.py): parts, _progress, stats.json, _SUCCESS
+    commit    this process (the driver, committer.py): parts and progress, then the sink's finish
 
 Exactly once per input row, as in a local run, because only the driver writes the output, under
 its claim, through the output sink every runner writes with (batchrun.io.sink):
