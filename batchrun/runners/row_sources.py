@@ -1,9 +1,8 @@
-"""Where a runner's input rows come from: one interface, RowSource, for every way a job's rows
-are shared out. A fixed range (a local run, a shard, a torchrun group: FixedRows), chunks
-claimed as a worker needs rows (--workers: batchrun.runners.chunks.ChunkPuller) and Parquet row
+"""Where a runner's input rows come from: one interface, RowSource, for every way a job's rows are
+shared out. A fixed range (a local run, a shard, a torchrun group: FixedRows), chunks claimed as
+a worker needs rows (--workers: batchrun.runners.workers.chunks.ChunkPuller) and Parquet row
 groups read inside Ray tasks (--ray: RowGroups). Each gives its rows not done yet, as batches
-that carry their row_index, and lets go of what it holds once the run's rows are committed.
-"""
+that carry their row_index, and lets go of what it holds once the run's rows are committed."""
 
 from __future__ import annotations
 

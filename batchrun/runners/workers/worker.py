@@ -1,12 +1,11 @@
-"""One worker of a multi-worker job (batchrun.runners.workers): a process of its own, started as
-`python -m batchrun.runners.worker_process FD`, FD one end of a socket pair to its parent.
+"""One worker of a multi-worker job (batchrun.runners.workers.run): a process of its own, started as
+`python -m batchrun.runners.workers.worker FD`, FD one end of a socket pair to its parent.
 
 It receives its WorkerTask, loads the model on its device, and runs the job's run loop over the
-chunks it claims (batchrun.runners.chunks), committing parts of its own name (those of shard I of
-N) into the shared output. Its parent holds the output's claim and ends the job (the output
-sink's finish): the worker sends its progress, its error rows' lines and, at the end, its
-engine's facts. It dies with its parent (a worker whose parent is gone commits nothing more).
-"""
+chunks it claims (batchrun.runners.workers.chunks), committing parts of its own name (those of
+shard I of N) into the shared output. Its parent holds the output's claim and ends the job (the
+output sink's finish): the worker sends its progress, its error rows' lines and, at the end, its
+engine's facts. It dies with its parent (a worker whose parent is gone commits nothing more)."""
 
 from __future__ import annotations
 
@@ -26,13 +25,13 @@ from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
 from batchrun.io.output_dir import OutputDir
 from batchrun.io.progress_bar import ProgressBar
 from batchrun.io.sink import OutputSink
-from batchrun.runners.chunks import Chunk, ChunkPuller
 from batchrun.runners.engine_feed import build_engine
 from batchrun.runners.local import LocalRun
 from batchrun.runners.metrics import MetricsPlan, published
 from batchrun.runners.opened_job import open_job
 from batchrun.runners.row_pipeline import Pace, request_builder
 from batchrun.runners.stop_signals import StopSignals
+from batchrun.runners.workers.chunks import Chunk, ChunkPuller
 from batchrun.stats import RunClock
 
 PROGRESS_SECONDS = 0.2
