@@ -16,7 +16,7 @@ from batchrun.cli.options import job_flags, job_of
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
 from batchrun.io.storage import is_uri
 from batchrun.runners.local import run_job, summary_line
-from batchrun.runners.workers import check_workers, run_workers
+from batchrun.runners.workers.run import check_workers, run_workers
 
 
 def _stops_cleanly(command: Callable[..., None]) -> Callable[..., None]:

@@ -12,7 +12,7 @@ from batchrun.config.job import JobSpec
 from batchrun.io.overrides import OVERRIDE_COLUMNS
 from batchrun.io.prompts import CHAT_KWARGS_COLUMN, CONSTRAINT_COLUMNS, template_thinks
 from batchrun.runners.opened_job import OpenedJob, open_job
-from batchrun.runners.workers import check_workers, planned_devices
+from batchrun.runners.workers.run import check_workers, planned_devices
 
 if TYPE_CHECKING:
     from batchrun.models.dflash_loader import DraftSpec

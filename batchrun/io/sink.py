@@ -1,8 +1,10 @@
-"""The one writer of a job's output, for every runner (the local run, each torchrun rank, the Ray
-driver): it seeds the statistics from the parts committed before, buffers finished rows and
-commits them as parts on a background thread, counts this run's tokens and speculation, drives
-the progress bar and the error log, flushes what is finished whatever stops the run, and at the
-end writes stats.json and, once every input row has its output rows, _SUCCESS.
+"""The one writer of a job's output, for every runner (the local run, each torchrun rank, each
+--workers worker, the Ray driver), and the one end of every job: it seeds the statistics from
+the parts committed before, buffers finished rows and commits them as parts on a background
+thread, counts this run's tokens and speculation, drives the progress bar and the error log,
+flushes what is finished whatever stops the run, and at the end (finish) writes stats.json and,
+once every input row has its output rows, _SUCCESS. The parent of --workers, which writes no
+rows, ends its job here too once its workers are done (its workers' tokens and timing given).
 
 Parts are committed one at a time, in order, on the writer thread: building, writing and fsyncing
 a part never stall the engine's steps. A write that fails is raised on the job's thread at its
@@ -48,11 +50,13 @@ class SinkTarget:
 @dataclass(frozen=True)
 class RunFacts:
     """What stats.json says besides the rows' statistics: the engine's info (target, draft,
-    dtype, ...), the DFlash block size (None without a draft) and keys of the runner's own."""
+    dtype, ...), the DFlash block size (None without a draft) and keys of the runner's own;
+    timing: the run's, when its engines ran elsewhere (None: the sink's clock's)."""
 
     info: dict[str, Any]
     block_size: int | None
     extra: dict[str, Any]
+    timing: Timing | None = None
 
 
 @dataclass(frozen=True)
@@ -114,8 +118,9 @@ class OutputSink:
             self.bar.close()
 
     def count(self, completion_tokens: int, spec_hist: Any, spec_rounds: int) -> None:
-        """A finished sample's generated tokens, and its speculation rounds (spec_hist None
-        without a draft)."""
+        """Tokens this run generated (a finished sample's, or a --workers worker's, counted by
+        its parent), and their speculation rounds (spec_hist None without a draft or not
+        known)."""
         self.run_tokens += completion_tokens
         if spec_hist is not None:  # the tokens of its speculation rounds
             self.run_spec_tokens += round_tokens(spec_hist)
@@ -158,7 +163,7 @@ class OutputSink:
         return self.stats.to_dict(
             info=facts.info,
             block_size=facts.block_size,
-            timing=self.clock.timing(),
+            timing=facts.timing if facts.timing is not None else self.clock.timing(),
             run_completion_tokens=self.run_tokens,
             extra=facts.extra,
         )

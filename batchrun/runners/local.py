@@ -12,38 +12,31 @@ is finished is committed, and the next run of the same command does the rest.
 from __future__ import annotations
 
 import contextlib
-import copy
 import signal
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from batchrun.admission_order import windowed
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request
 from batchrun.errors import JobStopped, signal_name
-from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR
-from batchrun.io.output_schema import OutputRow, error_rows, finished_row
+from batchrun.io.output_schema import OutputRow
 from batchrun.io.prefetch import prefetch
 from batchrun.io.prompts import RequestBuilder
-from batchrun.io.reader import InputBatch, RowSelection, iter_batches
-from batchrun.io.reasoning import reasoning_split
-from batchrun.io.row_samples import RowSamples
+from batchrun.io.reader import RowSelection
 from batchrun.io.sink import OutputSink, RunFacts
-from batchrun.runners.engine_feed import QUEUE_FACTOR, EngineLike, build_engine, generate
+from batchrun.runners.engine_feed import EngineLike, build_engine, generate
 from batchrun.runners.metrics import JobMetrics, MetricsPlan, published, read_progress
 from batchrun.runners.opened_job import OpenedJob, open_job
+from batchrun.runners.row_pipeline import InputRow, Pace, RowPipeline, request_builder
+from batchrun.runners.row_sources import FixedRows, RowSource
 from batchrun.runners.stop_signals import StopSignals, stop_line
 from batchrun.stats import RunClock
 
 if TYPE_CHECKING:
     from batchrun.parallel.group import TensorParallel
 
-# An input row: its row_index, input columns, values of the columns read, request (or why not).
-InputRow = tuple[int, pa.RecordBatch, dict[str, Any], Request | str]
-PREFETCH_ROWS = 512  # input rows read and tokenized ahead of the engine
 TP_STOP_CHECK_STEPS = 8  # tensor-parallel ranks agree on a stop every this many steps
 
 
@@ -100,14 +93,9 @@ def _run_job(
         if engine is None:
             engine = build_engine(job, found.tokenizer if found is not None else None, tp)
         clock.engine_ready()  # tokens/s counts generation only, not start-up and model loading
-        builder = request_builder(job, opened, engine)
-        damaged = opened.out.prepare(opened.fingerprint, job.output.overwrite) if leads else []
-        if damaged:
-            print(
-                f"batchrun: warning: {len(damaged)} damaged part(s) moved to "
-                f"{PROGRESS_DIR}/{DAMAGED_DIR}/ ({', '.join(damaged)}); their rows are redone",
-                file=sys.stderr,
-            )
+        builder = request_builder(job, opened.prompt, opened.source.schema, engine, True)
+        if leads:
+            opened.prepare_output()
         if tp is not None:
             tp.barrier()  # rank 0 has prepared the output: every rank may read it
         run = LocalRun(
@@ -121,19 +109,6 @@ def _run_job(
         opened.out.release()
 
 
-def request_builder(job: JobSpec, opened: OpenedJob, engine: EngineLike) -> RequestBuilder:
-    """What turns the job's input rows into the engine's requests."""
-    return RequestBuilder(
-        job.row_defaults(),
-        opened.prompt,
-        opened.source.schema,
-        copy.deepcopy(engine.tokenizer),  # used on the prefetch thread only
-        engine.max_model_len,
-        engine.vocab_size,
-        lambda: engine.grammars,
-    )
-
-
 def summary_line(stats: dict[str, Any], output: str) -> str:
     """What `batchrun run` prints when a job is done."""
     return (
@@ -144,8 +119,8 @@ def summary_line(stats: dict[str, Any], output: str) -> str:
 
 
 class LocalRun:
-    """The run loop of one process: input rows to requests, requests through the engine, each
-    row's finished samples to the sink."""
+    """The run loop of one process: rows from its row source through the row pipeline and the
+    engine, each row's output rows to the sink."""
 
     def __init__(
         self,
@@ -157,13 +132,16 @@ class LocalRun:
         stop: StopSignals | None = None,
         tp: TensorParallel | None = None,
         metrics: JobMetrics | None = None,
+        source: RowSource | None = None,
+        pace: Pace | None = None,
     ) -> None:
         """writes=False: a tensor-parallel rank other than 0, which runs the engine in step
         with rank 0 but writes nothing (the sink's writes). stop: the signals that stop the run
         early (None: none do); tp: the group whose ranks must agree on a stop; metrics: the
-        live metrics to feed (None: none asked for)."""
+        live metrics to feed (None: none asked for). source and pace: where the rows come from
+        and how far ahead they are read (None: the job's rows not done, at the job's pace; a
+        worker of a multi-worker job reads the chunks it claims, few ahead)."""
         self.opened, self.job, self.engine, self.builder = opened, opened.job, engine, builder
-        self.reasoning = reasoning_split(self.job.output.reasoning_parser, engine.tokenizer)
         self.stop = stop if stop is not None else StopSignals()
         self.tp, self.clock, self.metrics = tp, clock, metrics
         self.steps = 0
@@ -176,29 +154,25 @@ class LocalRun:
             facts=lambda: RunFacts(engine.info(), engine.block_size, extra),
             writes=writes,
         )
-        self.selection = RowSelection(self.sink.done, opened.rows)
-        # Where the input rows come from, and how many are read and queued ahead: a worker of
-        # a multi-worker job (batchrun.runners.workers) reads the chunks it claims, few ahead.
-        self.batches: Callable[[], Iterator[InputBatch]] = lambda: iter_batches(
-            opened.source, self.selection
-        )
-        self.prefetch_rows = PREFETCH_ROWS
-        self.max_queued = QUEUE_FACTOR * self.job.engine.max_batch_size  # requests in the engine
-        self.window = self.job.run.schedule_window
-        # Rows admitted whose samples have not all finished: their input columns, and samples.
+        if source is None:
+            source = FixedRows(opened.source, RowSelection(self.sink.done, opened.rows))
+        self.source, self.pace = source, pace if pace is not None else Pace.of(self.job)
+        self.pipeline = RowPipeline(self.job, engine, self.pace.window)
+        # Rows admitted whose samples have not all finished: their input columns.
         self.row_inputs: dict[int, pa.RecordBatch] = {}
-        self.samples: RowSamples[Request] = RowSamples()
 
     def execute(self) -> dict[str, Any]:
-        with self.sink.writing():
-            self._loop()
+        self.generate_rows()
         return self._finish()
 
     def generate_rows(self) -> bool:
-        """The run without its end (stats.json, _SUCCESS): what a worker of a multi-worker job
+        """The run without its end (the sink's finish): what a worker of a multi-worker job
         runs, whose parent ends the job. Returns whether a signal stopped it."""
-        with self.sink.writing():
-            self._loop()
+        try:
+            with self.sink.writing():
+                self._loop()
+        finally:
+            self.source.release()  # after writing(): its rows are committed (or redone later)
         return self.stopped
 
     def _loop(self) -> None:
@@ -206,7 +180,7 @@ class LocalRun:
         self._report(force=True)
         try:
             requests = self._requests(rows)
-            for finished in generate(self.engine, requests, self.max_queued, self._stopping):
+            for finished in generate(self.engine, requests, self.pace.max_queued, self._stopping):
                 for request in finished:
                     self._collect(request)
                 self.sink.maybe_commit()
@@ -223,7 +197,7 @@ class LocalRun:
             # finished (never buffered: a part holds all of a row's output rows or none).
             self.engine.abort_all()
             self.row_inputs.clear()
-            self.samples.clear()
+            self.pipeline.clear()
 
     def _requests(self, rows: Iterator[InputRow]) -> Iterator[Request]:
         """The requests of the input rows, the rows without one buffered as error rows."""
@@ -232,7 +206,7 @@ class LocalRun:
                 row = next(rows, None)
             if row is None:
                 return
-            request = self._admit(*row)
+            request = self._admit(row)
             if request is not None:
                 yield request
 
@@ -254,10 +228,9 @@ class LocalRun:
         self.sink.count(len(output.token_ids), output.spec_hist, output.spec_rounds)
         if output.error is not None and request.sample_index == 0:  # its grammar's, say
             self.sink.log_error(row_index, self.row_inputs[row_index].to_pylist()[0], output.error)
-        done = self.samples.add(row_index, request.sample_index, request.params.n, request)
+        done = self.pipeline.finished(row_index, request)
         if done is not None:
-            inputs = self.row_inputs.pop(row_index)
-            self._add_row(inputs, [finished_row(r, self.reasoning) for r in done])
+            self._add_row(self.row_inputs.pop(row_index), done)
 
     def _add_row(self, inputs: pa.RecordBatch, rows: list[OutputRow]) -> None:
         """One input row's output rows to the sink, and counted in the live metrics."""
@@ -272,40 +245,19 @@ class LocalRun:
             self.metrics.refresh(progress)
 
     def _input_rows(self) -> Iterator[InputRow]:
-        """Each selected row, its input columns, its values and its request (or why not),
-        read and tokenized ahead on a background thread (with its own tokenizer), which also
-        puts each schedule window of rows in admission order."""
+        """The pipeline's rows of the row source, read and tokenized ahead on a background
+        thread (the builder has its own tokenizer)."""
         id_columns = [self.opened.id_column] if self.opened.id_column is not None else []
+        rows = self.pipeline.rows(self.source.batches(), self.builder, id_columns)
+        return prefetch(rows, depth=self.pace.prefetch_rows)
 
-        def rows() -> Iterator[InputRow]:
-            for batch in self.batches():
-                row_indices = batch.row_indices.tolist()
-                built = self.builder.build_batch(batch.batch, row_indices, id_columns)
-                for i, (values, request) in enumerate(built):
-                    yield row_indices[i], batch.batch.slice(i, 1), values, request
-
-        ordered = windowed(
-            rows(),
-            window=self.window,
-            max_len=self.engine.max_model_len,
-            page_size=self.job.engine_config().page_size,
-            request=lambda row: row[3] if isinstance(row[3], Request) else None,
-        )
-        return prefetch(ordered, depth=self.prefetch_rows)
-
-    def _admit(
-        self,
-        row_index: int,
-        inputs: pa.RecordBatch,
-        values: dict[str, Any],
-        request: Request | str,
-    ) -> Request | None:
-        """The request for the engine, or None: the row's error row goes to the sink."""
-        if isinstance(request, Request):
-            self.row_inputs[row_index] = inputs
-            return request
-        self.sink.log_error(row_index, values, request)
-        self._add_row(inputs, error_rows(row_index, request, self.builder.output_rows(values)))
+    def _admit(self, row: InputRow) -> Request | None:
+        """The request for the engine, or None: the row's error rows go to the sink."""
+        if isinstance(row.request, Request):
+            self.row_inputs[row.row_index] = row.inputs
+            return row.request
+        self.sink.log_error(row.row_index, row.values, row.request)
+        self._add_row(row.inputs, self.pipeline.error_rows(row))
         self.sink.maybe_commit()
         return None
 

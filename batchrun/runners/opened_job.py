@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pyarrow as pa
 from batchrun.config.fingerprint import job_fingerprint
 from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
-from batchrun.io.output_dir import OutputDir
+from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR, OutputDir
 from batchrun.io.prompts import PromptColumn, find_id_column, find_prompt_column
 from batchrun.io.reader import InputSource, open_input
 from batchrun.io.shards import shard_rows
@@ -47,6 +48,17 @@ class OpenedJob:
             quiet=self.job.run.quiet if quiet is None else quiet,
             id_column=self.id_column,
         )
+
+    def prepare_output(self) -> None:
+        """Prepare the claimed output for this run (batchrun.io.output_dir's prepare), saying
+        which damaged parts were moved aside: their rows are redone."""
+        damaged = self.out.prepare(self.fingerprint, self.job.output.overwrite)
+        if damaged:
+            print(
+                f"batchrun: warning: {len(damaged)} damaged part(s) moved to "
+                f"{PROGRESS_DIR}/{DAMAGED_DIR}/ ({', '.join(damaged)}); their rows are redone",
+                file=sys.stderr,
+            )
 
     def committed_rows(self) -> int:
         """The rows of this run's range (its shard's, or every row) in committed parts."""

@@ -1,9 +1,11 @@
 """`batchrun run --tp N`: a job on N tensor-parallel processes of this host.
 
 Outside torchrun the job is checked, then re-executed under torch.distributed.run (standalone
-rendezvous on a free port) as N processes of `batchrun.runners.rank_worker`, each handed the
-resolved job. Inside torchrun (the worker, or `torchrun ... -m batchrun.cli run --tp N`) each
-process joins its tensor-parallel group and runs the job in lockstep with the group.
+rendezvous on a free port) as N processes of `python -m batchrun.runners.torchrun JOB`, each
+handed the resolved job as JSON. Inside torchrun (those, or `torchrun ... -m batchrun.cli run
+--tp N`) each process joins its tensor-parallel group and runs the job in lockstep with the
+group. Rank 0 prints the summary line; a JobError is one line on stderr and exit status 2, and a
+stop by a signal one line and EXIT_STOPPED, as from `batchrun run`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
 from batchrun.models.loader import qwen3_shape, read_config
 from batchrun.models.qwen3_sharding import local_shape
 from batchrun.parallel.group import TensorParallel, init_from_env
-from batchrun.runners.local import run_job
+from batchrun.runners.local import run_job, summary_line
 from batchrun.runners.opened_job import open_job
 from batchrun.runners.stop_signals import STOP_SIGNALS
 
@@ -67,7 +69,7 @@ def relaunch(job: JobSpec) -> int:
     check(job)
     open_job(job)  # the input and output checks, said once here rather than by every rank
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    worker = ["-m", "batchrun.runners.rank_worker", json.dumps(job.to_dict())]
+    worker = ["-m", "batchrun.runners.torchrun", json.dumps(job.to_dict())]
     command = [*torchrun, f"--nproc-per-node={job.run.tp}", *worker]
     environ = dict(os.environ)
     environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.run.tp)))
@@ -122,3 +124,23 @@ def run_rank(job: JobSpec) -> tuple[dict[str, Any], TensorParallel]:
 def _leave(tp: TensorParallel) -> None:
     tp.barrier()  # no rank tears its connections down while another still uses them (gloo aborts)
     dist.destroy_process_group()  # after a failure, torchrun ends the other ranks instead
+
+
+def main(argv: list[str]) -> int:
+    try:
+        job = JobSpec.from_keys(json.loads(argv[1]))
+        stats, tp = run_rank(job)
+    except JobError as exc:
+        print(f"batchrun: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except JobStopped as stop:  # by SIGTERM or SIGINT, as `batchrun run` stops
+        if stop.line is not None:  # rank 0's
+            print(stop.line, file=sys.stderr)
+        return EXIT_STOPPED
+    if tp.rank == 0:
+        print(summary_line(stats, job.output.directory))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -25,8 +25,8 @@ from batchrun.errors import EXIT_STOPPED, JobError
 from batchrun.io.claim import CLAIM_SUFFIX, ClaimInfo, create_claim_file
 from batchrun.io.output_dir import JOB_KEY, OutputDir
 from batchrun.io.reader import open_input
-from batchrun.runners.chunks import ChunkPuller, chunk_rows, plan_chunks
-from batchrun.runners.workers import worker_devices
+from batchrun.runners.workers.chunks import ChunkPuller, chunk_rows, plan_chunks
+from batchrun.runners.workers.run import worker_devices
 from tests.io import test_object_storage as object_storage
 from tests.job.test_cli import invoke, write_job, write_prompts
 

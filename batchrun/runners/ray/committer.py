@@ -4,13 +4,13 @@ each row_index at most once.
 The driver keeps a mask of every row committed or buffered and drops any row it already has (a
 batch that Ray ran twice), so none is written twice; a row's n samples go to the sink together
 once all have come (Ray may split a batch's output into several blocks), so a part holds all of
-a row's output rows or none; _SUCCESS is written only when the committed parts hold every input
-row, otherwise the run stops with an error, and the next run does the rest.
+a row's output rows or none. The job ends through the sink's finish, complete only when the
+committed parts hold every input row; otherwise the run stops with an error, and the next run
+does the rest.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,7 +19,6 @@ import pyarrow as pa
 
 from batchrun.errors import JobError
 from batchrun.io.cells import column_values
-from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR
 from batchrun.io.output_schema import concat_parts, conform_part
 from batchrun.io.overrides import output_rows
 from batchrun.io.row_samples import RowSamples
@@ -50,17 +49,11 @@ def commit_outputs(
 ) -> dict[str, Any]:
     """The driver's side of a run: claim the output, then commit the tables that
     outputs(done) yields (output rows, by row_index; done: the committed rows, not called
-    when every row is) as parts, with stats.json and at last _SUCCESS. found: what preflight
+    when every row is) as parts, then end the job (the sink's finish). found: what preflight
     found (target, draft, device, dtype, attention_backend, kv_cache_dtype, block_size)."""
     opened.out.acquire()  # before any actor starts: a second run on this output stops at once
     try:
-        damaged = opened.out.prepare(opened.fingerprint, opened.job.output.overwrite)
-        if damaged:
-            print(
-                f"batchrun: warning: {len(damaged)} damaged part(s) moved to "
-                f"{PROGRESS_DIR}/{DAMAGED_DIR}/ ({', '.join(damaged)}); their rows are redone",
-                file=sys.stderr,
-            )
+        opened.prepare_output()
         return RayCommitter(opened, found, clock, extra_stats or {}).execute(outputs)
     finally:
         opened.out.release()

@@ -24,26 +24,20 @@ This module imports no Ray: the class is plain Python, and also runs on a pyarro
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from batchrun.admission_order import windowed
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request
 from batchrun.errors import JobError
-from batchrun.io.output_schema import (
-    OutputRow,
-    build_table,
-    error_rows,
-    finished_row,
-)
+from batchrun.io.output_schema import OutputRow, build_table
 from batchrun.io.prompts import RequestBuilder, find_prompt_column
-from batchrun.io.reasoning import reasoning_split
-from batchrun.io.row_samples import RowSamples
-from batchrun.runners.engine_feed import QUEUE_FACTOR, EngineLike, build_engine, generate
+from batchrun.io.reader import InputBatch
+from batchrun.runners.engine_feed import EngineLike, build_engine, generate
+from batchrun.runners.row_pipeline import Pace, RowPipeline, request_builder
 
 ROW_INDEX = "row_index"
 SAMPLE_INDEX = "sample_index"
@@ -89,7 +83,8 @@ class BatchrunProcessor:
         that creates this file exits mid-batch, as a killed actor would."""
         self.job = processor_job({"target": target, **settings})
         self.engine = _engine if _engine is not None else build_engine(self.job)
-        self.reasoning = reasoning_split(self.job.output.reasoning_parser, self.engine.tokenizer)
+        self.pace = Pace.of(self.job)
+        self.pipeline = RowPipeline(self.job, self.engine, self.pace.window)
         self.crash_once = _crash_once
         self.builders: dict[pa.Schema, RequestBuilder] = {}
 
@@ -118,32 +113,25 @@ class BatchrunProcessor:
         if inputs.num_rows == 0:
             return build_table(schema, [], [])
         batch = _one_batch(inputs)
-        builder = self._builder(inputs.schema)
-        built = builder.build_batch(batch, row_indices)
-        outputs: list[list[OutputRow]] = [[] for _ in built]
+        pipeline, builder = self.pipeline, self._builder(inputs.schema)
+        pipeline.clear()  # the rows of a batch that failed before
+        outputs: list[list[OutputRow]] = [[] for _ in range(batch.num_rows)]
         position: dict[int, int] = {}  # id of a row's request (sample 0) -> its row
-        samples: RowSamples[OutputRow] = RowSamples()  # by row's position in the batch
-        requests: list[Request] = []
-        for i, (values, request) in enumerate(built):
-            if isinstance(request, Request):
-                position[id(request)] = i
-                requests.append(request)
-            else:
-                outputs[i] = error_rows(row_indices[i], request, builder.output_rows(values))
-        ordered = windowed(
-            iter(requests),
-            window=self.job.run.schedule_window,
-            max_len=self.engine.max_model_len,
-            page_size=self.job.engine_config().page_size,
-            request=lambda request: request,
-        )
-        max_queued = QUEUE_FACTOR * self.job.engine.max_batch_size
-        for finished in generate(self.engine, ordered, max_queued):
+        read = InputBatch(np.asarray(row_indices, dtype=np.int64), batch)
+
+        def requests() -> Iterator[Request]:
+            for row in pipeline.rows([read], builder):
+                if isinstance(row.request, Request):
+                    position[id(row.request)] = row.seq
+                    yield row.request
+                else:
+                    outputs[row.seq] = pipeline.error_rows(row)
+
+        for finished in generate(self.engine, requests(), self.pace.max_queued):
             for request in finished:
                 first = request.siblings[0] if request.siblings else request
                 i = position[id(first)]
-                row = finished_row(request, self.reasoning)
-                done = samples.add(i, request.sample_index, request.params.n, row)
+                done = pipeline.finished(i, request)
                 if done is not None:
                     outputs[i] = done
             if finished:
@@ -154,15 +142,7 @@ class BatchrunProcessor:
     def _builder(self, schema: pa.Schema) -> RequestBuilder:
         if schema not in self.builders:
             prompt = find_prompt_column(schema, self.job.input)
-            self.builders[schema] = RequestBuilder(
-                self.job.row_defaults(),
-                prompt,
-                schema,
-                self.engine.tokenizer,
-                self.engine.max_model_len,
-                self.engine.vocab_size,
-                lambda: self.engine.grammars,
-            )
+            self.builders[schema] = request_builder(self.job, prompt, schema, self.engine)
         return self.builders[schema]
 
     def _maybe_crash(self) -> None:

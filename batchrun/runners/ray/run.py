@@ -2,7 +2,7 @@
 
     read      ray.data.from_items(row groups with rows to do) -> map_batches(read_row_groups)
     generate  map_batches(BatchrunProcessor): an actor pool, one actor per GPU (--replicas)
-    commit    this process (the driver, committer.py): parts, _progress, stats.json, _SUCCESS
+    commit    this process (the driver, committer.py): parts and progress, then the sink's finish
 
 Exactly once per input row, as in a local run, because only the driver writes the output, under
 its claim, through the output sink every runner writes with (batchrun.io.sink):
@@ -25,7 +25,6 @@ same Parquet row groups with pyarrow inside Ray tasks instead.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -34,11 +33,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
-from batchrun.io.output_dir import row_ranges
 from batchrun.io.prompts import PromptColumn, find_prompt_column
 from batchrun.io.reader import open_input
 from batchrun.runners.engine_feed import QUEUE_FACTOR
@@ -46,6 +43,7 @@ from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.ray.committer import commit_outputs
 from batchrun.runners.ray.errors import job_error
 from batchrun.runners.ray.processor import ROW_INDEX, BatchrunProcessor, processor_settings
+from batchrun.runners.row_sources import RowGroups
 from batchrun.stats import RunClock
 
 CRASH_ONCE_ENV = "BATCHRUN_TEST_RAY_CRASH_ONCE"  # test hook: see BatchrunProcessor._crash_once
@@ -136,40 +134,9 @@ def preflight_info(job: JobSpec, prompt: PromptColumn) -> dict[str, Any]:
 def read_row_groups(units: pa.Table) -> Iterator[pa.Table]:
     """The read stage: the rows of each unit (one row group) that are not done, with their
     row_index column; one table per READ_BATCH_ROWS rows read."""
-    for unit in units.to_pylist():
-        done = np.zeros(unit["rows"], dtype=bool)
-        for start, stop in json.loads(unit["done"]):
-            done[start:stop] = True
-        reader = pq.ParquetFile(unit["path"])
-        offset = 0
-        for batch in reader.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[unit["group"]]):
-            wanted = ~done[offset : offset + batch.num_rows]
-            indices = np.arange(offset, offset + batch.num_rows, dtype=np.int64) + unit["first"]
-            offset += batch.num_rows
-            if wanted.any():
-                table = pa.Table.from_batches([batch.filter(pa.array(wanted))])
-                yield table.append_column(ROW_INDEX, pa.array(indices[wanted]))
-
-
-def row_group_units(opened: OpenedJob, done: np.ndarray) -> list[dict[str, Any]]:
-    """One unit per row group that holds rows not done; `done` ranges relative to the group."""
-    units = []
-    for file in opened.source.files:
-        first = file.first_row
-        for group, rows in enumerate(file.row_group_rows):
-            group_done = done[first : first + rows]
-            if not group_done.all():
-                units.append(
-                    {
-                        "path": str(file.path),
-                        "group": group,
-                        "first": first,
-                        "rows": rows,
-                        "done": json.dumps(row_ranges(np.flatnonzero(group_done))),
-                    }
-                )
-            first += rows
-    return units
+    for read in RowGroups(units.to_pylist(), READ_BATCH_ROWS).batches():
+        table = pa.Table.from_batches([read.batch])
+        yield table.append_column(ROW_INDEX, pa.array(read.row_indices))
 
 
 def _dataset(
@@ -183,7 +150,7 @@ def _dataset(
     crash = os.environ.get(CRASH_ONCE_ENV)
     if crash:
         settings["_crash_once"] = crash
-    reads = ray.data.from_items(row_group_units(opened, done)).map_batches(
+    reads = ray.data.from_items(RowGroups.plan(opened.source, done)).map_batches(
         read_row_groups, batch_size=1, batch_format="pyarrow", num_cpus=0
     )
     # Ray Data restarts an actor that dies (max_restarts=-1) and runs its batch again

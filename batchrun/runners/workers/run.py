@@ -2,16 +2,16 @@
 sharing one output.
 
 The parent (this process) checks the job, claims the output and prepares it as a single run
-does, then starts the workers (batchrun.runners.worker_process). They pull chunks of row groups
-through claims as they need rows (batchrun.runners.chunks): no fixed shards, so a slow worker
-takes less. Each commits parts of its own name (those of shard I of N); the parent draws one
-progress bar from their reports and, once every row is committed, writes the job's stats.json
-and _SUCCESS. A worker killed mid-job leaves claims that are stale at once on this host (its
-process is gone): the workers still reading take its chunks over, and when all have ended with
-rows left, the parent starts another round of workers for them (as long as a round commits
-rows). A worker's error stops the others and the job, in one line. SIGTERM or SIGINT stop every
-worker cleanly (what is finished is committed), as for a single run.
-"""
+does, then starts the workers (batchrun.runners.workers.worker). They pull chunks of row groups
+through claims as they need rows (batchrun.runners.workers.chunks): no fixed shards, so a slow
+worker takes less. Each commits parts of its own name (those of shard I of N); the parent draws
+one progress bar from their reports and, once every row is committed, ends the job through the
+output sink (batchrun.io.sink), as every runner does. A worker killed mid-job leaves claims that
+are stale at once on this host (its process is gone): the workers still reading take its chunks
+over, and when all have ended with rows left, the parent starts another round of workers for
+them (as long as a round commits rows). A worker's error stops the others and the job, in one
+line. SIGTERM or SIGINT stop every worker cleanly (what is finished is committed), as for a
+single run."""
 
 from __future__ import annotations
 
@@ -32,16 +32,16 @@ from typing import Any
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped, signal_name
-from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR, OutputDir
-from batchrun.io.output_schema import build_table
+from batchrun.io.output_dir import OutputDir
 from batchrun.io.parts import STATS_FILE, is_temp
 from batchrun.io.progress_bar import ProgressBar
-from batchrun.runners.chunks import chunk_rows, plan_chunks
+from batchrun.io.sink import OutputSink, RunFacts
 from batchrun.runners.metrics import MetricsPlan
 from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.stop_signals import StopSignals, stop_line
-from batchrun.runners.worker_process import WorkerTask
-from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
+from batchrun.runners.workers.chunks import chunk_rows, plan_chunks
+from batchrun.runners.workers.worker import WorkerTask
+from batchrun.stats import RunClock, Timing
 
 POLL_SECONDS = 0.2
 
@@ -150,13 +150,7 @@ def run_workers(job: JobSpec) -> dict[str, Any]:
     with StopSignals() as stop:
         out.acquire()
         try:
-            damaged = out.prepare(opened.fingerprint, job.output.overwrite)
-            if damaged:
-                print(
-                    f"batchrun: warning: {len(damaged)} damaged part(s) moved to "
-                    f"{PROGRESS_DIR}/{DAMAGED_DIR}/ ({', '.join(damaged)}); their rows are redone",
-                    file=sys.stderr,
-                )
+            opened.prepare_output()
             total = opened.source.total_rows
             committed = int(out.done_mask(total).sum())
             bar = ProgressBar(total, enabled=not job.run.quiet)
@@ -218,7 +212,7 @@ def _start(state: _Job, index: int, count: int, chunks: list[Any], size: int) ->
     env = dict(os.environ)  # the node's cores shared among the workers, as torchrun's ranks do
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // count)))
     process = subprocess.Popen(
-        [sys.executable, "-m", "batchrun.runners.worker_process", str(theirs.fileno())],
+        [sys.executable, "-m", "batchrun.runners.workers.worker", str(theirs.fileno())],
         pass_fds=(theirs.fileno(),),
         stdin=subprocess.DEVNULL,
         env=env,
@@ -301,32 +295,32 @@ def _existing_stats(out: OutputDir) -> dict[str, Any] | None:
 
 
 def _finish(state: _Job, clock: RunClock) -> dict[str, Any]:
-    """Every row is committed: stats.json over every part, then _SUCCESS; the workers' temps
-    and chunk claims go."""
-    out = state.opened.out
-    if not out.committed_parts():  # a job without rows still leaves a part: its schema
-        out.commit(build_table(state.opened.schema, [], []))
+    """Every row is committed: the job ends through the output sink (stats.json over every
+    part, with the workers' tokens and timing), then the workers' temps and chunk claims go."""
+    opened = state.opened
     reports = [w.report for w in state.workers if w.report is not None]
-    totals = StatsAccumulator()
-    for part in out.committed_parts():
-        totals.add(out.read_table(part, STATS_COLUMNS))
-    info = _job_info([r["info"] for r in reports], state.devices)
-    wall = clock.timing().wall_seconds
     worker_timing = Timing.longest([Timing(*r["timing"]) for r in reports])
-    stats = totals.to_dict(
-        info=info,
-        block_size=reports[0]["block_size"] if reports else None,
-        timing=Timing(wall, worker_timing.load_seconds, worker_timing.generation_seconds),
-        run_completion_tokens=sum(r["run_tokens"] for r in reports),
-        extra={
-            "input_rows": state.opened.source.total_rows,
-            "shard": None,
-            "workers": len(state.devices),
-        },
-    )
-    out.write_json(out.path / STATS_FILE, stats)
-    out.mark_success()
-    _clean_up(out)
+
+    def facts() -> RunFacts:
+        wall = clock.timing().wall_seconds
+        return RunFacts(
+            info=_job_info([r["info"] for r in reports], state.devices),
+            block_size=reports[0]["block_size"] if reports else None,
+            extra={
+                "input_rows": opened.source.total_rows,
+                "shard": None,
+                "workers": len(state.devices),
+            },
+            timing=Timing(wall, worker_timing.load_seconds, worker_timing.generation_seconds),
+        )
+
+    # Made now: its statistics are those of every part committed, by every worker.
+    sink = OutputSink(opened.sink_target(quiet=True), clock=clock, facts=facts)
+    with sink.writing():
+        for report in reports:
+            sink.count(report["run_tokens"], None, 0)
+    stats = sink.finish().stats
+    _clean_up(opened.out)
     return stats
 
 

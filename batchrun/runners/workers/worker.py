@@ -1,12 +1,11 @@
-"""One worker of a multi-worker job (batchrun.runners.workers): a process of its own, started as
-`python -m batchrun.runners.worker_process FD`, FD one end of a socket pair to its parent.
+"""One worker of a multi-worker job (batchrun.runners.workers.run): a process of its own, started as
+`python -m batchrun.runners.workers.worker FD`, FD one end of a socket pair to its parent.
 
 It receives its WorkerTask, loads the model on its device, and runs the job's run loop over the
-chunks it claims (batchrun.runners.chunks), committing parts of its own name (those of shard I of
-N) into the shared output. Its parent holds the output's claim and writes stats.json and _SUCCESS:
-the worker sends its progress, its error rows' lines and, at the end, its engine's facts. It
-dies with its parent (a worker whose parent is gone commits nothing more).
-"""
+chunks it claims (batchrun.runners.workers.chunks), committing parts of its own name (those of
+shard I of N) into the shared output. Its parent holds the output's claim and ends the job (the
+output sink's finish): the worker sends its progress, its error rows' lines and, at the end, its
+engine's facts. It dies with its parent (a worker whose parent is gone commits nothing more)."""
 
 from __future__ import annotations
 
@@ -26,12 +25,13 @@ from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
 from batchrun.io.output_dir import OutputDir
 from batchrun.io.progress_bar import ProgressBar
 from batchrun.io.sink import OutputSink
-from batchrun.runners.chunks import Chunk, ChunkPuller
 from batchrun.runners.engine_feed import build_engine
-from batchrun.runners.local import LocalRun, request_builder
+from batchrun.runners.local import LocalRun
 from batchrun.runners.metrics import MetricsPlan, published
 from batchrun.runners.opened_job import open_job
+from batchrun.runners.row_pipeline import Pace, request_builder
 from batchrun.runners.stop_signals import StopSignals
+from batchrun.runners.workers.chunks import Chunk, ChunkPuller
 from batchrun.stats import RunClock
 
 PROGRESS_SECONDS = 0.2
@@ -112,30 +112,27 @@ def work(task: WorkerTask, conn: Connection) -> int:
         found = preflight(job, opened.prompt)
         engine = build_engine(job, found.tokenizer, None)
         clock.engine_ready()
-        builder = request_builder(job, opened, engine)
-        run = LocalRun(opened, engine, builder, clock, stop=stop, metrics=metrics)
+        builder = request_builder(job, opened.prompt, opened.source.schema, engine, True)
+        total = opened.source.total_rows
+        chunks = list(task.chunks)
+        worker = (task.index, task.count)
         puller = ChunkPuller(
-            opened.source,
-            out,
-            list(task.chunks),
-            task.chunk_rows,
-            run.sink.done,
-            (task.index, task.count),
+            opened.source, out, chunks, task.chunk_rows, out.done_mask(total), worker
         )
         # Claims follow the engine's demand: one chunk read ahead, no more queued than a batch
         # (nor, in a small job, than half a worker's share: a worker that starts late finds
         # rows), and rows reordered for admission within that many only.
-        run.batches, run.prefetch_rows = puller.batches, task.chunk_rows
-        half_share = -(-opened.source.total_rows // (2 * task.count))
-        run.max_queued = max(1, min(job.engine.max_batch_size, half_share))
-        run.window = min(run.window, max(run.max_queued, task.chunk_rows))
+        half_share = -(-total // (2 * task.count))
+        max_queued = max(1, min(job.engine.max_batch_size, half_share))
+        window = min(job.run.schedule_window, max(max_queued, task.chunk_rows))
+        pace = Pace(task.chunk_rows, max_queued, window)
+        run = LocalRun(
+            opened, engine, builder, clock, stop=stop, metrics=metrics, source=puller, pace=pace
+        )
         bar = PipeBar(conn, run.sink)
         run.sink.bar = run.sink.error_log.bar = bar
         stop.defer()
-        try:
-            stopped = run.generate_rows()
-        finally:
-            puller.release()  # after writing(): its rows are committed (or redone later)
+        stopped = run.generate_rows()  # the claims are released once its rows are committed
         stats = run.sink.current_stats()
         out.write_json(out.stats_path, stats)
         conn.send(("done", _report(engine.info(), engine.block_size, run, stats)))
