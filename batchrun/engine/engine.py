@@ -213,24 +213,21 @@ class Engine:
     # -- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Launch the next step, then read back the one before it; returns the requests that
-        one finished. A step with constrained rows reads the one before it back between its
-        forward and its sampling: its masks start from the tokens that step commits."""
+        """Launch the next step, then apply the one before; returns the requests it finished."""
         failed = self._admit_compiled()
         scheduler, worker = self.scheduler, self.worker
         width = worker.next_width(len(scheduler.running), scheduler.prefill_pending)
-        scheduled = scheduler.schedule(width)
-        previous, self._launched = self._launched, None
-        finished: list[Request] = []
-        if scheduled.items:
-            forward = worker.launch_forward(scheduled)
-            if forward.constrained:  # its masks start from the tokens the step before commits
-                finished, previous = self._apply(previous), None
-            grammars = self.grammars if forward.constrained else None
-            self._launched = worker.launch_sampling(forward, grammars)
-        elif previous is None and self.compiling:  # nothing runs but compiles: wait a bit
-            self.compiling.wait(self.grammars)
-        return failed + finished + self._apply(previous)
+        scheduled, previous, self._launched = scheduler.schedule(width), self._launched, None
+        if not scheduled.items:
+            if previous is None and self.compiling:  # nothing runs but compiles: wait a bit
+                self.compiling.wait(self.grammars)
+            return failed + self._apply(previous)
+        forward = worker.launch_forward(scheduled)
+        if forward.constrained:  # its masks start from the tokens the step before commits
+            failed, previous = failed + self._apply(previous), None
+        grammars = self.grammars if forward.constrained else None
+        self._launched = worker.launch_sampling(forward, grammars)
+        return failed + self._apply(previous)
 
     def _apply(self, launched: Launched | None) -> list[Request]:
         """Read a launched step's results back and have the scheduler apply them; returns the
