@@ -107,7 +107,7 @@ class Engine:
     def capture_graphs(self) -> None:
         """The steady-state step's CUDA graphs, the target's and the speculator's (off a GPU
         they are emulated: the tests run them so)."""
-        self.runner.capture_graphs(self.config.max_batch_size, self.speculator.widths)
+        self.worker.capture_graphs(self.config.max_batch_size)
 
     def new_job(self, max_batch_size: int | None = None) -> None:
         """Start as a fresh engine: no cached prefixes, no width measurements, no counts. The

@@ -78,6 +78,10 @@ class Worker:
         self.speculator.start_job(max_batch_size, max_batched_tokens)
         self.step_kinds, self.step_seconds, self._last_done = Counter(), {}, None
 
+    def capture_graphs(self, max_batch_size: int) -> None:
+        """The target's graphs at each width the speculator may verify at, then its own."""
+        self.runner.capture_graphs(max_batch_size, self.speculator.widths)
+
     def info(self) -> dict[str, Any]:
         """What the job's statistics say of the device side."""
         runner = self.runner
