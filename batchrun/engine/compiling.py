@@ -1,7 +1,7 @@
-"""Constrained requests whose grammar is compiling (sampling/grammar_compile.py). The engine
-admits one once its grammar is ready and finishes it as an error when it has none (it does not
-compile, or breaks the budget); every other request decodes meanwhile, so a row waits only for
-its own grammar.
+"""Constrained requests whose grammar is compiling (sampling/grammar_compile.py). One joins the
+scheduler's queue once its grammar is ready, and the scheduler finishes it as an error when it
+has none (it does not compile, or breaks the budget); every other request decodes meanwhile, so
+a row waits only for its own grammar.
 
 With tensor parallelism the ranks must admit alike, and compile times differ between them:
 rank 0's view decides (its compiles alone keep a time budget), and a rank told a grammar is
@@ -9,14 +9,18 @@ ready waits for its own compile of it, which rank 0 has finished."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from batchrun.engine.core.requests import Request, Status
+from batchrun.engine.core.requests import Request
 from batchrun.errors import JobError
 from batchrun.sampling.grammar import Grammars
 from batchrun.sampling.grammar_compile import CompileJob
+from batchrun.sampling.row_grammar import RowGrammar
 
 if TYPE_CHECKING:
+    from batchrun.engine.core.scheduler import Scheduler
     from batchrun.parallel.group import TensorParallel
 
 # An engine with nothing else to run waits this long for a compile at a time, then steps (so a
@@ -27,9 +31,27 @@ WAIT_SECONDS = 0.05
 State = bool | str | None
 
 
+class GrammarsOnce:
+    """The structured outputs' compiler, made for the first constrained request (the prefetch
+    thread may ask for it first)."""
+
+    def __init__(self, make: Callable[[], Grammars]) -> None:
+        self._make = make
+        self._grammars: Grammars | None = None
+        self._made = threading.Lock()
+
+    def get(self) -> Grammars:
+        with self._made:
+            if self._grammars is None:
+                self._grammars = self._make()
+            return self._grammars
+
+
 class Compiling:
-    def __init__(self, tp: TensorParallel | None) -> None:
-        self.tp = tp
+    def __init__(self, tp: TensorParallel | None, fail: Callable[[Request, str], None]) -> None:
+        """fail: finishes a request whose grammar has none as an error (the scheduler's
+        `fail`: the scheduler alone writes request state)."""
+        self.tp, self.fail = tp, fail
         self.waiting: list[tuple[Request, CompileJob]] = []
 
     def __len__(self) -> int:
@@ -59,11 +81,23 @@ class Compiling:
                     raise JobError(f"tensor-parallel ranks disagree on a grammar: {job.error}")
                 ready.append((req, job))
             else:
-                req.output.finish_reason, req.output.error = "error", str(state)
-                req.state.status = Status.FINISHED
+                self.fail(req, str(state))
                 failed.append(req)
         self.waiting = left
         return ready, failed
+
+    def admit_ready(
+        self, grammars: Grammars, scheduler: Scheduler, think: tuple[int, int] | None
+    ) -> list[Request]:
+        """Requests whose compile is over join the scheduler's queue with their grammar (the
+        answer's after a think block when a reasoning parser splits the output; think: the
+        think token ids); returns those finished as errors."""
+        ready, failed = self.settle(grammars)
+        for req, job in ready:
+            row_think = think if req.params.reasoning else None
+            grammar = RowGrammar.of(grammars.matcher_of(job), row_think, req.prompt_ids)
+            scheduler.add(req, grammar=grammar)
+        return failed
 
     def wait(self, grammars: Grammars) -> None:
         """Until a compile is over, or WAIT_SECONDS."""

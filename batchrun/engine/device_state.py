@@ -14,10 +14,12 @@ Slot `num_slots` is scratch: padded requests of a CUDA graph point at it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from batchrun.device import put
-from batchrun.engine.core.requests import Request
+from batchrun.engine.core.step import Scheduled
 from batchrun.sampling.slot_tables import SAMPLING_SLOT_BYTES, SlotTables
 
 # The int64 fields below, and the sampling tables': what a slot takes beside its page table.
@@ -43,12 +45,13 @@ class DeviceState:
 
     # -- host -> device -----------------------------------------------------------------------
 
-    def admit(self, reqs: list[Request]) -> torch.Tensor:
-        """Fill the slots of requests that just took one (admitted, or resumed after a
-        preemption: their KV is recomputed from the start, or from a cached prefix); returns
-        those slots, on the device."""
-        slots = put([r.state.slot for r in reqs], torch.int64, self.device)
-        self.seq_len[slots] = put([r.state.num_cached for r in reqs], torch.int64, self.device)
+    def admit(self, items: Sequence[Scheduled]) -> torch.Tensor:
+        """Fill the slots of requests that just took one in the step (admitted, or resumed
+        after a preemption: their KV is recomputed from the start, or from a cached prefix);
+        returns those slots, on the device."""
+        reqs = [it.req for it in items]
+        slots = put([it.slot for it in items], torch.int64, self.device)
+        self.seq_len[slots] = put([it.start for it in items], torch.int64, self.device)
         outputs = [r.output.token_ids for r in reqs]
         self.out_len[slots] = put([len(ids) for ids in outputs], torch.int64, self.device)
         last = [ids[-1] if ids else 0 for ids in outputs]

@@ -20,14 +20,13 @@ HostCopy = tuple[torch.Tensor, torch.cuda.Event | None]  # values on their way, 
 
 @dataclass(frozen=True)
 class Forward:
-    """A step whose forward is launched and whose rows are not sampled yet. Invariants: batch,
-    sampled.counts and epochs run item by item; drafts (and drafts_host) exist only when the
-    step drafts, drafts_host only when it is constrained."""
+    """A step whose forward is launched and whose rows are not sampled yet. Invariants: batch
+    and sampled.counts run item by item; drafts (and drafts_host) exist only when the step
+    drafts, drafts_host only when it is constrained."""
 
     batch: list[Scheduled]
     plan: StepPlan
     sampled: SampledRows
-    epochs: list[int]  # each request's epoch at launch: a later one drops the result
     args: StepArgs
     out: TargetOutput
     drafts: torch.Tensor | None  # [D, W-1]
@@ -46,9 +45,9 @@ class Forward:
                 ready.synchronize()  # the draft forward only: the target's runs on
             drafts = host.tolist()
         requests, row, decoding = [], 0, 0
-        for it, k, epoch in zip(self.batch, self.sampled.counts, self.epochs, strict=True):
-            grammar = it.req.output.grammar
-            if grammar is not None and k and it.req.state.epoch == epoch:  # else it drops
+        for it in self.batch:
+            grammar, k = it.req.output.grammar, it.num_sampled
+            if grammar is not None and k and it.req.state.epoch == it.epoch:  # else it drops
                 own = drafts[decoding] if it.decoding and drafts else []
                 requests.append(ConstrainedRows(grammar, row, k, own))
             row += k
@@ -65,7 +64,6 @@ class Launched:
     batch: list[Scheduled]
     plan: StepPlan
     sampled: SampledRows  # the rows each item samples
-    epochs: list[int]  # each request's epoch at launch: a later one drops the result
     host: torch.Tensor  # sampled tokens, accepted counts (and drafts when traced), on their way
     ready: torch.cuda.Event | None
     num_drafts: int  # drafts per decoding request copied back (0: not traced)

@@ -1,5 +1,6 @@
-"""The model runner: owns the target model, its paged KV pool, the per-slot device state, the
-attention backend and the target's CUDA graphs, and runs the target's forward of a step.
+"""The model runner: owns the target model, its paged KV pool, the attention backend and the
+target's CUDA graphs, and runs the target's forward of a step over the per-slot device state
+(the worker's: engine/worker.py).
 
 A step arrives as one packed host array (its layout: engine/step_inputs.py), copied once into a
 persistent device buffer; everything else is built on the device from it and the slots' state.
@@ -59,6 +60,16 @@ class RunnerSizes:
     max_model_len: int  # positions a request may reach
     block_size: int = 1  # rows a decoding request may feed a step (a draft's block)
 
+    @property
+    def max_kv(self) -> int:
+        """Positions a step can touch: the context, the step being read back and this one."""
+        return self.max_model_len + IN_FLIGHT_STEPS * self.block_size
+
+    @property
+    def max_pages(self) -> int:
+        """A slot's page-table columns."""
+        return pages_for(self.max_kv, self.page_size)
+
     @classmethod
     def of(
         cls, config: EngineConfig, num_pages: int, max_model_len: int, block_size: int
@@ -79,12 +90,14 @@ class ModelRunner:
         model: Qwen3ForCausalLM,
         backend: AttentionBackend,
         sizes: RunnerSizes,
-        device: torch.device,
+        state: DeviceState,
         kv_cache_dtype: str = "auto",
         speculate: Callable[[TargetView], Speculator] | None = None,
     ) -> None:
-        """kv_cache_dtype: the pool's, auto (the model dtype) or fp8 (attention/kv_dtype.py);
+        """state: the per-slot device state the steps read (its owner's, engine/worker.py);
+        kv_cache_dtype: the pool's, auto (the model dtype) or fp8 (attention/kv_dtype.py);
         speculate: builds the speculator from a view of the target (None: plain decoding)."""
+        device = state.device
         s = model.shape
         self.model, self.backend, self.device = model, backend, device
         self.page_size, self.num_pages = sizes.page_size, sizes.num_pages
@@ -95,10 +108,8 @@ class ModelRunner:
         # An FP8 pool's per-layer scales, [layers, 2] (None: the model dtype's pool).
         self.kv_scales = kv_scales(s.num_layers, device) if dtype == FP8 else None
         _bind_kv_scales(model, self.kv_scales)
-        # Positions a step can touch: the context, the step being read back and this one.
-        self.max_kv = sizes.max_model_len + IN_FLIGHT_STEPS * sizes.block_size
-        max_pages = pages_for(self.max_kv, sizes.page_size)
-        self.state = DeviceState(sizes.max_batch_size, max_pages, s.vocab_size, device)
+        self.max_kv, max_pages = sizes.max_kv, sizes.max_pages
+        self.state = state
         words = step_in_size(sizes.max_batch_size, sizes.max_batched_tokens, max_pages)
         self.step_in = torch.zeros(words, dtype=torch.int64, device=device)
         self.graph_host = GraphHost(

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from batchrun.attention.meta import AttentionMeta, kv_indices
-from batchrun.engine.core.requests import RequestState
 from batchrun.engine.core.step import Scheduled
 from batchrun.engine.device_state import DeviceState
 
@@ -38,15 +37,6 @@ def step_in_size(max_batch_size: int, max_batched_tokens: int, max_pages: int) -
     sent once), chunk ids and logit rows."""
     fields = REQUEST_FIELDS * max_batch_size
     return fields + 3 * max_batch_size * max_pages + 2 * max_batched_tokens
-
-
-def rows_sampled(it: Scheduled) -> int:
-    """Rows of the item the step samples: every verify row; a prompt's last row."""
-    if it.decoding:
-        return it.num_new
-    req = it.req
-    first = not req.output.token_ids  # the prompt's last row samples the first token
-    return int(first and req.state.num_cached + it.num_new == len(req.prompt_ids))
 
 
 @dataclass(frozen=True)
@@ -77,14 +67,13 @@ class StepPlan:
 
 def plan_step(
     batch: list[Scheduled],
-    samples: list[int],
     width: int,
-    page_size: int,
     scratch_slot: int,
     pad_to: int | None = None,
 ) -> StepPlan:
-    """Packs the step, with the page-table entries each request gained since its last step
-    (the caller marks them sent). pad_to: the graph size to pad a uniform step to."""
+    """Packs the step from the scheduler's snapshots (core/step.py), with the page-table
+    entries each request gained since its last step. pad_to: the graph size to pad a uniform
+    step to."""
     live = len(batch)
     num_req = pad_to if pad_to is not None else live
     head = np.zeros((REQUEST_FIELDS, num_req), dtype=np.int64)
@@ -93,16 +82,15 @@ def plan_step(
     chunks: list[list[int]] = []
     logit_rows: list[np.ndarray] = []
     row = max_kv = num_dec = 0
-    for r, (it, k) in enumerate(zip(batch, samples, strict=True)):
-        req, state = it.req, it.req.state
-        head[:, r] = (state.slot, it.num_new, k, it.decoding)
-        updates.append(_new_pages(state))
+    for r, it in enumerate(batch):
+        k = it.num_sampled
+        head[:, r] = (it.slot, it.num_new, k, it.decoding)
+        updates.append(_new_pages(it))
+        max_kv = max(max_kv, it.start + it.num_new)
         if it.decoding:
             num_dec += 1
-            max_kv = max(max_kv, state.num_cached + state.in_flight + it.num_new)
         else:
-            chunks.append(req.token_slice(state.num_cached, state.num_cached + it.num_new))
-            max_kv = max(max_kv, state.num_cached + it.num_new)
+            chunks.append(it.chunk_ids)
         logit_rows.append(np.arange(row + it.num_new - k, row + it.num_new))
         row += it.num_new
     update = np.concatenate(updates, axis=1) if updates else np.zeros((3, 0), np.int64)
@@ -130,11 +118,11 @@ def plan_step(
     )
 
 
-def _new_pages(state: RequestState) -> np.ndarray:
+def _new_pages(it: Scheduled) -> np.ndarray:
     """(slot, column, page) of the pages the device's table lacks."""
-    first, end = state.pages_on_device, len(state.pages)
-    out = np.empty((3, end - first), dtype=np.int64)
-    out[0], out[1], out[2] = state.slot, np.arange(first, end), state.pages[first:]
+    first, pages = it.first_new_page, it.new_pages
+    out = np.empty((3, len(pages)), dtype=np.int64)
+    out[0], out[1], out[2] = it.slot, np.arange(first, first + len(pages)), pages
     return out
 
 

@@ -47,11 +47,6 @@ class Logprobs:
     prompt_top: list[list[tuple[int, float]] | None] | None
 
 
-class CachedTokens(Protocol):
-    @property
-    def num_cached(self) -> int: ...  # leading tokens whose KV is written or being prefilled
-
-
 class ScoredOutput(Protocol):
     @property
     def logprobs(self) -> Logprobs | None: ...
@@ -62,8 +57,6 @@ class ScoredRequest(Protocol):
 
     @property
     def prompt_ids(self) -> list[int]: ...
-    @property
-    def state(self) -> CachedTokens: ...
     @property
     def output(self) -> ScoredOutput: ...
 
@@ -77,6 +70,8 @@ class ScoredItem(Protocol):
     def num_new(self) -> int: ...
     @property
     def decoding(self) -> bool: ...
+    @property
+    def start(self) -> int: ...  # a chunk's first position
 
 
 def token_logprobs(
@@ -154,7 +149,7 @@ class PromptRows:
 
 
 def prompt_rows(batch: Sequence[ScoredItem], k: int) -> PromptRows:
-    """Built at launch, before the prefill chunks advance num_cached. Positions a request has
+    """Built at launch, from the items' snapshots. Positions a request has
     scored already are left out: recomputed after a preemption, which drops the results of its
     steps still in flight, and readmits it in a later pass, once they have been read back."""
     spans: list[tuple[int, int]] = []
@@ -166,7 +161,7 @@ def prompt_rows(batch: Sequence[ScoredItem], k: int) -> PromptRows:
         logprobs = req.output.logprobs
         scored = logprobs.prompt if logprobs is not None else None
         if not it.decoding and scored is not None:
-            start = req.state.num_cached
+            start = it.start
             first = max(start + 1, len(scored))
             end = min(start + it.num_new + 1, len(req.prompt_ids))
             if end > first:

@@ -13,13 +13,7 @@ from batchrun.engine.core.page_pool import PagePool
 from batchrun.engine.core.requests import Request
 from batchrun.engine.core.step import Scheduled
 from batchrun.engine.device_state import DeviceState
-from batchrun.engine.step_inputs import (
-    StepPlan,
-    plan_step,
-    rows_sampled,
-    step_args,
-    target_inputs,
-)
+from batchrun.engine.step_inputs import StepPlan, plan_step, step_args, target_inputs
 from batchrun.sampling.params import SamplingParams
 from batchrun.spec_decode.dflash.inputs import DraftContext
 
@@ -42,7 +36,7 @@ def test_page_entries_go_to_the_device_once() -> None:
     pool.grow(req.state.pages, 9)
 
     def planned(num_new: int) -> StepPlan:  # as the engine does: then the pages are sent
-        plan = plan_step([Scheduled(req, num_new, decoding=False)], [0], WIDTH, PAGE, SLOTS)
+        plan = plan_step([Scheduled.of(req, num_new, decoding=False)], WIDTH, SLOTS)
         req.state.pages_on_device = len(req.state.pages)
         return plan
 
@@ -69,21 +63,17 @@ def test_device_rows_equal_a_host_loop() -> None:
     dec_b = make_request(3, prompt=2, outputs=1, num_cached=2, pool=pool)
     last = make_request(1, prompt=6, outputs=0, num_cached=4, pool=pool)
     mid = make_request(4, prompt=9, outputs=0, num_cached=0, pool=pool)
-    batch = [
-        Scheduled(dec_a, WIDTH, True),
-        Scheduled(dec_b, WIDTH, True),
-        Scheduled(last, 2, False),
-        Scheduled(mid, 5, False),
-    ]
-    for it in batch:
-        pool.grow(it.req.state.pages, it.req.state.num_cached + it.num_new)
-    state.admit([it.req for it in batch])
+    parts = [(dec_a, WIDTH, True), (dec_b, WIDTH, True), (last, 2, False), (mid, 5, False)]
+    for req, num_new, _ in parts:  # the scheduler's pages, then its snapshots
+        pool.grow(req.state.pages, req.state.num_cached + num_new)
+    batch = [Scheduled.of(req, num_new, decoding=decoding) for req, num_new, decoding in parts]
+    state.admit(batch)
     for it in batch:  # the device's lengths, as earlier steps would have left them
         state.seq_len[it.req.state.slot] = it.req.state.num_cached
     drafts = torch.tensor([[11, 12], [21, 22]])
-    samples = [rows_sampled(it) for it in batch]
+    samples = [it.num_sampled for it in batch]
     assert samples == [WIDTH, WIDTH, 1, 0]
-    plan = plan_step(batch, samples, WIDTH, PAGE, SLOTS)
+    plan = plan_step(batch, WIDTH, SLOTS)
     args = step_args(torch.from_numpy(plan.packed), plan)
     state.add_pages(args.updates)
     got = target_inputs(args, state, drafts, plan.num_rows, WIDTH, PAGE, plan.max_q, plan.max_kv)
@@ -112,7 +102,7 @@ def test_device_rows_equal_a_host_loop() -> None:
     assert got.context_kv_index.tolist() == [-1] * 6 + slots[6:]
 
     # The decoding pair alone, padded to a graph of 4: padding rows write nothing.
-    pad = plan_step(batch[:2], samples[:2], WIDTH, PAGE, SLOTS, pad_to=4)
+    pad = plan_step(batch[:2], WIDTH, SLOTS, pad_to=4)
     args = step_args(torch.from_numpy(pad.packed), pad)
     padded = target_inputs(args, state, drafts, pad.num_rows, WIDTH, PAGE, WIDTH, 64)
     assert pad.uniform and pad.num_rows == 12
@@ -158,7 +148,7 @@ def test_a_new_slot_starts_from_the_request() -> None:
         row_index=0, prompt_ids=[1, 2], params=SamplingParams(temperature=0.5, top_k=5000, seed=-1)
     )
     req.output.token_ids, req.state.slot = [7, 8], 3
-    state.admit([req])
+    state.admit([Scheduled.of(req, 1, decoding=False)])
     assert state.seq_len[3].item() == 0
     assert (state.out_len[3].item(), state.last_token[3].item()) == (2, 8)
     sampling = state.sampling.tables

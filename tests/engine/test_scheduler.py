@@ -53,7 +53,9 @@ def simulate(
     accepted: Callable[[Request, int], int] = lambda req, step: 1,
 ) -> tuple[Scheduler, Trace]:
     """Steps the scheduler as the engine does, with a stand-in model: a verify round commits
-    `accepted(req, step)` tokens, capped by max_tokens; the KV past them is released."""
+    `accepted(req, step)` tokens, capped by max_tokens; the KV past them is released. Each step
+    is read back before the next (`schedule` advanced the chunks' progress and put the verify
+    rows in flight)."""
     pool = PagePool(num_pages, page_size)
     scheduler = Scheduler(pool, max_batch_size, max_batched_tokens, decode_width=width)
     for i, (n, m) in enumerate(zip(prompts, max_tokens, strict=True)):
@@ -83,8 +85,8 @@ def simulate(
                     k, req.params.max_tokens - len(req.output.token_ids)
                 )
                 req.state.num_cached += k
+                req.state.in_flight -= it.num_new
             else:
-                req.state.num_cached += it.num_new
                 if not req.output.token_ids and req.state.num_cached == len(req.prompt_ids):
                     req.output.token_ids.append(7)  # the first token, from the prompt's last row
             if len(req.output.token_ids) >= req.params.max_tokens:
@@ -179,7 +181,8 @@ def test_a_cached_prompt_leaves_its_tail_to_recompute(tail: int, reused: int) ->
     req = Request(0, tokens, SamplingParams())
     scheduler.add(req)
     [chunk] = scheduler.schedule().items
-    assert chunk.num_new == 40 - reused and req.state.num_cached == reused
+    # It starts after the reused tokens (its state has moved on: `schedule` launched the chunk).
+    assert chunk.num_new == 40 - reused and chunk.start == reused
     assert pool.hit_tokens == reused
 
 

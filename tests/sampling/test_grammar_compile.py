@@ -25,7 +25,9 @@ from transformers import AutoTokenizer
 
 from batchrun.config.job import JobSpec
 from batchrun.engine.compiling import Compiling
+from batchrun.engine.core.page_pool import PagePool
 from batchrun.engine.core.requests import Request
+from batchrun.engine.core.scheduler import Scheduler
 from batchrun.errors import EXIT_STOPPED
 from batchrun.runners.local import run_job
 from batchrun.sampling import grammar_compile
@@ -325,7 +327,8 @@ class LateGrammars:
 
 def test_a_rank_follows_rank_0_and_waits_for_its_own_compile() -> None:
     rank0 = Rank0([True, "regex did not compile within grammar_compile_timeout (1 s)", None])
-    compiling = Compiling(rank0)  # type: ignore[arg-type]
+    scheduler = Scheduler(PagePool(4, 4), 1, 16, decode_width=1)  # it finishes the failed
+    compiling = Compiling(rank0, scheduler.fail)  # type: ignore[arg-type]
     requests = [Request(i, [1, 2], SamplingParams()) for i in range(3)]
     jobs = [CompileJob("regex", str(i), 1) for i in range(3)]
     for req, job in zip(requests, jobs, strict=True):

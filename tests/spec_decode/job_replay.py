@@ -1,5 +1,5 @@
 """Whole jobs replayed on the CPU through the engine's own width logic: the real Scheduler
-(schedule, launched, update_from_output) and the real DFlashSpeculator (next_width, admit,
+(schedule, update_from_output) and the real DFlashSpeculator (next_width, admit,
 learn, writes_context, over its WidthPolicy), stepped in the engine's order (the next step is
 chosen and launched before the last one is read back). No model runs: each step's time comes from
 a cost model that charges the drafter's work (its forward at a drafting width, timed on its own
@@ -24,7 +24,6 @@ from batchrun.engine.core.scheduler import Scheduler
 from batchrun.engine.core.step import ScheduledStep, StepOutput
 from batchrun.engine.core.stopping import Stopper
 from batchrun.engine.cuda_graphs import ladder_bucket
-from batchrun.engine.step_inputs import rows_sampled
 from batchrun.sampling.params import SamplingParams
 from batchrun.spec_decode.base import Speculator
 from batchrun.spec_decode.dflash.inputs import DraftContext
@@ -229,12 +228,9 @@ def replay(
             new = Launched(
                 scheduled,
                 step,
-                epochs=[it.req.state.epoch for it in items],
-                counts=[rows_sampled(it) for it in items],
                 accepted=[_drawn(it.req, step_width, accept, draws) for it in items if it.decoding],
                 ms=costs.step(step),
             )
-            scheduler.launched(scheduled)
             result.seconds += new.ms / 1e3
             if step.num_decoding:
                 result.widths[step_width] += 1
@@ -297,8 +293,6 @@ class Launched:
 
     scheduled: ScheduledStep
     step: ReplayStep
-    epochs: list[int]
-    counts: list[int]  # tokens each item samples
     accepted: list[int]  # drafts each decoding item's round accepts
     ms: float
 
@@ -311,9 +305,7 @@ def _read_back(
     spec.learn(launched.step, launched.accepted, launched.ms / 1e3)
     output = StepOutput(
         items=launched.scheduled.items,
-        epochs=launched.epochs,
-        counts=launched.counts,
-        tokens=[TOKEN] * sum(launched.counts),
+        tokens=[TOKEN] * sum(it.num_sampled for it in launched.scheduled.items),
         accepted=launched.accepted,
         drafts=[],
         num_drafts=0,

@@ -19,8 +19,10 @@ rest, at least the prompt's last token. A page is freed when its last holder let
 preempting or finishing one sample never frees what another still reads; a preempted sample
 shares again from a running sibling when it comes back, or prefills alone if none runs.
 
-The engine launches a step before it reads the previous one's tokens, so a decoding request's
-pages cover its in-flight rows too, and each running request holds a slot of the device state.
+`schedule` marks the step launched as it returns it (its items are snapshots of what the step's
+plan needs: core/step.py). The engine launches a step before it reads the previous one's
+tokens, so a decoding request's pages cover its in-flight rows too, and each running request
+holds a slot of the device state.
 The engine may verify fewer than B rows in a step (the verify width): budgets and reserves are
 those of full blocks, so a narrower step always fits; its pages still cover the full block the
 draft writes (its K/V rows are read back within the step).
@@ -37,7 +39,7 @@ from batchrun.engine.core.page_pool import PagePool, pages_for
 from batchrun.engine.core.requests import Request, RequestOutput, Status
 from batchrun.engine.core.step import Scheduled, ScheduledStep, StepOutput
 from batchrun.engine.core.stopping import Stopper
-from batchrun.sampling.logprobs import ReadLogprobs, asked_logprobs
+from batchrun.sampling.logprobs import asked_logprobs
 from batchrun.spec_decode.acceptance import RoundTrace
 
 if TYPE_CHECKING:
@@ -56,6 +58,8 @@ class Recorded:
 
 
 NOTHING_RECORDED = Recorded()
+
+_Planned = tuple[Request, int, bool]  # a request scheduled in a pass: rows, decoding
 
 
 def prefill_len(req: Request) -> int:
@@ -130,11 +134,11 @@ class Scheduler:
         return any(req.state.num_cached < prefill_len(req) for req in self.running)
 
     def schedule(self, width: int | None = None) -> ScheduledStep:
-        """The next step; decoding requests feed `width` rows each (default: the full block);
-        the caller keeps width * len(running) within the token budget."""
+        """The next step, marked launched; decoding requests feed `width` rows each (default:
+        the full block); the caller keeps width * len(running) within the token budget."""
         self._planned, self._preempted = set(), set()
         width = width or self.decode_width
-        batch: list[Scheduled] = []
+        batch: list[_Planned] = []
         admitted: list[Request] = []  # requests given a slot in this pass
         # A step that drafts writes the draft's whole block at the anchor, whatever it verifies.
         rows = self.decode_width if width > 1 else 1
@@ -184,28 +188,32 @@ class Scheduler:
             batch.append(self._plan(req, n, decoding=False))
             budget -= n
         self.waiting.extendleft(reversed(held))
-        return ScheduledStep(items=batch, admitted=admitted, width=width)
+        items = [Scheduled.of(req, n, decoding=decoding) for req, n, decoding in batch]
+        for it in items:
+            self._launch(it)
+        given = set(admitted)
+        new = [it for it in items if it.req in given]
+        return ScheduledStep(items=items, admitted=new, width=width)
 
-    def launched(self, step: ScheduledStep) -> None:
-        """The step is on its way: its page-table entries are on the device, its decode rows
-        in flight, its chunks' tokens hold K/V (their full pages join the prefix cache)."""
-        for it in step.items:
-            state = it.req.state
-            state.pages_on_device = len(state.pages)
-            if it.decoding:
-                state.in_flight += it.num_new
-            else:
-                start, state.num_cached = state.num_cached, state.num_cached + it.num_new
-                self.prompt_tokens_computed += it.num_new
-                prefix = it.req.token_slice(0, state.num_cached)
-                self.pool.register(state.pages, prefix, start, state.num_cached)
+    def _launch(self, it: Scheduled) -> None:
+        """The step goes on its way as scheduled: its page-table entries will be on the device,
+        its decode rows in flight, its chunks' tokens hold K/V (their full pages join the
+        prefix cache). The next pass plans from here."""
+        state = it.req.state
+        state.pages_on_device = len(state.pages)
+        if it.decoding:
+            state.in_flight += it.num_new
+        else:
+            start, state.num_cached = state.num_cached, state.num_cached + it.num_new
+            self.prompt_tokens_computed += it.num_new
+            prefix = it.req.token_slice(0, state.num_cached)
+            self.pool.register(state.pages, prefix, start, state.num_cached)
 
     def update_from_output(
         self,
         output: StepOutput,
         *,
         stopper: Stopper,
-        scores: ReadLogprobs | None = None,
         rounds: list[RoundTrace] | None = None,
     ) -> list[Request]:
         """Apply a step's results read back by the host: commit each request's tokens under
@@ -214,15 +222,14 @@ class Scheduler:
         an older epoch (finished or preempted since) is dropped. Returns the finished ones;
         rounds: when a list, every verify round is appended to it."""
         finished, pos, dec = [], 0, 0
-        d = output.num_drafts
-        items = zip(output.items, output.counts, output.epochs, strict=True)
-        for i, (it, k, epoch) in enumerate(items):
-            req = it.req
+        d, scores = output.num_drafts, output.scores
+        for i, it in enumerate(output.items):
+            req, k = it.req, it.num_sampled
             post = output.tokens[pos : pos + k]
             pos += k
             if it.decoding:
                 dec += 1
-            if req.state.epoch != epoch:  # finished or preempted since: this result is dropped
+            if req.state.epoch != it.epoch:  # finished or preempted since: the result drops
                 continue
             out = req.output
             before = len(out.token_ids)
@@ -309,9 +316,9 @@ class Scheduler:
         state.num_cached = len(state.pages) * self.pool.page_size
         return len(tokens)
 
-    def _plan(self, req: Request, n: int, *, decoding: bool) -> Scheduled:
+    def _plan(self, req: Request, n: int, *, decoding: bool) -> _Planned:
         self._planned.add(req)
-        return Scheduled(req, n, decoding)
+        return req, n, decoding
 
     def _chunk(self, req: Request, budget: int, reserve: int) -> int:
         """The prefill chunk the request takes now (as much of its prefill as the budget
@@ -349,6 +356,11 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         self._leave(req)
+        req.state.status = Status.FINISHED
+
+    def fail(self, req: Request, error: str) -> None:
+        """Finish a request never queued as an error (its grammar did not compile)."""
+        req.output.finish_reason, req.output.error = "error", error
         req.state.status = Status.FINISHED
 
     def abort_all(self) -> None:

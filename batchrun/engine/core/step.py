@@ -1,45 +1,80 @@
 """The step contract: what the scheduler decides for one step (`ScheduledStep`, as vLLM's
 SchedulerOutput), and what the host reads back of it (`StepOutput`), which the scheduler applies
-in one place (core/scheduler.py's update_from_output)."""
+in one place (core/scheduler.py's update_from_output).
+
+A scheduled item is a snapshot: what the step's plan needs of a request (its slot, where its rows
+start, their tokens, the rows it samples, its new page-table entries), taken when the scheduler
+decides the step and before it marks the step launched. The request's state moves on at once;
+the worker reads the snapshot, never the state, so no call order couples the two."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from batchrun.engine.core.requests import Request
+from batchrun.sampling.logprobs import ReadLogprobs
 
 
 @dataclass(frozen=True)
 class Scheduled:
-    """One request's part of a step."""
+    """One request's part of a step. `req` is the scheduler's handle (the results are applied
+    to it); the worker reads of it only what was asked (its params) and its output."""
 
     req: Request
     num_new: int  # rows this request feeds to the target in this forward
     decoding: bool  # True: a decode/verify step; False: a prefill chunk
+    slot: int  # its row in the device state
+    # The position of its first row as the host knows it: a chunk's exactly; a decoding item's
+    # at most (its rows in flight count whole, the device knows how many it kept).
+    start: int
+    num_sampled: int  # rows the step samples: every verify row; a completing prompt's last row
+    chunk_ids: list[int]  # a prefill chunk's tokens (a decoding item's come from the device)
+    first_new_page: int  # the page-table column of new_pages[0]
+    new_pages: list[int]  # the pages the device's table lacks
+    epoch: int  # the request's epoch at launch: a later one drops the result
+
+    @classmethod
+    def of(cls, req: Request, num_new: int, *, decoding: bool) -> Scheduled:
+        """The snapshot of `req`'s part of a step, from its state before the step launches."""
+        state, output = req.state, req.output
+        start = state.num_cached + (state.in_flight if decoding else 0)
+        completes = not output.token_ids and state.num_cached + num_new == len(req.prompt_ids)
+        return cls(
+            req=req,
+            num_new=num_new,
+            decoding=decoding,
+            slot=state.slot,
+            start=start,
+            num_sampled=num_new if decoding else int(completes),
+            chunk_ids=[] if decoding else req.token_slice(start, start + num_new),
+            first_new_page=state.pages_on_device,
+            new_pages=state.pages[state.pages_on_device :],
+            epoch=state.epoch,
+        )
 
 
 @dataclass(frozen=True)
 class ScheduledStep:
-    """One step, as the scheduler returns it. Decoding items come first (oldest first), then
-    prefill chunks; `admitted` are the requests given a slot in this step (their device state
-    is sent once); the decoding items feed `width` rows each."""
+    """One step, as the scheduler returns it (already marked launched). Decoding items come
+    first (oldest first), then prefill chunks; `admitted` are the items of the requests given a
+    slot in this step (their device state is sent once); the decoding items feed `width` rows
+    each."""
 
     items: list[Scheduled]
-    admitted: list[Request]
+    admitted: list[Scheduled]
     width: int
 
 
 @dataclass(frozen=True)
 class StepOutput:
-    """A launched step's results as the host read them. Invariants: len(counts) == len(epochs)
-    == len(items); tokens holds sum(counts) sampled tokens, item after item; accepted holds one
-    count per decoding item, drafts num_drafts ids per decoding item (0: not traced)."""
+    """A launched step's results as the host read them. Invariants: tokens holds each item's
+    num_sampled tokens, item after item; accepted holds one count per decoding item, drafts
+    num_drafts ids per decoding item (0: not traced)."""
 
     items: list[Scheduled]
-    epochs: list[int]  # each request's epoch at launch: a later one drops the result
-    counts: list[int]  # tokens each item sampled
     tokens: list[int]
     accepted: list[int]
     drafts: list[int]
     num_drafts: int
     width: int  # the step's verify width (1: plain decoding)
+    scores: ReadLogprobs | None = None  # the rows' log-probabilities, when the job asks
