@@ -117,6 +117,7 @@ class JobSpec:
         return EngineConfig(
             target=Path(engine.target),
             draft=Path(engine.draft) if engine.draft is not None else None,
+            speculative_method=engine.speculative_method,
             dtype=engine.dtype,
             device=engine.device,
             attention_backend=engine.attention_backend,

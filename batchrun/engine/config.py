@@ -7,13 +7,13 @@ from pathlib import Path
 
 from batchrun.errors import JobError
 from batchrun.sampling.grammar_compile import CompileBudget
-from batchrun.spec_decode.dflash.width_policy import candidate_widths
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     target: Path
     draft: Path | None = None
+    speculative_method: str = "auto"  # auto: the method the draft's config.json names
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
@@ -33,24 +33,6 @@ class EngineConfig:
     prompt_logprobs: int | None = None
     # Structured outputs: a constraint over its size or its compile time is its row's error.
     compile_budget: CompileBudget = CompileBudget()
-
-
-def verify_widths(verify_width: int | str, block_size: int | None) -> tuple[int, ...]:
-    """The verify widths the engine may pick (CUDA graphs are captured for each): every
-    candidate under `auto`, the block under `full`, else the one asked for; (1,) without a
-    draft."""
-    if block_size is None:
-        return (1,)
-    if verify_width == "auto":
-        return candidate_widths(block_size)
-    if verify_width == "full":
-        return (block_size,)
-    if not (isinstance(verify_width, int) and 1 <= verify_width <= block_size):
-        raise JobError(
-            f"verify width must be auto, full or 1 .. {block_size} (the draft's block size), "
-            f"got {verify_width!r}"
-        )
-    return (verify_width,)
 
 
 def check_batch_budget(max_batched_tokens: int, width: int) -> None:
