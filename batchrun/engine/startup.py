@@ -132,7 +132,7 @@ def choose_backend(
         batch=config.max_batch_size,
         block_size=block,
         num_layers=shape.num_layers,
-        draft_layers=draft.shape.num_layers if draft else 0,
+        draft_layers=draft.paged_layers + draft.ring_layers if draft else 0,
         context=min(MEASURED_CONTEXT, max_model_len - block),
     )
     kv = config.kv_cache_dtype

@@ -23,7 +23,8 @@ from batchrun.spec_decode.base import Speculator, TargetView
 class DraftLayout:
     """What sizing and the attention choice need of a draft, whatever its method."""
 
-    shape: Qwen3Shape  # its layers' shape (heads, K/V heads, head dim, layers)
+    # Its layers' shape (heads, K/V heads, head dim); a drafter without layers: the target's.
+    shape: Qwen3Shape
     block_size: int  # B: the rows a decoding request may verify in a step
     candidate_widths: tuple[int, ...]  # the verify widths `auto` chooses among
     feature_layers: int = 0  # target layers whose hidden states it reads, per row
