@@ -5,6 +5,7 @@ outputs identical to no draft (speculation is lossless, whatever a drafter propo
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
+import batchrun
 from batchrun.cli import cli
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request
@@ -232,3 +234,21 @@ def test_a_job_runs_through_a_registered_method(
         assert stats["block_size"] == (BLOCK if extra else None)
     assert outputs["bigram"] == outputs["plain"]
     assert registry.METHODS["bigram"] is bigram
+
+
+def test_engine_config_preflight_and_sizing_import_no_method() -> None:
+    """They reach a draft only through the registry: no import, wherever it stands, of a
+    method's folder in spec_decode/ or of a method's draft model in models/."""
+    package = Path(batchrun.__file__).parent
+    methods = [p.name for p in (package / "spec_decode").iterdir() if (p / "__init__.py").exists()]
+    assert "dflash" in methods
+    forbidden = tuple(f"batchrun.spec_decode.{m}" for m in methods) + ("batchrun.models.dflash",)
+    files = [*(package / "engine").rglob("*.py"), *(package / "config").rglob("*.py")]
+    files.append(package / "preflight.py")
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            bad = [n for n in names if n.startswith(forbidden)]
+            assert not bad, f"{path.relative_to(package)} imports {bad[0]}"
