@@ -11,13 +11,11 @@ the device's memory could run at all (engine/memory.py, check_batch_memory).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.device import resolve_device
@@ -27,7 +25,7 @@ from batchrun.engine.attention_backends import (
     check_backend_dtype,
     check_backend_kv,
 )
-from batchrun.engine.config import EngineConfig, check_batch_budget, verify_widths
+from batchrun.engine.config import EngineConfig, check_batch_budget
 from batchrun.engine.memory import (
     BatchFootprint,
     check_batch_memory,
@@ -38,24 +36,22 @@ from batchrun.errors import JobError
 from batchrun.io.prompts import THINKING_NEEDS_TOKENS, PromptColumn, PromptKind
 from batchrun.io.reasoning import reasoning_split
 from batchrun.models.config_check import check_transformers_reads
-from batchrun.models.dflash import DFlashDraft
-from batchrun.models.dflash_loader import DraftSpec, _draft_to_target, check_draft
+from batchrun.models.header_weights import header_weights
 from batchrun.models.loader import (
     config_file,
-    fp8_weights,
     load_weights,
     qwen3_shape,
     read_config,
     resolve_dtype,
-    safetensors_files,
 )
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
-from batchrun.models.safetensors_reader import file_header
 from batchrun.models.tokenizer import eos_token_ids, load_tokenizer, think_token_ids
 from batchrun.sampling.constraint import GrammarError
 from batchrun.sampling.grammar import Grammars
-from batchrun.spec_decode.dflash.rings import ring_pages
+from batchrun.spec_decode.method import CheckedDraft, DraftLayout
+from batchrun.spec_decode.registry import check_draft
+from batchrun.spec_decode.verify_widths import verify_widths
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -72,11 +68,16 @@ class Preflight:
     attention_backend: str
     target: Qwen3Shape
     tokenizer: PreTrainedTokenizerBase
-    draft: DraftSpec | None
+    checked: CheckedDraft | None  # the draft, checked by its speculation method
+
+    @property
+    def draft(self) -> Any:
+        """The draft as its method describes it (None: no draft)."""
+        return self.checked.spec if self.checked is not None else None
 
     @property
     def block_size(self) -> int | None:
-        return self.draft.block_size if self.draft is not None else None
+        return self.checked.layout.block_size if self.checked is not None else None
 
 
 def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
@@ -94,10 +95,12 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     candidates = auto_candidates(device, dtype, config.kv_cache_dtype)
     if config.attention_backend == "auto" and len(candidates) > 1:
         backend = f"{' or '.join(candidates)}, the faster measured at start-up"
-    draft = check_draft(config.draft, target) if config.draft is not None else None
-    block_size = draft.block_size if draft is not None else None
-    check_batch_budget(config.max_batched_tokens, block_size or 1)
-    widths = verify_widths(config.verify_width, block_size)
+    checked = None
+    if config.draft is not None:
+        checked = check_draft(config.draft, config.speculative_method, target)
+    draft = checked.layout if checked is not None else None
+    check_batch_budget(config.max_batched_tokens, draft.block_size if draft is not None else 1)
+    widths = verify_widths(config.verify_width, draft)
     tokenizer = load_tokenizer(config.target)
     if prompt is not None and prompt.kind is PromptKind.MESSAGES and not tokenizer.chat_template:
         raise JobError(
@@ -114,7 +117,7 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     if outside is not None:
         raise JobError(f"job key 'logit_bias': {outside}")
     _check_constraint(job, tokenizer, target.vocab_size, config)
-    weights = check_checkpoints(config.target, target, config.draft, draft, dtype)
+    weights = check_checkpoints(config.target, target, checked, dtype)
     footprint = batch_footprint(
         target,
         draft,
@@ -127,13 +130,13 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     )
     check_batch_memory(footprint, config.max_batch_size, config.max_batched_tokens, device)
     _check_kv_pool(config, target, draft, dtype, device)
-    return Preflight(device, dtype, backend, target, tokenizer, draft)
+    return Preflight(device, dtype, backend, target, tokenizer, checked)
 
 
 def _check_kv_pool(
     config: EngineConfig,
     target: Qwen3Shape,
-    draft: DraftSpec | None,
+    draft: DraftLayout | None,
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
@@ -178,14 +181,13 @@ def _check_eos(
 def check_checkpoints(
     target_dir: Path,
     target: Qwen3Shape,
-    draft_dir: Path | None,
-    draft: DraftSpec | None,
+    draft: CheckedDraft | None,
     dtype: torch.dtype,
 ) -> int:
     """The loaders' own checks of the weights' names and shapes (load_weights), run on models
     built on the meta device against the tensors the safetensors headers describe, so no weight
-    is read (but a draft's small vocabulary map, as the loader checks it). Returns the bytes the
-    weights take (in `dtype`, but those kept in FP8). Raises JobError."""
+    is read (the draft's by its method). Returns the bytes the weights take (in `dtype`, but
+    those kept in FP8). Raises JobError."""
     with shapes_only():
         model = Qwen3ForCausalLM(target).to(dtype)
     if target.tie_word_embeddings:
@@ -193,44 +195,14 @@ def check_checkpoints(
     skip = {"lm_head.weight"} if target.tie_word_embeddings else set()
     load_weights(model, header_weights(target_dir, target, "target", model), "target", skip)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if draft_dir is not None and draft is not None:
-        with shapes_only():
-            module = DFlashDraft(
-                draft.shape,
-                list(draft.target_layer_ids),
-                draft.block_size,
-                draft.mask_token_id,
-                1,
-                draft.attention,
-                draft.head_rows,
-            ).to(dtype)
-        tensors = header_weights(draft_dir, draft.shape, "draft")
-        load_weights(module, tensors, "draft", skip=set(draft.not_loaded))
-        if draft.vocab_map and draft.head_rows is not None:
-            _draft_to_target(draft_dir, draft.head_rows, target.vocab_size)
-        weight_bytes += sum(p.numel() * p.element_size() for p in module.parameters())
+    if draft is not None:
+        weight_bytes += draft.method.check_weights(draft.directory, draft.spec, target, dtype)
     return weight_bytes
-
-
-def header_weights(
-    model_dir: Path, shape: Qwen3Shape, what: str, model: nn.Module | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """header_tensors as the loader gives them to `model` (FP8 weights it does not keep
-    dequantized), on the meta device."""
-    return fp8_weights(header_tensors(model_dir), shape, what, model)
-
-
-def header_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """iter_safetensors's (name, tensor) pairs, in its order, as meta tensors from the headers
-    alone; the same JobError where it would raise one on a header."""
-    for file in safetensors_files(model_dir):
-        for entry in file_header(file).entries:
-            yield entry.name, torch.empty(entry.shape, dtype=entry.dtype, device="meta")
 
 
 def batch_footprint(
     target: Qwen3Shape,
-    draft: DraftSpec | None,
+    draft: DraftLayout | None,
     dtype: torch.dtype,
     weight_bytes: int,
     min_width: int,
@@ -241,10 +213,7 @@ def batch_footprint(
     """What a batch of this job needs at least, per engine (tensor-parallel rank): the target's
     weights split tp ways, the draft's whole; the target's K/V at kv_cache_dtype's size."""
     element = dtype.itemsize
-    rings = 0
-    if draft is not None and draft.attention.window is not None:
-        per_layer = ring_pages(draft.attention.window, draft.block_size, page_size)
-        rings = per_layer * draft.attention.num_sliding
+    rings = draft.ring_pages(page_size) * draft.ring_layers if draft is not None else 0
     return BatchFootprint(
         target=target,
         draft=draft.shape if draft is not None else None,
@@ -253,7 +222,7 @@ def batch_footprint(
         width=draft.block_size if draft is not None else 1,
         min_width=min_width,
         page_size=page_size,
-        draft_paged_layers=draft.attention.num_full if draft is not None else 0,
+        draft_paged_layers=draft.paged_layers if draft is not None else 0,
         ring_pages=rings,
         tp=tp,
         kv_element=kv_element_size(kv_cache_dtype, element),

@@ -7,7 +7,7 @@ Random weights accept no draft, so DFlash throughput is projected: a round of wi
 expected_tokens(accept, w) tokens per request at a per-position acceptance profile (geometric
 ones at the given tau values, and optionally a real job's, from its stats.json), over the
 round's measured time. Full width is the block; adaptive is the width the engine's policy
-would pick from these costs (spec_decode/dflash/width_policy.py).
+would pick from these costs (spec_decode/width_policy.py).
 
 Each KV cache dtype asked for (auto, fp8) sweeps every backend with an engine of its own; an fp8
 run's points are labelled `<backend>-fp8kv` beside the backend's own (step_ms_by_backend), and
@@ -38,7 +38,7 @@ from batchrun.engine.startup import Models
 from batchrun.errors import JobError
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.parallel.group import TensorParallel
-from batchrun.spec_decode.dflash.width_policy import best_width, expected_tokens
+from batchrun.spec_decode.width_policy import best_width, expected_tokens
 
 
 @dataclass(frozen=True)

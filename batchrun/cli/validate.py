@@ -15,7 +15,6 @@ from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.workers.run import check_workers, planned_devices
 
 if TYPE_CHECKING:
-    from batchrun.models.dflash_loader import DraftSpec
     from batchrun.preflight import Preflight
 
 
@@ -69,7 +68,7 @@ def _row_span(rows: range) -> str:
 
 
 def _model_lines(job: JobSpec, found: Preflight) -> list[str]:
-    t, draft, engine = found.target, found.draft, job.engine
+    t, draft, engine = found.target, found.checked, job.engine
     template = "a chat template" if found.tokenizer.chat_template else "no chat template"
     thinks = template_thinks(found.tokenizer)
     if thinks is not None:
@@ -90,7 +89,7 @@ def _model_lines(job: JobSpec, found: Preflight) -> list[str]:
         f"target: {job.engine.target} ({t.num_layers} layers, hidden size {t.hidden_size}, "
         f"vocab {t.vocab_size}, {context}; "
         f"tokenizer: {len(found.tokenizer)} tokens, {template})",
-        _draft_line(job.engine.draft, draft) if draft is not None else "draft: none",
+        f"draft: {job.engine.draft} ({draft.describe()})" if draft is not None else "draft: none",
         f"device: {found.device}, dtype: {str(found.dtype).removeprefix('torch.')}, "
         f"attention backend: {found.attention_backend}, KV cache: {_kv_line(job, found)}",
         f"batch: {engine.max_batch_size} requests, {engine.max_batched_tokens} tokens per forward",
@@ -106,18 +105,6 @@ def _kv_line(job: JobSpec, found: Preflight) -> str:
 
     text = name(kv_dtype(job.engine.kv_cache_dtype, found.dtype))
     if job.engine.kv_cache_dtype == "fp8":
-        draft = f"; the draft's: {name(found.dtype)}" if found.draft is not None else ""
+        draft = f"; the draft's: {name(found.dtype)}" if found.checked is not None else ""
         text += f" (per-layer scales 1.0{draft})"
     return text
-
-
-def _draft_line(path: object, draft: DraftSpec) -> str:
-    attention = draft.attention
-    layers = f"{draft.shape.num_layers} layers"
-    if attention.num_sliding:
-        layers += f" ({attention.num_sliding} sliding over {attention.window} positions)"
-    vocab = f", draft vocabulary {draft.head_rows}" if draft.vocab_map else ""
-    return (
-        f"draft: {path} ({draft.format} format, {layers}, block size {draft.block_size}, "
-        f"target layers {list(draft.target_layer_ids)}, mask id {draft.mask_token_id}{vocab})"
-    )

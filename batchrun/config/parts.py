@@ -242,9 +242,9 @@ class _Models:
         None,
         kind=Kind.TEXT,
         schema=_NAME,
-        doc='DFlash draft model directory, or "none" for plain decoding (the default). '
-        + _PATH_NOTE,
-        help='DFlash draft model directory, or "none".',
+        doc="Draft model directory (a DFlash draft; its method: speculative_method), or "
+        '"none" for plain decoding (the default). ' + _PATH_NOTE,
+        help='Draft model directory (a DFlash draft), or "none".',
         unset="none",
         record=Record.ALWAYS,
     )

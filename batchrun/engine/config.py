@@ -7,7 +7,6 @@ from pathlib import Path
 
 from batchrun.engine.options import EngineOptions
 from batchrun.errors import JobError
-from batchrun.spec_decode.dflash.width_policy import candidate_widths
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,24 +22,6 @@ class EngineConfig(EngineOptions):
     logprobs: int | None = None  # score each output token and its k most probable; None: off
     # Score each prompt token and its K most probable (turns prefix caching off); None: off.
     prompt_logprobs: int | None = None
-
-
-def verify_widths(verify_width: int | str, block_size: int | None) -> tuple[int, ...]:
-    """The verify widths the engine may pick (CUDA graphs are captured for each): every
-    candidate under `auto`, the block under `full`, else the one asked for; (1,) without a
-    draft."""
-    if block_size is None:
-        return (1,)
-    if verify_width == "auto":
-        return candidate_widths(block_size)
-    if verify_width == "full":
-        return (block_size,)
-    if not (isinstance(verify_width, int) and 1 <= verify_width <= block_size):
-        raise JobError(
-            f"verify width must be auto, full or 1 .. {block_size} (the draft's block size), "
-            f"got {verify_width!r}"
-        )
-    return (verify_width,)
 
 
 def check_batch_budget(max_batched_tokens: int, width: int) -> None:

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from batchrun.device import resolve_device
 from batchrun.engine.compiling import Compiling, GrammarsOnce
-from batchrun.engine.config import EngineConfig, check_batch_budget, verify_widths
+from batchrun.engine.config import EngineConfig, check_batch_budget
 from batchrun.engine.core.page_pool import PagePool
 from batchrun.engine.core.requests import Request, sample_requests
 from batchrun.engine.core.scheduler import Recorded, Scheduler
@@ -40,7 +40,9 @@ from batchrun.host_memory import keep_freed_memory
 from batchrun.layers.moe import fused_kernel
 from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.grammar import Grammars
-from batchrun.spec_decode.dflash.speculator import DraftBackends, make_speculator
+from batchrun.spec_decode.method import DraftBackends
+from batchrun.spec_decode.registry import make_speculator
+from batchrun.spec_decode.verify_widths import verify_widths
 
 
 class Engine:
@@ -68,8 +70,8 @@ class Engine:
         self.device = self.model.lm_head.weight.device
         self._tokenizer = models.tokenizer
         self.vocab_size = self.model.shape.vocab_size
-        draft = models.draft
-        block = draft.block_size if draft is not None else 1
+        layout = models.draft_layout
+        block = layout.block_size if layout is not None else 1
         check_batch_budget(config.max_batched_tokens, block)  # before the KV pools are allocated
         self.num_pages, self.max_model_len = size_memory(config, models, block, tp, num_pages)
         clock.lap("size_memory")
@@ -79,9 +81,9 @@ class Engine:
         sizes = RunnerSizes.of(config, self.num_pages, self.max_model_len, block)
         speculate = partial(
             make_speculator,
-            draft=draft,
+            draft=models.draft,
             backends=DraftBackends(backend, choice.window_backend),
-            widths=verify_widths(config.verify_width, block if draft is not None else None),
+            widths=verify_widths(config.verify_width, layout),
             max_batch_size=config.max_batch_size,
             tp=tp,
         )

@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from batchrun.attention.kv_dtype import kv_element_size
-from batchrun.engine.config import EngineConfig, verify_widths
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.core.page_pool import pages_for
 from batchrun.engine.cuda_graphs import graph_rows, graph_sizes
 from batchrun.engine.device_state import DEVICE_SLOT_BYTES
 from batchrun.engine.step_inputs import IN_FLIGHT_STEPS, step_in_size
 from batchrun.errors import JobError
-from batchrun.models.block_attention import BlockAttention
 from batchrun.models.qwen3 import Qwen3Shape
-from batchrun.spec_decode.dflash.rings import ring_pages
+from batchrun.spec_decode.method import DraftLayout
+from batchrun.spec_decode.verify_widths import verify_widths
 
 CPU_KV_BUDGET_BYTES = 2 << 30
 
@@ -109,19 +108,6 @@ def kv_pages(
     return max(1, min(want, budget // bytes_per_page))
 
 
-class DraftLayout(Protocol):
-    """What the KV sizing needs of a draft: the loaded model's, or its checked spec's."""
-
-    @property
-    def shape(self) -> Qwen3Shape: ...
-    @property
-    def target_layer_ids(self) -> Sequence[int]: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def attention(self) -> BlockAttention: ...
-
-
 def job_kv_pages(
     config: EngineConfig,
     target: Qwen3Shape,
@@ -129,22 +115,22 @@ def job_kv_pages(
     element: int,
     device: torch.device,
 ) -> int:
-    """kv_pages for a job's engine: with a draft, its paged layers, its sliding layers' rings
-    (one per slot and the scratch slot), its block and the verify widths graphs are made for."""
+    """kv_pages for a job's engine: with a draft (its method's layout, loaded or checked), its
+    paged layers, its ring layers' rings (one per slot and the scratch slot), its block and the
+    verify widths graphs are made for."""
     width = draft.block_size if draft is not None else 1
-    window = draft.attention.window if draft is not None else None
-    rings = ring_pages(window, width, config.page_size) if window else 0
+    rings = draft.ring_pages(config.page_size) if draft is not None else 0
     return kv_pages(
         config,
         target,
         draft.shape if draft is not None else None,
-        len(draft.target_layer_ids) if draft is not None else 0,
+        draft.feature_layers if draft is not None else 0,
         element,
         width,
         device,
-        draft_paged_layers=draft.attention.num_full if draft is not None else 0,
+        draft_paged_layers=draft.paged_layers if draft is not None else 0,
         ring_pages=rings * (config.max_batch_size + 1),
-        widths=verify_widths(config.verify_width, draft.block_size if draft is not None else None),
+        widths=verify_widths(config.verify_width, draft),
     )
 
 
@@ -185,8 +171,8 @@ def graph_outputs_bytes(
 # -- batch limits against the device's memory, before any weights load -------------------------
 
 # A slot of the per-request device state beside its page-table row (int32 per page): the
-# DeviceState's fields with the sampling tables, and a draft's context (two int64, the
-# DraftContext of spec_decode/dflash/inputs.py), counted for every job.
+# DeviceState's fields with the sampling tables, and a drafting speculator's per-slot context
+# (two int64: where its context ends), counted for every job.
 PER_SLOT_BYTES = DEVICE_SLOT_BYTES + 2 * 8
 
 

@@ -26,6 +26,16 @@ MAX_BATCHED_TOKENS = 1 << 24
 class EngineOptions:
     """How the engine runs the models, in job-key order; not what a row asks."""
 
+    speculative_method: str = option(
+        "auto",
+        kind=Kind.TEXT,
+        schema={"pattern": "^[a-z][a-z0-9_]*$"},
+        doc="The speculation method that runs the draft: auto (the one whose architectures the "
+        "draft's config.json names) or a method's name. Speculation is "
+        "lossless: the method changes speed, never outputs.",
+        help="auto (by the draft's config.json architectures) or a method's name.",
+    )
+
     # A constraint whose text is longer, or whose compile takes longer, is its row's error.
     max_constraint_bytes: int = option(
         MAX_CONSTRAINT_BYTES,

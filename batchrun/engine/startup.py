@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from batchrun.attention.base import AttentionBackend
@@ -19,12 +20,12 @@ from batchrun.engine.attention_backends import attention_backend
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.memory import job_kv_pages, usable_context
 from batchrun.layers.ops import use_ops
-from batchrun.models.dflash import DFlashDraft
-from batchrun.models.dflash_loader import load_dflash
 from batchrun.models.loader import load_qwen3
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.models.tokenizer import eos_token_ids, load_tokenizer
 from batchrun.parallel.group import TensorParallel
+from batchrun.spec_decode.method import DraftLayout
+from batchrun.spec_decode.registry import draft_layout, load_draft
 
 ROPE_HEADROOM = 1024  # verify/draft rows may run past the context end; their tokens are cut
 
@@ -47,12 +48,16 @@ class StartupClock:
 @dataclass(frozen=True)
 class Models:
     """What an engine runs: the target (this rank's share under tensor parallelism), the draft
-    and the target's tokenizer and end-of-sequence ids."""
+    (its speculation method's model) and the target's tokenizer and end-of-sequence ids."""
 
     target: Qwen3ForCausalLM
-    draft: DFlashDraft | None = None
+    draft: nn.Module | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
     eos: frozenset[int] = frozenset()
+
+    @property
+    def draft_layout(self) -> DraftLayout | None:
+        return draft_layout(self.draft)
 
 
 def load_models(
@@ -69,7 +74,8 @@ def load_models(
     draft = None
     if config.draft:
         max_positions = model.shape.max_position_embeddings + ROPE_HEADROOM
-        draft = load_dflash(Path(config.draft), model, device, max_positions)
+        method = config.speculative_method
+        draft = load_draft(Path(config.draft), method, model, device, max_positions)
         clock.lap("load_draft")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_dir)
     eos = eos_token_ids(target_dir, model_config, tokenizer)
@@ -90,7 +96,8 @@ def size_memory(
     device = target.lm_head.weight.device
     element = target.lm_head.weight.element_size()
     num_pages = num_pages or config.num_pages
-    num_pages = num_pages or job_kv_pages(config, target.shape, models.draft, element, device)
+    layout = models.draft_layout
+    num_pages = num_pages or job_kv_pages(config, target.shape, layout, element, device)
     if tp is not None:
         num_pages = tp.minimum(num_pages)
     return num_pages, usable_context(config, target.shape, num_pages, block, device)
@@ -114,7 +121,7 @@ def choose_backend(
 ) -> BackendChoice:
     """The attention backend for this workload (`auto` times its candidates on each rank:
     rank 0's wins), and the models' small ops bound to its kind."""
-    target, draft = models.target, models.draft
+    target, draft = models.target, models.draft_layout
     shape, device = target.shape, target.lm_head.weight.device
     workload = Workload(
         num_heads=max(shape.num_heads, draft.shape.num_heads if draft else 0),
@@ -125,7 +132,7 @@ def choose_backend(
         batch=config.max_batch_size,
         block_size=block,
         num_layers=shape.num_layers,
-        draft_layers=draft.shape.num_layers if draft else 0,
+        draft_layers=draft.paged_layers + draft.ring_layers if draft else 0,
         context=min(MEASURED_CONTEXT, max_model_len - block),
     )
     kv = config.kv_cache_dtype
@@ -134,9 +141,9 @@ def choose_backend(
     if chosen != backend.name:
         backend, ops, _ = attention_backend(chosen, device, workload, kv)
     window_backend = None
-    if draft is not None and draft.attention.window:
+    if draft is not None and draft.window:
         window_backend = attention_backend(backend.name, device, workload, kv)[0]
-    for model in (target, draft):
+    for model in (target, models.draft):
         if model is not None:
             use_ops(model, ops)
     return BackendChoice(backend, window_backend, measured)

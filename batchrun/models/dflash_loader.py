@@ -17,6 +17,7 @@ from batchrun.models.block_attention import BlockAttention
 from batchrun.models.config_check import checked_config
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.dflash_formats import DraftConfig, draft_config
+from batchrun.models.header_weights import header_weights
 from batchrun.models.loader import (
     checkpoint_weights,
     config_file,
@@ -165,6 +166,30 @@ def _check_vocabulary(
         if name in tensors and tensors[name] != expected[name]:
             raise JobError(f"draft: {name} has shape {tensors[name]}, expected {expected[name]}")
     return vocab, True
+
+
+def check_draft_weights(
+    draft_dir: Path, spec: DraftSpec, vocab_size: int, dtype: torch.dtype
+) -> int:
+    """load_weights's checks of the draft's weights' names and shapes, on a draft built on the
+    meta device against the tensors its safetensors headers describe, so no weight is read (but
+    its small vocabulary map, as the loader checks it). Returns the bytes its weights take in
+    `dtype`. Raises JobError."""
+    with shapes_only():
+        module = DFlashDraft(
+            spec.shape,
+            list(spec.target_layer_ids),
+            spec.block_size,
+            spec.mask_token_id,
+            1,
+            spec.attention,
+            spec.head_rows,
+        ).to(dtype)
+    tensors = header_weights(draft_dir, spec.shape, "draft")
+    load_weights(module, tensors, "draft", skip=set(spec.not_loaded))
+    if spec.vocab_map and spec.head_rows is not None:
+        _draft_to_target(draft_dir, spec.head_rows, vocab_size)
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def load_dflash(

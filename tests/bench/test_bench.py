@@ -50,7 +50,7 @@ def test_sweep_projects_full_width_and_adaptive_dflash() -> None:
     matching tau, a stats.json profile made conditional, and the adaptive width the policy's
     own rule picks (never slower than the full block)."""
     from batchrun.bench.sweep import conditional_acceptance, geometric_acceptance, summarize
-    from batchrun.spec_decode.dflash.width_policy import expected_tokens
+    from batchrun.spec_decode.width_policy import expected_tokens
 
     accept = geometric_acceptance(6.5, 16)
     assert expected_tokens(accept, 16) == pytest.approx(6.5, abs=1e-6)

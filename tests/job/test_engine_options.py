@@ -20,6 +20,7 @@ from batchrun.sampling.grammar_compile import CompileBudget
 
 # A value away from the default for every engine option.
 SET: dict[str, Any] = {
+    "speculative_method": "dflash",
     "max_constraint_bytes": 99,
     "grammar_compile_timeout": 3.0,
     "dtype": "float16",

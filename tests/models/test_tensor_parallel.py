@@ -36,7 +36,7 @@ from batchrun.models.qwen3_sharding import local_shape
 from batchrun.parallel.group import TensorParallel, init_from_env
 from batchrun.runners.local import run_job
 from batchrun.shard_env import apply_env_shard
-from batchrun.spec_decode.dflash.width_policy import WidthPolicy
+from batchrun.spec_decode.width_policy import WidthPolicy
 from batchrun.tools.tiny_draft import make_tiny_draft
 from tests.helpers.dflash_train import CONTINUATION, trained_draft_beside, training_prompts
 from tests.helpers.fp8_reference import quantize

@@ -28,7 +28,7 @@ from batchrun.sampling.params import SamplingParams
 from batchrun.spec_decode.base import Speculator
 from batchrun.spec_decode.dflash.inputs import DraftContext
 from batchrun.spec_decode.dflash.speculator import DFlashSpeculator
-from batchrun.spec_decode.dflash.width_policy import candidate_widths
+from batchrun.spec_decode.width_policy import candidate_widths
 
 BLOCK = 16
 TOKEN = 7  # every sampled token (no stop token: rows end at max_tokens)

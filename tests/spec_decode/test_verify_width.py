@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchrun.spec_decode.dflash.width_policy import (
+from batchrun.spec_decode.width_policy import (
     MIN_SAMPLES,
     PRIOR_ACCEPT,
     PROBE_ROUNDS,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from batchrun.spec_decode.base import Speculator
-from batchrun.spec_decode.dflash.width_policy import (
+from batchrun.spec_decode.width_policy import (
     HALF_LIFE,
     PRIOR_ACCEPT,
     PROBE_EVERY,

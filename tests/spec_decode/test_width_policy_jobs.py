@@ -14,9 +14,9 @@ from functools import cache
 import pytest
 
 import batchrun.spec_decode.dflash.speculator as speculator_module
-import batchrun.spec_decode.dflash.width_policy as width_policy
+import batchrun.spec_decode.width_policy as width_policy
 from batchrun.bench.oracle import SCENARIOS as CHANGING_ACCEPTANCE
-from batchrun.spec_decode.dflash.width_policy import expected_tokens
+from batchrun.spec_decode.width_policy import expected_tokens
 from tests.spec_decode.job_replay import Acceptance, Costs, DemoCpuCosts, H200Costs, Job, replay
 
 FIXED = (2, 4, 8, 16)  # `verify_width` 2 .. the block; "none" is the job without a draft

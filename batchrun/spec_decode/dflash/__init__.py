@@ -1,2 +1,2 @@
-"""DFlash drafting: the speculator, its inputs built on the device, the sliding layers' rings,
-the verify-width policy and the draft's CUDA graphs."""
+"""DFlash drafting: the method's registry entry (method.py), the speculator, its inputs built
+on the device, the sliding layers' rings and the draft's CUDA graphs."""

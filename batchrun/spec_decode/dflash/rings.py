@@ -20,9 +20,14 @@ from __future__ import annotations
 import torch
 
 
+def ring_positions(window: int, block_size: int) -> int:
+    """The W + B - 1 positions a block reads."""
+    return window + block_size - 1
+
+
 def ring_pages(window: int, block_size: int, page_size: int) -> int:
-    """R: pages per slot that hold the W + B - 1 positions a block reads."""
-    return -(-(window + block_size - 1) // page_size)
+    """R: pages per slot that hold the positions a block reads."""
+    return -(-ring_positions(window, block_size) // page_size)
 
 
 class DraftRing:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,34 +35,8 @@ from batchrun.spec_decode.dflash.inputs import (
     draft_inputs,
 )
 from batchrun.spec_decode.dflash.rings import DraftRing
-from batchrun.spec_decode.dflash.width_policy import WidthPolicy, step_width
-
-
-@dataclass(frozen=True)
-class DraftBackends:
-    """The attention backends a draft attends with: the target's kind, and a second backend of
-    that kind planned for the draft's sliding-window layers (their blocks read their ring,
-    through a window; None: no such layers)."""
-
-    backend: AttentionBackend
-    window_backend: AttentionBackend | None = None
-
-
-def make_speculator(
-    target: TargetView,
-    *,
-    draft: DFlashDraft | None,
-    backends: DraftBackends,
-    widths: tuple[int, ...],
-    max_batch_size: int,
-    tp: TensorParallel | None = None,
-) -> Speculator:
-    """The speculator over `target`: DFlash's with a draft, plain decoding without one."""
-    if draft is None:
-        return Speculator()
-    return DFlashSpeculator(
-        target, draft, backends, widths=widths, max_batch_size=max_batch_size, tp=tp
-    )
+from batchrun.spec_decode.method import DraftBackends
+from batchrun.spec_decode.width_policy import WidthPolicy, step_width
 
 
 class DFlashSpeculator(Speculator):
@@ -77,7 +50,7 @@ class DFlashSpeculator(Speculator):
         max_batch_size: int,
         tp: TensorParallel | None = None,
     ) -> None:
-        """widths: the verify widths it may choose (engine/config.py's verify_widths)."""
+        """widths: the verify widths it may choose (spec_decode/verify_widths.py)."""
         super().__init__()
         self.target, self.draft, self.tp = target, draft, tp
         self.backend, self.window_backend = backends.backend, backends.window_backend
