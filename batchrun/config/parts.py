@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchrun.errors import JobError
-from batchrun.io.prompts import DEFAULT_PROMPT_COLUMNS, PromptKind
-from batchrun.io.reasoning import REASONING_PARSERS
+from batchrun.io.input.prompts import DEFAULT_PROMPT_COLUMNS, PromptKind
+from batchrun.io.output.reasoning import REASONING_PARSERS
 from batchrun.sampling.grammar_compile import COMPILE_SECONDS, MAX_CONSTRAINT_BYTES
 from batchrun.sampling.option import Kind, option
 

@@ -36,6 +36,7 @@ from batchrun.engine.core.scheduler import Recorded, Scheduler
 from batchrun.engine.core.step import ScheduledStep, StepOutput
 from batchrun.engine.core.stopping import Stopper
 from batchrun.engine.heap import collect_everything, freeze_heap
+from batchrun.engine.host_memory import keep_freed_memory
 from batchrun.engine.in_flight import Forward, Launched, copy_to_host
 from batchrun.engine.instruments import Instruments, StepTimer
 from batchrun.engine.model_runner import ModelRunner, RunnerSizes
@@ -48,7 +49,6 @@ from batchrun.engine.startup import (
 )
 from batchrun.engine.step_inputs import plan_step, rows_sampled
 from batchrun.errors import JobError
-from batchrun.host_memory import keep_freed_memory
 from batchrun.layers.moe import fused_kernel
 from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.grammar import Grammars

@@ -20,23 +20,23 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from batchrun.admission_order import windowed
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request
 from batchrun.errors import JobStopped, signal_name
-from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR
-from batchrun.io.output_schema import OutputRow, error_rows, finished_row
-from batchrun.io.prefetch import prefetch
-from batchrun.io.prompts import RequestBuilder
-from batchrun.io.reader import InputBatch, RowSelection, iter_batches
-from batchrun.io.reasoning import reasoning_split
-from batchrun.io.row_samples import RowSamples
-from batchrun.io.sink import OutputSink, RunFacts
+from batchrun.io.input.prefetch import prefetch
+from batchrun.io.input.prompts import RequestBuilder
+from batchrun.io.input.reader import InputBatch, RowSelection, iter_batches
+from batchrun.io.output.columns import OutputRow, error_rows, finished_row
+from batchrun.io.output.directory import DAMAGED_DIR, PROGRESS_DIR
+from batchrun.io.output.reasoning import reasoning_split
+from batchrun.io.output.row_samples import RowSamples
+from batchrun.io.output.sink import OutputSink, RunFacts
+from batchrun.io.output.stats import RunClock
+from batchrun.runners.admission_order import windowed
 from batchrun.runners.engine_feed import QUEUE_FACTOR, EngineLike, build_engine, generate
 from batchrun.runners.metrics import JobMetrics, MetricsPlan, published, read_progress
 from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.stop_signals import StopSignals, stop_line
-from batchrun.stats import RunClock
 
 if TYPE_CHECKING:
     from batchrun.parallel.group import TensorParallel
@@ -91,7 +91,7 @@ def _run_job(
     leads = tp is None or tp.rank == 0
     found = None
     if engine is None:
-        from batchrun.preflight import preflight  # needs transformers, as the engine does
+        from batchrun.config.preflight import preflight  # needs transformers, as the engine does
 
         found = preflight(job, opened.prompt)  # what validate checks, before any weights load
     if leads:

@@ -11,11 +11,11 @@ import pyarrow as pa
 from batchrun.config.fingerprint import job_fingerprint
 from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
-from batchrun.io.output_dir import OutputDir
-from batchrun.io.prompts import PromptColumn, find_id_column, find_prompt_column
-from batchrun.io.reader import InputSource, open_input
-from batchrun.io.shards import shard_rows
-from batchrun.io.sink import SinkTarget
+from batchrun.io.input.prompts import PromptColumn, find_id_column, find_prompt_column
+from batchrun.io.input.reader import InputSource, open_input
+from batchrun.io.input.shards import shard_rows
+from batchrun.io.output.directory import OutputDir
+from batchrun.io.output.sink import SinkTarget
 
 
 @dataclass(frozen=True)

@@ -32,16 +32,16 @@ from typing import Any
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped, signal_name
-from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR, OutputDir
-from batchrun.io.output_schema import build_table
+from batchrun.io.output.columns import build_table
+from batchrun.io.output.directory import DAMAGED_DIR, PROGRESS_DIR, OutputDir
+from batchrun.io.output.progress_bar import ProgressBar
+from batchrun.io.output.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
 from batchrun.io.parts import STATS_FILE, is_temp
-from batchrun.io.progress_bar import ProgressBar
 from batchrun.runners.chunks import chunk_rows, plan_chunks
 from batchrun.runners.metrics import MetricsPlan
 from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.stop_signals import StopSignals, stop_line
 from batchrun.runners.worker_process import WorkerTask
-from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
 
 POLL_SECONDS = 0.2
 

@@ -23,7 +23,6 @@ ENGINE_STACK = {
     "kernels",
     "parallel",
     "device",
-    "host_memory",
     "errors",
 }
 
@@ -147,7 +146,8 @@ def test_the_cpu_path_imports_without_triton() -> None:
 
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import batchrun.cli, batchrun.engine.engine, batchrun.preflight, batchrun.bench.shapes\n"
+        "import batchrun.cli, batchrun.engine.engine, batchrun.config.preflight\n"
+        "import batchrun.bench.shapes\n"
         "import batchrun.attention.torch_backend, batchrun.layers.fp8_linear\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

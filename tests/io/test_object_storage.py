@@ -26,7 +26,7 @@ from moto.server import ThreadedMotoServer
 
 from batchrun.cli import cli
 from batchrun.errors import JobError
-from batchrun.io.reader import open_input
+from batchrun.io.input.reader import open_input
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [f"def step_{i}(state):" for i in range(10)] + ["", "import os"]

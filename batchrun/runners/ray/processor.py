@@ -30,19 +30,19 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from batchrun.admission_order import windowed
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request
 from batchrun.errors import JobError
-from batchrun.io.output_schema import (
+from batchrun.io.input.prompts import RequestBuilder, find_prompt_column
+from batchrun.io.output.columns import (
     OutputRow,
     build_table,
     error_rows,
     finished_row,
 )
-from batchrun.io.prompts import RequestBuilder, find_prompt_column
-from batchrun.io.reasoning import reasoning_split
-from batchrun.io.row_samples import RowSamples
+from batchrun.io.output.reasoning import reasoning_split
+from batchrun.io.output.row_samples import RowSamples
+from batchrun.runners.admission_order import windowed
 from batchrun.runners.engine_feed import QUEUE_FACTOR, EngineLike, build_engine, generate
 
 ROW_INDEX = "row_index"

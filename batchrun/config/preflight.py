@@ -35,8 +35,8 @@ from batchrun.engine.memory import (
     usable_context,
 )
 from batchrun.errors import JobError
-from batchrun.io.prompts import THINKING_NEEDS_TOKENS, PromptColumn, PromptKind
-from batchrun.io.reasoning import reasoning_split
+from batchrun.io.input.prompts import THINKING_NEEDS_TOKENS, PromptColumn, PromptKind
+from batchrun.io.output.reasoning import reasoning_split
 from batchrun.models.config_check import check_transformers_reads
 from batchrun.models.dflash import DFlashDraft
 from batchrun.models.dflash_loader import DraftSpec, _draft_to_target, check_draft

@@ -1,5 +1,5 @@
 """Streaming Parquet input: a file, a directory or a glob, read in path order, batch by batch.
-(An OpenAI Batch file, *.jsonl, reads the same way: batchrun/io/openai_batch.py.)
+(An OpenAI Batch file, *.jsonl, reads the same way: batchrun/io/input/openai_batch.py.)
 
 Memory does not grow with the input: only one record batch of one row group is decoded at a
 time, and row groups whose rows are all skipped (other shards, already committed) are not read.
@@ -23,8 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.errors import JobError
-from batchrun.io.object_listing import list_object_inputs
-from batchrun.io.openai_batch import (
+from batchrun.io.input.listing import list_object_inputs
+from batchrun.io.input.openai_batch import (
     REQUEST_SCHEMA,
     RequestFileIndex,
     index_request_file,
@@ -32,8 +32,7 @@ from batchrun.io.openai_batch import (
     read_request_rows,
 )
 from batchrun.io.parts import PART_PATTERN, PROGRESS_DIR
-from batchrun.io.storage import ObjectLocation, is_uri, storage_reason
-from batchrun.io.store import LOCAL, Store, store_for
+from batchrun.io.store import LOCAL, ObjectLocation, Store, is_uri, storage_reason, store_for
 
 READ_BATCH_ROWS = 256  # small: a row's pass-through slice pins its batch until the row is written
 _PARQUET_MAGIC = b"PAR1"

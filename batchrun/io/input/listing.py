@@ -1,7 +1,8 @@
-"""The input files an object-store --input names, found as local ones are (batchrun.io.reader):
-an object, a prefix (every *.parquet below it, none under a name starting with '.' or '_', none
-of a batchrun output found below it) or a glob ('*', '?', '[...]' within one name, '**' across
-any number of them), sorted by path, never the output's own objects."""
+"""The input files an object-store --input names, found as local ones are
+(batchrun.io.input.reader): an object, a prefix (every *.parquet below it, none under a name
+starting with '.' or '_', none of a batchrun output found below it) or a glob ('*', '?', '[...]'
+within one name, '**' across any number of them), sorted by path, never the output's own
+objects."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from pathlib import PurePath, PurePosixPath
 
 from batchrun.errors import JobError
 from batchrun.io.parts import PART_PATTERN, PROGRESS_DIR
-from batchrun.io.storage import ObjectLocation, is_uri
-from batchrun.io.store import Store
+from batchrun.io.store import ObjectLocation, Store, is_uri
 
 
 def list_object_inputs(store: Store, spec: str, exclude: str | None) -> list[PurePath]:
