@@ -26,11 +26,12 @@ from __future__ import annotations
 import configparser
 import contextlib
 import functools
+import glob
 import os
 import re
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePath, PurePosixPath
@@ -198,6 +199,20 @@ class Store(ABC):
         """The path as the user wrote it: a local path, or its URI."""
 
     @abstractmethod
+    def holds(self, spec: str) -> bool:
+        """Whether a spec (a local path or a URI) names a path in this store."""
+
+    @abstractmethod
+    def under(self, directory: PurePath) -> Callable[[PurePath], bool]:
+        """A test of whether a path lies under directory (locally as the OS reaches it, links
+        resolved)."""
+
+    @abstractmethod
+    def absent_root(self, path: PurePath) -> str | None:
+        """Why nothing can be at path because what holds it is absent (an object store's
+        bucket), else None."""
+
+    @abstractmethod
     def kind(self, path: PurePath) -> str:
         """'file', 'dir' or 'missing' (an object-store prefix holding objects is a 'dir')."""
 
@@ -205,6 +220,11 @@ class Store(ABC):
     def glob(self, directory: PurePath, pattern: str, recursive: bool = False) -> list[PurePath]:
         """Sorted: the entries directly in directory (every file below it, recursive; in an
         object store only objects) whose names match the pattern; [] if it does not exist."""
+
+    @abstractmethod
+    def match(self, pattern: PurePath) -> list[PurePath]:
+        """Sorted: the files whose paths match a glob ('*', '?', '[...]' within one name, '**'
+        across any number of them)."""
 
     @abstractmethod
     def stat(self, path: PurePath) -> tuple[int, int]:
@@ -267,6 +287,16 @@ class LocalStore(Store):
     def shown(self, path: PurePath) -> str:
         return str(path)
 
+    def holds(self, spec: str) -> bool:
+        return not is_uri(spec)
+
+    def under(self, directory: PurePath) -> Callable[[PurePath], bool]:
+        root = Path(directory).resolve()
+        return lambda path: Path(path).resolve().is_relative_to(root)
+
+    def absent_root(self, path: PurePath) -> str | None:
+        return None
+
     def kind(self, path: PurePath) -> str:
         local = Path(path)
         return "dir" if local.is_dir() else "file" if local.exists() else "missing"
@@ -275,8 +305,14 @@ class LocalStore(Store):
         local = Path(directory)
         if not local.is_dir():
             return []
-        found = local.rglob(pattern) if recursive else local.glob(pattern)
+        found = (
+            (p for p in local.rglob(pattern) if p.is_file()) if recursive else local.glob(pattern)
+        )
         return sorted(found, key=str)
+
+    def match(self, pattern: PurePath) -> list[PurePath]:
+        found = (Path(p) for p in glob.glob(str(pattern), recursive=True))
+        return sorted((p for p in found if p.is_file()), key=str)
 
     def stat(self, path: PurePath) -> tuple[int, int]:
         stat = Path(path).stat()
@@ -324,6 +360,20 @@ class ObjectStore(Store):
     def shown(self, path: PurePath) -> str:
         return f"{self.scheme}://{path}"
 
+    def holds(self, spec: str) -> bool:
+        return is_uri(spec) and ObjectLocation.parse(spec).scheme == self.scheme
+
+    def under(self, directory: PurePath) -> Callable[[PurePath], bool]:
+        return lambda path: path.is_relative_to(directory)
+
+    def absent_root(self, path: PurePath) -> str | None:
+        bucket = path.parts[0]
+        return (
+            None
+            if self.kind(PurePosixPath(bucket)) == "dir"
+            else f"bucket {bucket!r} does not exist"
+        )
+
     @contextlib.contextmanager
     def _one_line(self, path: PurePath) -> Iterator[None]:
         try:
@@ -351,6 +401,18 @@ class ObjectStore(Store):
             if info.type == pafs.FileType.File and fnmatchcase(info.base_name, pattern)
         ]
         return sorted(found, key=str)
+
+    def match(self, pattern: PurePath) -> list[PurePath]:
+        # No listing by pattern in an object store: every object below the pattern's fixed
+        # prefix, matched name by name.
+        names = pattern.parts
+        fixed = next(i for i, name in enumerate(names) if glob.has_magic(name))
+        base = PurePosixPath(*names[:fixed])
+        return [
+            path
+            for path in self.glob(base, "*", recursive=True)
+            if _matches(names[fixed:], path.relative_to(base).parts)
+        ]
 
     def stat(self, path: PurePath) -> tuple[int, int]:
         with self._one_line(path):
@@ -396,6 +458,15 @@ class ObjectStore(Store):
     def move(self, source: PurePath, target: PurePath) -> None:
         with self._one_line(source):
             self.fs.move(str(source), str(target))
+
+
+def _matches(pattern: tuple[str, ...], names: tuple[str, ...]) -> bool:
+    """Whether a path's names match a glob's, name by name; '**' matches any number of names."""
+    if not pattern:
+        return not names
+    if pattern[0] == "**":
+        return any(_matches(pattern[1:], names[skip:]) for skip in range(len(names) + 1))
+    return bool(names) and fnmatchcase(names[0], pattern[0]) and _matches(pattern[1:], names[1:])
 
 
 LOCAL = LocalStore()

@@ -17,8 +17,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request, row_seed
 from batchrun.errors import JobError
+from batchrun.io.input.listing import resolve_input_paths
 from batchrun.io.input.prompts import PromptKind, RequestBuilder, find_id_column, find_prompt_column
-from batchrun.io.input.reader import RowSelection, iter_batches, open_input, resolve_input_paths
+from batchrun.io.input.reader import RowSelection, iter_batches, open_input
 from batchrun.io.input.shards import shard_rows
 from batchrun.io.output.columns import build_table, error_row, finished_row, output_schema
 from batchrun.io.output.directory import OutputDir, row_ranges

@@ -32,7 +32,7 @@ from click.testing import CliRunner, Result
 
 from batchrun.cli import cli
 from batchrun.errors import JobError
-from batchrun.io.input.reader import resolve_input_paths
+from batchrun.io.input.listing import resolve_input_paths
 from batchrun.io.output import claim
 from batchrun.io.output.columns import build_table, error_row, output_schema
 from batchrun.io.output.directory import OutputDir

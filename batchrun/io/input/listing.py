@@ -1,82 +1,65 @@
-"""The input files an object-store --input names, found as local ones are
-(batchrun.io.input.reader): an object, a prefix (every *.parquet below it, none under a name
-starting with '.' or '_', none of a batchrun output found below it) or a glob ('*', '?', '[...]'
-within one name, '**' across any number of them), sorted by path, never the output's own
-objects."""
+"""The input files --input names, listed once for every store (batchrun.io.store: a local
+filesystem or an object store): a file, a directory or prefix (every *.parquet below it, none
+under a name starting with '.' or '_', none of a batchrun output found below it) or a glob ('*',
+'?', '[...]' within one name, '**' across any number of them), sorted by path, never the output's
+own files."""
 
 from __future__ import annotations
 
 import glob
 from fnmatch import fnmatchcase
-from pathlib import PurePath, PurePosixPath
+from pathlib import PurePath
 
 from batchrun.errors import JobError
 from batchrun.io.parts import PART_PATTERN, PROGRESS_DIR
-from batchrun.io.store import ObjectLocation, Store, is_uri
+from batchrun.io.store import Store, store_for
 
 
-def list_object_inputs(store: Store, spec: str, exclude: str | None) -> list[PurePath]:
-    """The files of an object-store input spec; JobError (one line) when there are none or the
-    store cannot be read."""
-    location = ObjectLocation.parse(spec)
-    root = PurePosixPath(location.path)
-    excluded = _excluded(location, exclude)
+def input_paths(spec: str, exclude: str | PurePath | None = None) -> tuple[Store, list[PurePath]]:
+    """The store of --input and the files it names, sorted by path (exclude: the output, a
+    local path or an object-store URI, never read as input); JobError (one line) when there are
+    none or the store cannot be read."""
+    store = store_for(spec)
+    return store, _list(store, spec, exclude)
 
-    def outside(path: PurePath) -> bool:
-        return excluded is None or not path.is_relative_to(excluded)
 
+def resolve_input_paths(spec: str, exclude: str | PurePath | None = None) -> list[PurePath]:
+    """The files --input names (input_paths without the store)."""
+    return input_paths(spec, exclude)[1]
+
+
+def _list(store: Store, spec: str, exclude: str | PurePath | None) -> list[PurePath]:
+    root = store.path(spec)
+    excluded = (
+        store.path(str(exclude)) if exclude is not None and store.holds(str(exclude)) else None
+    )
+    inside = (lambda path: False) if excluded is None else store.under(excluded)
     try:
-        if store.kind(PurePosixPath(location.bucket)) != "dir":
-            raise JobError(f"input {spec!r}: bucket {location.bucket!r} does not exist")
-        if glob.has_magic(location.path):
-            found = [p for p in _glob(store, root) if outside(p)]
-            if not found:
-                raise JobError(f"input glob {spec!r} matches no files")
-            return found
+        absent = store.absent_root(root)
+        if absent is not None:
+            raise JobError(f"input {spec!r}: {absent}")
         kind = store.kind(root)
         if kind == "file":
-            if not outside(root):
-                raise JobError(f"input file {spec!r} is inside the output directory {exclude!r}")
+            if inside(root):
+                shown = store.shown(excluded) if excluded is not None else ""
+                raise JobError(f"input file {spec!r} is inside the output directory {shown!r}")
             return [root]
         if kind == "dir":
-            found = [p for p in _parquet_below(store, root) if outside(p)]
+            found = [p for p in _parquet_below(store, root) if not inside(p)]
             if not found:
                 raise JobError(f"input directory {spec!r} holds no .parquet files")
+            return found
+        if glob.has_magic(spec):
+            found = [p for p in store.match(root) if not inside(p)]
+            if not found:
+                raise JobError(f"input glob {spec!r} matches no files")
             return found
     except OSError as exc:
         raise JobError(f"cannot read input {spec!r}: {exc}") from None
     raise JobError(f"input {spec!r} does not exist")
 
 
-def _excluded(location: ObjectLocation, exclude: str | None) -> PurePosixPath | None:
-    """The output's prefix, when it is in the same store as the input."""
-    if exclude is None or not is_uri(exclude):
-        return None
-    output = ObjectLocation.parse(exclude)
-    return PurePosixPath(output.path) if output.scheme == location.scheme else None
-
-
-def _glob(store: Store, pattern: PurePosixPath) -> list[PurePath]:
-    parts = pattern.parts
-    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
-    base = PurePosixPath(*parts[:fixed])
-    return [
-        path
-        for path in store.glob(base, "*", recursive=True)
-        if _matches(parts[fixed:], path.relative_to(base).parts)
-    ]
-
-
-def _matches(pattern: tuple[str, ...], names: tuple[str, ...]) -> bool:
-    """Whether a path's names match a glob's, name by name; '**' matches any number of names."""
-    if not pattern:
-        return not names
-    if pattern[0] == "**":
-        return any(_matches(pattern[1:], names[skip:]) for skip in range(len(names) + 1))
-    return bool(names) and fnmatchcase(names[0], pattern[0]) and _matches(pattern[1:], names[1:])
-
-
-def _parquet_below(store: Store, root: PurePosixPath) -> list[PurePath]:
+def _parquet_below(store: Store, root: PurePath) -> list[PurePath]:
     outputs: dict[PurePath, bool] = {}  # a directory below root: is it a batchrun output?
 
     def in_nested_output(path: PurePath) -> bool:
