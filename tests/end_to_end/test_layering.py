@@ -25,6 +25,7 @@ ENGINE_STACK = {
     "device",
     "errors",
 }
+HARNESS = {"bench", "train", "tools"}  # left out of the wheel: only the CLI dispatches to them
 
 
 def _unit(module: str) -> str:
@@ -136,6 +137,15 @@ def test_the_engine_stack_imports_nothing_above_it() -> None:
     for unit in ENGINE_STACK:
         above = {t: f for t, f in edges.get(unit, {}).items() if t not in ENGINE_STACK}
         assert not above, f"{unit} imports {above}"
+
+
+def test_the_runtime_imports_no_harness_but_the_bench_command() -> None:
+    found = {
+        module: [t for t in targets if _unit(t) in HARNESS]
+        for module, targets in file_imports().items()
+        if _unit(module) not in HARNESS
+    }
+    assert {m for m, targets in found.items() if targets} <= {"batchrun.cli.bench"}, found
 
 
 def test_the_cpu_path_imports_without_triton() -> None:
