@@ -21,7 +21,8 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from batchrun.cli import cli
-from batchrun.io import fingerprint, reader
+from batchrun.io.input import reader
+from batchrun.io.output import fingerprint
 
 counts = {"pyarrow_bytes_read": 0, "footer_bytes_read": 0, "files_opened": 0, "row_groups": 0}
 

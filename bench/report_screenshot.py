@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from batchrun.report import TITLES
+from batchrun.reporting.report import TITLES
 
 
 def find_chromium() -> str | None:

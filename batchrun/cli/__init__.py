@@ -9,7 +9,7 @@ import click
 import torch
 
 import batchrun
-from batchrun.bench.command import bench
+from batchrun.cli.bench import bench_command
 from batchrun.cli.export import export
 from batchrun.cli.group import Group
 from batchrun.cli.outputs import report, stats
@@ -23,7 +23,7 @@ def cli() -> None:
     """Offline batch inference over Parquet."""
 
 
-for command in (run, validate, stats, report, export, bench):
+for command in (run, validate, stats, report, export, bench_command()):
     cli.add_command(command)
 
 

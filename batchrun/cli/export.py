@@ -28,7 +28,7 @@ FORMATS = ("openai-batch",)
 )
 def export(output_dir: Path, format_name: str, destination: Path) -> None:
     """Write the rows of OUTPUT_DIR (finished or running) in another format."""
-    from batchrun.io.openai_results import write_results
+    from batchrun.io.output.openai_results import write_results
 
     written = write_results(output_dir, destination)
     running = "" if written.complete else " (the job has not finished: rows to come are left out)"

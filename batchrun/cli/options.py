@@ -13,8 +13,8 @@ import click
 
 from batchrun.config.job import JobSpec, load_job
 from batchrun.config.options import JobOption, job_options
+from batchrun.runners.shard_env import apply_env_shard
 from batchrun.sampling.option import Kind
-from batchrun.shard_env import apply_env_shard
 
 
 def _verify_width(value: str | None) -> int | str | None:

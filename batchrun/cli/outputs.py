@@ -12,7 +12,7 @@ import click
 def stats(output_dir: str) -> None:
     """Summarize the part files of OUTPUT_DIR (finished or running; every shard and run; local
     or s3://...)."""
-    from batchrun.summary import summarize  # polars is needed for summaries only
+    from batchrun.reporting.summary import summarize  # polars is needed for summaries only
 
     click.echo(summarize(output_dir))
 
@@ -27,6 +27,6 @@ def stats(output_dir: str) -> None:
 )
 def report(output_dir: str, html_file: Path | None) -> None:
     """Write one self-contained HTML page of plots over OUTPUT_DIR (needs batchrun[report])."""
-    from batchrun.report import write_report
+    from batchrun.reporting.report import write_report
 
     click.echo(f"batchrun: report -> {write_report(output_dir, html_file)}")

@@ -14,7 +14,7 @@ import click
 
 from batchrun.cli.options import job_flags, job_of
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
-from batchrun.io.storage import is_uri
+from batchrun.io.store import is_uri
 from batchrun.runners.local import run_job, summary_line
 from batchrun.runners.workers.run import check_workers, run_workers
 

@@ -9,13 +9,13 @@ import click
 
 from batchrun.cli.options import job_flags, job_of
 from batchrun.config.job import JobSpec
-from batchrun.io.overrides import OVERRIDE_COLUMNS
-from batchrun.io.prompts import CHAT_KWARGS_COLUMN, CONSTRAINT_COLUMNS, template_thinks
+from batchrun.io.input.overrides import OVERRIDE_COLUMNS
+from batchrun.io.input.prompts import CHAT_KWARGS_COLUMN, CONSTRAINT_COLUMNS, template_thinks
 from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.workers.run import check_workers, planned_devices
 
 if TYPE_CHECKING:
-    from batchrun.preflight import Preflight
+    from batchrun.config.preflight import Preflight
 
 
 @click.command()
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def validate(job_file: Path | None, **flags: Any) -> None:
     """Make every start-up check of `run` (JOB_FILE, flags, input columns, output directory,
     model configs, tokenizer, draft fit, device) without loading weights; runs nothing."""
-    from batchrun.preflight import preflight  # needs transformers, as `run` does
+    from batchrun.config.preflight import preflight  # needs transformers, as `run` does
 
     job = job_of(job_file, flags)
     check_workers(job, ray=False)

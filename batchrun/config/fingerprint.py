@@ -25,10 +25,10 @@ from typing import Any
 from batchrun.config.job import JobSpec
 from batchrun.config.parts import EnginePart
 from batchrun.errors import JobError
-from batchrun.io.fingerprint import FINGERPRINT_VERSION, input_file_identity, model_files
-from batchrun.io.overrides import token_bias_keys
-from batchrun.io.prompts import PromptColumn
-from batchrun.io.reader import InputSource
+from batchrun.io.input.overrides import token_bias_keys
+from batchrun.io.input.prompts import PromptColumn
+from batchrun.io.input.reader import InputSource
+from batchrun.io.output.fingerprint import FINGERPRINT_VERSION, input_file_identity, model_files
 from batchrun.sampling.option import Kind, Option, Record, declared, key_of
 from batchrun.sampling.params import SamplingParams
 

@@ -29,10 +29,10 @@ from batchrun.engine.config import EngineConfig
 from batchrun.engine.core.requests import row_seed
 from batchrun.engine.options import engine_options
 from batchrun.errors import JobError
-from batchrun.io.chat_args import chat_kwargs_problem
-from batchrun.io.output_schema import output_schema
-from batchrun.io.overrides import BadOverride, token_bias, token_bias_keys
-from batchrun.io.prompts import THINKING_WITH_LOGPROBS, RowDefaults
+from batchrun.io.input.chat_args import chat_kwargs_problem
+from batchrun.io.input.overrides import BadOverride, token_bias, token_bias_keys
+from batchrun.io.input.prompts import THINKING_WITH_LOGPROBS, RowDefaults
+from batchrun.io.output.columns import output_schema
 from batchrun.sampling.constraint import KINDS, Constraint
 from batchrun.sampling.option import Kind
 from batchrun.sampling.params import SamplingParams

@@ -10,8 +10,8 @@ from typing import Any
 
 from batchrun.engine.options import EngineOptions
 from batchrun.errors import JobError
-from batchrun.io.prompts import DEFAULT_PROMPT_COLUMNS, PromptKind
-from batchrun.io.reasoning import REASONING_PARSERS
+from batchrun.io.input.prompts import DEFAULT_PROMPT_COLUMNS, PromptKind
+from batchrun.io.output.reasoning import REASONING_PARSERS
 from batchrun.sampling.option import Kind, Record, option
 
 _PATH_NOTE = "Relative paths in a job file resolve against the job file's directory."

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.errors import JobError
-from batchrun.io.storage import is_uri
+from batchrun.io.store import is_uri
 
 # Keys holding paths: relative ones in a job file resolve against the job file's directory.
 PATH_KEYS = ("input", "output", "target", "draft", "metrics_file", "claims_dir")
-URI_KEYS = ("input", "output")  # keys that may name object storage (batchrun.io.storage)
+URI_KEYS = ("input", "output")  # keys that may name object storage (batchrun.io.store)
 
 
 def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:

@@ -31,12 +31,12 @@ from batchrun.engine.core.requests import Request, sample_requests
 from batchrun.engine.core.scheduler import Recorded, Scheduler
 from batchrun.engine.core.stopping import Stopper
 from batchrun.engine.heap import collect_everything, freeze_heap
+from batchrun.engine.host_memory import keep_freed_memory
 from batchrun.engine.in_flight import Launched
 from batchrun.engine.model_runner import RunnerSizes
 from batchrun.engine.startup import Models, StartupClock, choose_backend, load_models, size_memory
 from batchrun.engine.worker import Worker
 from batchrun.errors import JobError
-from batchrun.host_memory import keep_freed_memory
 from batchrun.layers.moe import fused_kernel
 from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.grammar import Grammars

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from batchrun.errors import JobError
 
 PART_PATTERN = "part-*.parquet"  # every shard's parts
-PROGRESS_DIR = "_progress"  # beside the parts: what is committed (batchrun.io.output_dir)
+PROGRESS_DIR = "_progress"  # beside the parts: what is committed (batchrun.io.output.directory)
 STATS_FILE = "stats.json"
 SUCCESS_FILE = "_SUCCESS"
 REPORT_FILE = "report.html"

@@ -1,5 +1,5 @@
-"""The file operations an output directory and the input reader need, on a local filesystem or
-in object storage, so that both run one code path (batchrun.io.output_dir, batchrun.io.reader).
+"""Files local or in object storage behind one interface (Store), so that the input listing and
+reader and the output directory run one code path (batchrun.io.input, batchrun.io.output).
 
 A local store writes a file under a temp name, fsyncs it and renames it into place, and never
 writes, replaces or deletes through a symlink. An object store has no rename and needs none: an
@@ -8,24 +8,181 @@ nothing), so each file is written once, whole, under its final name. A part is s
 memory first, so a failure while building it never completes an upload of half a part.
 
 Paths are PurePath: a Path locally, a PurePosixPath "bucket/key/..." in an object store.
+
+Object stores are reached through pyarrow's filesystem layer: which specs are object-store URIs
+(s3://bucket/key, gs://bucket/key), the filesystem that reaches them, configured by the standard
+environment, and one-line errors for what goes wrong on the way (an endpoint that does not answer,
+no credentials, a bucket that does not exist).
+
+S3 is configured as the AWS tools are: AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) for an
+S3-compatible server, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or a profile
+(AWS_PROFILE, ~/.aws/credentials and ~/.aws/config), AWS_REGION or AWS_DEFAULT_REGION. pyarrow
+reads AWS_ENDPOINT_URL itself only in recent versions, so the endpoint and region are passed to it
+explicitly. gs:// uses pyarrow's GCS filesystem and Google's default credentials.
 """
 
 from __future__ import annotations
 
+import configparser
 import contextlib
+import functools
+import glob
+import os
+import re
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from batchrun.errors import JobError
 from batchrun.io.parts import refuse_symlink, remove, write_part, write_text_atomically
-from batchrun.io.storage import ObjectLocation, is_uri, object_filesystem, storage_reason
+
+OBJECT_SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs"}  # as written -> the canonical one
+
+
+def is_uri(spec: str) -> bool:
+    """Whether spec names an object in object storage (s3://, gs://) rather than a local path."""
+    scheme, sep, _ = spec.partition("://")
+    return bool(sep) and scheme.lower() in OBJECT_SCHEMES
+
+
+@dataclass(frozen=True)
+class ObjectLocation:
+    """An object-store URI split: its scheme (s3 or gs) and its filesystem path, bucket/key."""
+
+    scheme: str
+    path: str  # "bucket" or "bucket/key/...", without a trailing slash
+
+    @classmethod
+    def parse(cls, spec: str) -> ObjectLocation:
+        scheme, _, rest = spec.partition("://")
+        path = rest.strip("/")
+        if not path or path.startswith(".") or "//" in path:
+            raise JobError(f"{spec!r} is not an object-store URI of the form {scheme}://bucket/key")
+        return cls(OBJECT_SCHEMES[scheme.lower()], path)
+
+    @property
+    def bucket(self) -> str:
+        return self.path.split("/", 1)[0]
+
+    @property
+    def uri(self) -> str:
+        return f"{self.scheme}://{self.path}"
+
+
+def object_filesystem(scheme: str) -> pafs.FileSystem:
+    """The filesystem of an object-store scheme, configured from the environment; JobError (one
+    line) when it cannot be made (no credentials, a build of pyarrow without it)."""
+    if scheme == "s3":
+        _require_aws_credentials()
+        return _s3_filesystem(
+            s3_endpoint(), os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        )
+    try:
+        return _gcs_filesystem()
+    except (ImportError, pa.ArrowException) as exc:
+        raise JobError(f"gs:// needs pyarrow built with GCS support: {exc}") from None
+
+
+def s3_endpoint() -> str | None:
+    """The S3 endpoint the environment names (None: AWS itself)."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+@functools.cache
+def _s3_filesystem(endpoint: str | None, region: str | None) -> pafs.FileSystem:
+    options: dict[str, str] = {}
+    if endpoint:
+        parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+        options["endpoint_override"] = parts.netloc + parts.path.rstrip("/")
+        options["scheme"] = parts.scheme
+    if region:
+        options["region"] = region
+    return pafs.S3FileSystem(**options)
+
+
+@functools.cache
+def _gcs_filesystem() -> pafs.FileSystem:
+    return pafs.GcsFileSystem()
+
+
+def _require_aws_credentials() -> None:
+    """JobError unless the AWS credential chain has a source to take credentials from.
+
+    Without one, the AWS SDK sends unsigned requests, which a store refuses with an 'access
+    denied' that does not say why. Instance metadata (EC2, ECS roles) is a source unless
+    AWS_EC2_METADATA_DISABLED is true, so on a machine where it may answer the check passes."""
+    env = os.environ
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        return
+    sources = (
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    )
+    if any(env.get(name) for name in sources) or _aws_profile_exists():
+        return
+    if env.get("AWS_EC2_METADATA_DISABLED", "").lower() != "true":
+        return  # the instance's role may answer
+    raise JobError(
+        "no AWS credentials found for s3://: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+        "or AWS_PROFILE naming a profile in ~/.aws/credentials"
+    )
+
+
+def _aws_profile_exists() -> bool:
+    """Whether the profile the SDK would use (AWS_PROFILE, else default) is in the shared files."""
+    profile = os.environ.get("AWS_PROFILE") or "default"
+    home = Path.home() / ".aws"
+    files = {
+        os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or str(home / "credentials"): profile,
+        os.environ.get("AWS_CONFIG_FILE") or str(home / "config"): (
+            profile if profile == "default" else f"profile {profile}"
+        ),
+    }
+    for path, section in files.items():
+        parser = configparser.RawConfigParser()
+        try:
+            parser.read(path)
+        except configparser.Error:
+            continue
+        if parser.has_section(section):
+            return True
+    return False
+
+
+# What the AWS SDK's error codes (in pyarrow's messages) mean, in the words of the line batchrun
+# prints; the first that a message holds is the one said.
+_AWS_ERRORS = (
+    ("NETWORK_CONNECTION", "cannot connect to the object store{endpoint}"),
+    ("NO_SUCH_BUCKET", "bucket {bucket!r} does not exist"),
+    ("INVALID_ACCESS_KEY_ID", "the store does not know the access key (AWS_ACCESS_KEY_ID)"),
+    ("SIGNATURE_DOES_NOT_MATCH", "the store refused the secret key (AWS_SECRET_ACCESS_KEY)"),
+    ("ACCESS_DENIED", "access denied (check the credentials and the bucket's permissions)"),
+)
+
+
+def storage_reason(exc: BaseException, location: ObjectLocation) -> str:
+    """Why an object-store call failed, in one line."""
+    text = str(exc)
+    for code, reason in _AWS_ERRORS:
+        if code in text:
+            endpoint = s3_endpoint() if location.scheme == "s3" else None
+            return reason.format(
+                endpoint=f" at {endpoint}" if endpoint else "", bucket=location.bucket
+            )
+    if "HTTP response code: 403" in text:
+        return _AWS_ERRORS[-1][1]
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return re.sub(r"\s*\(Request ID: [^)]*\)", "", first)
 
 
 class Store(ABC):
@@ -42,6 +199,20 @@ class Store(ABC):
         """The path as the user wrote it: a local path, or its URI."""
 
     @abstractmethod
+    def holds(self, spec: str) -> bool:
+        """Whether a spec (a local path or a URI) names a path in this store."""
+
+    @abstractmethod
+    def under(self, directory: PurePath) -> Callable[[PurePath], bool]:
+        """A test of whether a path lies under directory (locally as the OS reaches it, links
+        resolved)."""
+
+    @abstractmethod
+    def absent_root(self, path: PurePath) -> str | None:
+        """Why nothing can be at path because what holds it is absent (an object store's
+        bucket), else None."""
+
+    @abstractmethod
     def kind(self, path: PurePath) -> str:
         """'file', 'dir' or 'missing' (an object-store prefix holding objects is a 'dir')."""
 
@@ -49,6 +220,11 @@ class Store(ABC):
     def glob(self, directory: PurePath, pattern: str, recursive: bool = False) -> list[PurePath]:
         """Sorted: the entries directly in directory (every file below it, recursive; in an
         object store only objects) whose names match the pattern; [] if it does not exist."""
+
+    @abstractmethod
+    def match(self, pattern: PurePath) -> list[PurePath]:
+        """Sorted: the files whose paths match a glob ('*', '?', '[...]' within one name, '**'
+        across any number of them)."""
 
     @abstractmethod
     def stat(self, path: PurePath) -> tuple[int, int]:
@@ -111,6 +287,16 @@ class LocalStore(Store):
     def shown(self, path: PurePath) -> str:
         return str(path)
 
+    def holds(self, spec: str) -> bool:
+        return not is_uri(spec)
+
+    def under(self, directory: PurePath) -> Callable[[PurePath], bool]:
+        root = Path(directory).resolve()
+        return lambda path: Path(path).resolve().is_relative_to(root)
+
+    def absent_root(self, path: PurePath) -> str | None:
+        return None
+
     def kind(self, path: PurePath) -> str:
         local = Path(path)
         return "dir" if local.is_dir() else "file" if local.exists() else "missing"
@@ -119,8 +305,14 @@ class LocalStore(Store):
         local = Path(directory)
         if not local.is_dir():
             return []
-        found = local.rglob(pattern) if recursive else local.glob(pattern)
+        found = (
+            (p for p in local.rglob(pattern) if p.is_file()) if recursive else local.glob(pattern)
+        )
         return sorted(found, key=str)
+
+    def match(self, pattern: PurePath) -> list[PurePath]:
+        found = (Path(p) for p in glob.glob(str(pattern), recursive=True))
+        return sorted((p for p in found if p.is_file()), key=str)
 
     def stat(self, path: PurePath) -> tuple[int, int]:
         stat = Path(path).stat()
@@ -168,6 +360,20 @@ class ObjectStore(Store):
     def shown(self, path: PurePath) -> str:
         return f"{self.scheme}://{path}"
 
+    def holds(self, spec: str) -> bool:
+        return is_uri(spec) and ObjectLocation.parse(spec).scheme == self.scheme
+
+    def under(self, directory: PurePath) -> Callable[[PurePath], bool]:
+        return lambda path: path.is_relative_to(directory)
+
+    def absent_root(self, path: PurePath) -> str | None:
+        bucket = path.parts[0]
+        return (
+            None
+            if self.kind(PurePosixPath(bucket)) == "dir"
+            else f"bucket {bucket!r} does not exist"
+        )
+
     @contextlib.contextmanager
     def _one_line(self, path: PurePath) -> Iterator[None]:
         try:
@@ -195,6 +401,18 @@ class ObjectStore(Store):
             if info.type == pafs.FileType.File and fnmatchcase(info.base_name, pattern)
         ]
         return sorted(found, key=str)
+
+    def match(self, pattern: PurePath) -> list[PurePath]:
+        # No listing by pattern in an object store: every object below the pattern's fixed
+        # prefix, matched name by name.
+        names = pattern.parts
+        fixed = next(i for i, name in enumerate(names) if glob.has_magic(name))
+        base = PurePosixPath(*names[:fixed])
+        return [
+            path
+            for path in self.glob(base, "*", recursive=True)
+            if _matches(names[fixed:], path.relative_to(base).parts)
+        ]
 
     def stat(self, path: PurePath) -> tuple[int, int]:
         with self._one_line(path):
@@ -240,6 +458,15 @@ class ObjectStore(Store):
     def move(self, source: PurePath, target: PurePath) -> None:
         with self._one_line(source):
             self.fs.move(str(source), str(target))
+
+
+def _matches(pattern: tuple[str, ...], names: tuple[str, ...]) -> bool:
+    """Whether a path's names match a glob's, name by name; '**' matches any number of names."""
+    if not pattern:
+        return not names
+    if pattern[0] == "**":
+        return any(_matches(pattern[1:], names[skip:]) for skip in range(len(names) + 1))
+    return bool(names) and fnmatchcase(names[0], pattern[0]) and _matches(pattern[1:], names[1:])
 
 
 LOCAL = LocalStore()

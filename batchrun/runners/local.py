@@ -21,18 +21,18 @@ import pyarrow as pa
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request
 from batchrun.errors import JobStopped, signal_name
-from batchrun.io.output_schema import OutputRow
-from batchrun.io.prefetch import prefetch
-from batchrun.io.prompts import RequestBuilder
-from batchrun.io.reader import RowSelection
-from batchrun.io.sink import OutputSink, RunFacts
+from batchrun.io.input.prefetch import prefetch
+from batchrun.io.input.prompts import RequestBuilder
+from batchrun.io.input.reader import RowSelection
+from batchrun.io.output.columns import OutputRow
+from batchrun.io.output.sink import OutputSink, RunFacts
+from batchrun.io.output.stats import RunClock
 from batchrun.runners.engine_feed import EngineLike, build_engine, generate
 from batchrun.runners.metrics import JobMetrics, MetricsPlan, published, read_progress
 from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.row_pipeline import InputRow, Pace, RowPipeline, request_builder
 from batchrun.runners.row_sources import FixedRows, RowSource
 from batchrun.runners.stop_signals import StopSignals, stop_line
-from batchrun.stats import RunClock
 
 if TYPE_CHECKING:
     from batchrun.parallel.group import TensorParallel
@@ -84,7 +84,7 @@ def _run_job(
     leads = tp is None or tp.rank == 0
     found = None
     if engine is None:
-        from batchrun.preflight import preflight  # needs transformers, as the engine does
+        from batchrun.config.preflight import preflight  # needs transformers, as the engine does
 
         found = preflight(job, opened.prompt)  # what validate checks, before any weights load
     if leads:

@@ -31,10 +31,10 @@ from prometheus_client import (
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
-from batchrun.io.output_schema import OutputRow
-from batchrun.io.sink import OutputSink
+from batchrun.io.output.columns import OutputRow
+from batchrun.io.output.sink import OutputSink
+from batchrun.io.output.stats import RunClock
 from batchrun.runners.engine_feed import EngineLike
-from batchrun.stats import RunClock
 
 REFRESH_SECONDS = 0.5  # engine-side figures are read at most this often
 FILE_SECONDS = 5.0  # the textfile is rewritten this often while the job runs

@@ -12,11 +12,11 @@ import pyarrow as pa
 from batchrun.config.fingerprint import job_fingerprint
 from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
-from batchrun.io.output_dir import DAMAGED_DIR, PROGRESS_DIR, OutputDir
-from batchrun.io.prompts import PromptColumn, find_id_column, find_prompt_column
-from batchrun.io.reader import InputSource, open_input
-from batchrun.io.shards import shard_rows
-from batchrun.io.sink import SinkTarget
+from batchrun.io.input.prompts import PromptColumn, find_id_column, find_prompt_column
+from batchrun.io.input.reader import InputSource, open_input
+from batchrun.io.input.shards import shard_rows
+from batchrun.io.output.directory import DAMAGED_DIR, PROGRESS_DIR, OutputDir
+from batchrun.io.output.sink import SinkTarget
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class OpenedJob:
         )
 
     def prepare_output(self) -> None:
-        """Prepare the claimed output for this run (batchrun.io.output_dir's prepare), saying
+        """Prepare the claimed output for this run (batchrun.io.output.directory's prepare), saying
         which damaged parts were moved aside: their rows are redone."""
         damaged = self.out.prepare(self.fingerprint, self.job.output.overwrite)
         if damaged:

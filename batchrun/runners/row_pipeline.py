@@ -16,14 +16,14 @@ from typing import Any, NamedTuple
 
 import pyarrow as pa
 
-from batchrun.admission_order import windowed
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request
-from batchrun.io.output_schema import OutputRow, error_rows, finished_row
-from batchrun.io.prompts import PromptColumn, RequestBuilder
-from batchrun.io.reader import InputBatch
-from batchrun.io.reasoning import reasoning_split
-from batchrun.io.row_samples import RowSamples
+from batchrun.io.input.prompts import PromptColumn, RequestBuilder
+from batchrun.io.input.reader import InputBatch
+from batchrun.io.output.columns import OutputRow, error_rows, finished_row
+from batchrun.io.output.reasoning import reasoning_split
+from batchrun.io.output.row_samples import RowSamples
+from batchrun.runners.admission_order import windowed
 from batchrun.runners.engine_feed import QUEUE_FACTOR, EngineLike
 
 PREFETCH_ROWS = 512  # input rows read and tokenized ahead of the engine

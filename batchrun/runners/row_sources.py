@@ -14,8 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.io.output_dir import row_ranges
-from batchrun.io.reader import InputBatch, InputSource, RowSelection, iter_batches
+from batchrun.io.input.reader import InputBatch, InputSource, RowSelection, iter_batches
+from batchrun.io.output.directory import row_ranges
 
 
 class RowSource(Protocol):

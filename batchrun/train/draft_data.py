@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from batchrun.io.reader import resolve_input_paths
+from batchrun.io.input.listing import resolve_input_paths
 
 
 @dataclass(frozen=True)

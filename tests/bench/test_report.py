@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner, Result
 
 from batchrun.cli import cli
-from batchrun.report import TITLES
+from batchrun.reporting.report import TITLES
 from batchrun.tools.tiny_draft import make_tiny_draft
 
 REPO = Path(__file__).resolve().parents[2]

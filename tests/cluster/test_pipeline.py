@@ -333,7 +333,7 @@ def test_startup_failures_happen_before_any_work(
 
 
 def test_error_log_names_the_first_rows_then_says_more_follow() -> None:
-    from batchrun.io.progress_bar import MAX_LOGGED_ERRORS, ErrorLog
+    from batchrun.io.output.progress_bar import MAX_LOGGED_ERRORS, ErrorLog
 
     class Bar:
         def __init__(self) -> None:

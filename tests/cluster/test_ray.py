@@ -22,13 +22,13 @@ from click.testing import CliRunner
 from batchrun.cli import cli
 from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
+from batchrun.io.output.stats import RunClock
 from batchrun.runners.local import run_job
 from batchrun.runners.opened_job import open_job
 from batchrun.runners.ray import BatchrunProcessor
 from batchrun.runners.ray.committer import commit_outputs
 from batchrun.runners.ray.processor import processor_settings
 from batchrun.runners.ray.run import CRASH_ONCE_ENV, preflight_info, run_job_ray
-from batchrun.stats import RunClock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,15 +12,15 @@ import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
 from batchrun.engine.core.requests import Request
-from batchrun.io.output_dir import OutputDir
-from batchrun.io.reader import RowSelection, open_input
-from batchrun.io.sink import OutputSink, RunFacts
+from batchrun.io.input.reader import RowSelection, open_input
+from batchrun.io.output.directory import OutputDir
+from batchrun.io.output.sink import OutputSink, RunFacts
+from batchrun.io.output.stats import RunClock, Timing
 from batchrun.runners.engine_feed import generate
 from batchrun.runners.opened_job import open_job
 from batchrun.runners.row_pipeline import RowPipeline, request_builder
 from batchrun.runners.row_sources import FixedRows, RowGroups, RowSource
 from batchrun.runners.workers.chunks import ChunkPuller, plan_chunks
-from batchrun.stats import RunClock, Timing
 from tests.cluster.test_pipeline import BAD_ROWS, FakeEngine, make_job, write_input
 
 

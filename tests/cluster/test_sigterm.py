@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import EXIT_STOPPED, JobStopped
-from batchrun.io.prompts import RequestBuilder
+from batchrun.io.input.prompts import RequestBuilder
 from batchrun.runners import local, stop_signals
 from batchrun.runners.local import run_job
 from tests.cluster.test_pipeline import FakeEngine, make_job, write_input

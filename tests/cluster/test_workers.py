@@ -22,9 +22,9 @@ import pytest
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import EXIT_STOPPED, JobError
-from batchrun.io.claim import CLAIM_SUFFIX, ClaimInfo, create_claim_file
-from batchrun.io.output_dir import JOB_KEY, OutputDir
-from batchrun.io.reader import open_input
+from batchrun.io.input.reader import open_input
+from batchrun.io.output.claim import CLAIM_SUFFIX, ClaimInfo, create_claim_file
+from batchrun.io.output.directory import JOB_KEY, OutputDir
 from batchrun.runners.workers.chunks import ChunkPuller, chunk_rows, plan_chunks
 from batchrun.runners.workers.run import worker_devices
 from tests.io import test_object_storage as object_storage

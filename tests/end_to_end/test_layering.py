@@ -23,9 +23,9 @@ ENGINE_STACK = {
     "kernels",
     "parallel",
     "device",
-    "host_memory",
     "errors",
 }
+HARNESS = {"bench", "train", "tools"}  # left out of the wheel: only the CLI dispatches to them
 
 
 def _unit(module: str) -> str:
@@ -139,6 +139,15 @@ def test_the_engine_stack_imports_nothing_above_it() -> None:
         assert not above, f"{unit} imports {above}"
 
 
+def test_the_runtime_imports_no_harness_but_the_bench_command() -> None:
+    found = {
+        module: [t for t in targets if _unit(t) in HARNESS]
+        for module, targets in file_imports().items()
+        if _unit(module) not in HARNESS
+    }
+    assert {m for m, targets in found.items() if targets} <= {"batchrun.cli.bench"}, found
+
+
 def test_the_cpu_path_imports_without_triton() -> None:
     """triton is an optional extra: the CLI, the engine and every attention backend's module
     import without it (the kernels load where a GPU path asks for them)."""
@@ -147,7 +156,8 @@ def test_the_cpu_path_imports_without_triton() -> None:
 
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import batchrun.cli, batchrun.engine.engine, batchrun.preflight, batchrun.bench.shapes\n"
+        "import batchrun.cli, batchrun.engine.engine, batchrun.config.preflight\n"
+        "import batchrun.bench.shapes\n"
         "import batchrun.attention.torch_backend, batchrun.layers.fp8_linear\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -7,7 +7,7 @@ import resource
 import pytest
 import torch
 
-from batchrun.host_memory import keep_freed_memory
+from batchrun.engine.host_memory import keep_freed_memory
 
 
 def test_a_steps_temporaries_are_reused_not_faulted_in_each_step() -> None:

@@ -23,6 +23,7 @@ from batchrun.config.job import JobSpec
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.core.requests import Request, row_seed, sample_requests, sample_seed
 from batchrun.engine.engine import Engine
+from batchrun.io.output.stats import RunClock
 from batchrun.runners.local import run_job
 from batchrun.runners.opened_job import open_job
 from batchrun.runners.ray import BatchrunProcessor
@@ -30,7 +31,6 @@ from batchrun.runners.ray.committer import commit_outputs
 from batchrun.runners.ray.processor import processor_settings
 from batchrun.runners.ray.run import preflight_info
 from batchrun.sampling.params import MAX_SAMPLES, SamplingParams
-from batchrun.stats import RunClock
 from tests.cluster.test_pipeline import FakeEngine
 from tests.helpers.dflash_train import trained_draft_beside
 from tests.helpers.engine_runs import run_to_end

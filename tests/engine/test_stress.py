@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.io.reader import open_input
-from batchrun.io.shards import shard_rows
+from batchrun.io.input.reader import open_input
+from batchrun.io.input.shards import shard_rows
 from tests.io.test_output_safety import (
     assert_complete,
     claim_files,

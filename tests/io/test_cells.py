@@ -22,10 +22,10 @@ from batchrun.cli import cli
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request
 from batchrun.errors import JobError
-from batchrun.io.cells import BadCell, row_values
-from batchrun.io.prompt_bound import longest_token_chars
-from batchrun.io.prompts import RequestBuilder, find_prompt_column
-from batchrun.io.reader import open_input
+from batchrun.io.input.cells import BadCell, row_values
+from batchrun.io.input.prompt_bound import longest_token_chars
+from batchrun.io.input.prompts import RequestBuilder, find_prompt_column
+from batchrun.io.input.reader import open_input
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 CONTEXT = 64

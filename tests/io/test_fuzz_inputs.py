@@ -26,15 +26,15 @@ import pytest
 from click.testing import CliRunner
 
 from batchrun.cli import cli
-from batchrun.io.cells import column_values
-from batchrun.io.output_schema import (
+from batchrun.io.input.cells import column_values
+from batchrun.io.input.overrides import OVERRIDE_COLUMNS
+from batchrun.io.input.prompts import CONSTRAINT_COLUMNS
+from batchrun.io.output.columns import (
     REPLACED_NOTE,
     holds_strings,
     raw_bytes_name,
     raw_bytes_type,
 )
-from batchrun.io.overrides import OVERRIDE_COLUMNS
-from batchrun.io.prompts import CONSTRAINT_COLUMNS
 from batchrun.sampling.params import MAX_SAMPLES
 
 CONTEXT = 32  # the tiny model's context: long prompts and huge max_tokens reach it at once

@@ -17,12 +17,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request, row_seed
 from batchrun.errors import JobError
-from batchrun.io.output_dir import OutputDir, row_ranges
-from batchrun.io.output_schema import build_table, error_row, finished_row, output_schema
-from batchrun.io.progress_bar import ProgressBar
-from batchrun.io.prompts import PromptKind, RequestBuilder, find_id_column, find_prompt_column
-from batchrun.io.reader import RowSelection, iter_batches, open_input, resolve_input_paths
-from batchrun.io.shards import shard_rows
+from batchrun.io.input.listing import resolve_input_paths
+from batchrun.io.input.prompts import PromptKind, RequestBuilder, find_id_column, find_prompt_column
+from batchrun.io.input.reader import RowSelection, iter_batches, open_input
+from batchrun.io.input.shards import shard_rows
+from batchrun.io.output.columns import build_table, error_row, finished_row, output_schema
+from batchrun.io.output.directory import OutputDir, row_ranges
+from batchrun.io.output.progress_bar import ProgressBar
 from batchrun.sampling.params import SamplingParams
 
 

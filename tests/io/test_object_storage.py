@@ -26,7 +26,8 @@ from moto.server import ThreadedMotoServer
 
 from batchrun.cli import cli
 from batchrun.errors import JobError
-from batchrun.io.reader import open_input
+from batchrun.io.input.listing import resolve_input_paths
+from batchrun.io.input.reader import open_input
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [f"def step_{i}(state):" for i in range(10)] + ["", "import os"]
@@ -150,6 +151,51 @@ def test_inputs_are_listed_as_local_ones(endpoint: str, bucket: str) -> None:
         open_input(f"s3://{bucket}/nothing-here")
     with pytest.raises(JobError, match="inside the output directory"):
         open_input(top[0], exclude=f"s3://{bucket}/data")
+
+
+def test_one_listing_names_the_same_files_in_either_store(
+    endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    """The same tree, on a local disk and in a bucket, lists the same files through the one
+    listing (batchrun.io.input.listing over batchrun.io.store): a directory, a glob, '**', a
+    file, an excluded output, hidden names and a nested batchrun output."""
+    fs, local = s3(endpoint), pafs.LocalFileSystem()
+    (tmp_path / "t").mkdir()
+    trees = (
+        (fs, f"{bucket}/t", f"s3://{bucket}/t"),
+        (local, str(tmp_path / "t"), str(tmp_path / "t")),
+    )
+    for filesystem, root, _ in trees:
+        for folder in ("data", "data/deeper", "data/_hidden", "data/old", "data/out"):
+            if filesystem is local:
+                Path(root, folder).mkdir(parents=True, exist_ok=True)
+            put_prompts(filesystem, f"{root}/{folder}", PROMPTS[:2], files=1)
+        filesystem.move(f"{root}/data/old/0.parquet", f"{root}/data/old/part-000000.parquet")
+        filesystem.create_dir(f"{root}/data/old/_progress")
+        with filesystem.open_output_stream(f"{root}/data/old/_progress/job.json") as stream:
+            stream.write(b"{}")
+    (tmp_path / "t/data/folder.parquet").mkdir()  # a directory is never an input file
+
+    def listed(spec: str, exclude: str | None = None) -> list[list[str]]:
+        lists = []
+        for _, _, root in trees:
+            paths = resolve_input_paths(
+                f"{root}/{spec}", None if exclude is None else f"{root}/{exclude}"
+            )
+            lists.append([str(p).split("/t/", 1)[1] for p in paths])
+        return lists
+
+    every = ["data/0.parquet", "data/deeper/0.parquet", "data/out/0.parquet"]
+    assert listed("data") == [every, every]
+    assert listed("data", exclude="data/out") == [every[:2], every[:2]]
+    assert listed("data/*/0.parquet") == [["data/_hidden/0.parquet", *every[1:]]] * 2
+    below = ["data/0.parquet", "data/_hidden/0.parquet", "data/deeper/0.parquet"]
+    assert listed("data/**/0.parquet", exclude="data/out") == [below, below]
+    assert listed("data/old/part-000000.parquet") == [["data/old/part-000000.parquet"]] * 2
+    for spec, message in (("data/out/0.parquet", "inside the output"), ("data/*.csv", "no files")):
+        for _, _, root in trees:
+            with pytest.raises(JobError, match=message):
+                resolve_input_paths(f"{root}/{spec}", f"{root}/data/out")
 
 
 def test_a_job_on_s3_writes_every_row_once_and_a_second_run_adds_nothing(

@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from batchrun.cli import cli
-from batchrun.io import openai_batch
-from batchrun.io.openai_batch import (
+from batchrun.io.input import openai_batch
+from batchrun.io.input.openai_batch import (
     REQUEST_ERROR_COLUMN,
     SAMPLING_KINDS,
     BadRequest,

@@ -25,8 +25,8 @@ import pytest
 from click.testing import Result
 
 from batchrun.errors import JobError
-from batchrun.io import claim
-from batchrun.io.output_dir import OutputDir
+from batchrun.io.output import claim
+from batchrun.io.output.directory import OutputDir
 from batchrun.io.parts import remove, write_text_atomically
 from tests.io.test_output_safety import PROMPTS, invoke, write_job, write_prompts
 

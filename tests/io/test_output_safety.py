@@ -32,10 +32,10 @@ from click.testing import CliRunner, Result
 
 from batchrun.cli import cli
 from batchrun.errors import JobError
-from batchrun.io import claim
-from batchrun.io.output_dir import OutputDir
-from batchrun.io.output_schema import build_table, error_row, output_schema
-from batchrun.io.reader import resolve_input_paths
+from batchrun.io.input.listing import resolve_input_paths
+from batchrun.io.output import claim
+from batchrun.io.output.columns import build_table, error_row, output_schema
+from batchrun.io.output.directory import OutputDir
 from batchrun.tools.tiny_draft import make_tiny_draft
 
 REPO = Path(__file__).resolve().parents[2]

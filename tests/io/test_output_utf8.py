@@ -17,7 +17,7 @@ from click.testing import CliRunner, Result
 
 from batchrun.cli import cli
 from batchrun.errors import JobError
-from batchrun.io.output_schema import (
+from batchrun.io.output.columns import (
     REPLACED_NOTE,
     OutputRow,
     build_table,
@@ -423,12 +423,12 @@ def test_the_ray_path_writes_valid_utf8_and_keeps_the_bytes(
 ) -> None:
     """BatchrunProcessor's batches, then the driver's commits (what `--ray` runs, without Ray)."""
     from batchrun.config.job import JobSpec
+    from batchrun.io.output.stats import RunClock
     from batchrun.runners.opened_job import open_job
     from batchrun.runners.ray import BatchrunProcessor
     from batchrun.runners.ray.committer import commit_outputs
     from batchrun.runners.ray.processor import processor_settings
     from batchrun.runners.ray.run import preflight_info
-    from batchrun.stats import RunClock
 
     table, cells = hostile_input()
     (tmp_path / "in").mkdir()

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from batchrun.io.prefetch import prefetch
+from batchrun.io.input.prefetch import prefetch
 
 
 def test_same_items_in_order() -> None:

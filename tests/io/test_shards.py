@@ -26,10 +26,10 @@ from click.testing import CliRunner
 from batchrun.cli import cli
 from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
-from batchrun.io.reader import InputFile, InputSource
-from batchrun.io.shards import shard_rows
-from batchrun.shard_env import apply_env_shard, shard_from_env
-from batchrun.stats import STATS_COLUMNS, StatsAccumulator, Timing
+from batchrun.io.input.reader import InputFile, InputSource
+from batchrun.io.input.shards import shard_rows
+from batchrun.io.output.stats import STATS_COLUMNS, StatsAccumulator, Timing
+from batchrun.runners.shard_env import apply_env_shard, shard_from_env
 from tests.io.test_output_safety import assert_complete, committed_rows, read_output, write_job
 
 REPO = Path(__file__).resolve().parents[2]

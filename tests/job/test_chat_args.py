@@ -11,7 +11,7 @@ import pytest
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
-from batchrun.io.chat_args import taken_names
+from batchrun.io.input.chat_args import taken_names
 from tests.job.test_chat_template_args import write_chats
 from tests.job.test_cli import assert_one_line_error, invoke, read_output, write_job
 

@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 
 from batchrun.engine.core.requests import Request
 from batchrun.errors import JobError
-from batchrun.io.prompts import template_thinks
-from batchrun.io.reasoning import ReasoningSplit
+from batchrun.io.input.prompts import template_thinks
+from batchrun.io.output.reasoning import ReasoningSplit
 from batchrun.sampling.params import SamplingParams
 from batchrun.tools.tiny_draft import make_tiny_draft
 from tests.job.test_cli import assert_one_line_error, invoke, read_output, write_job

@@ -21,10 +21,10 @@ from click.testing import CliRunner, Result
 
 from batchrun.cli import cli
 from batchrun.config.job import JobSpec
-from batchrun.io.output_schema import OutputRow, build_table, output_schema
+from batchrun.io.output.columns import OutputRow, build_table, output_schema
+from batchrun.io.output.stats import StatsAccumulator
 from batchrun.runners import local
 from batchrun.runners.engine_feed import EngineLike
-from batchrun.stats import StatsAccumulator
 from batchrun.tools.tiny_draft import make_tiny_draft
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,9 +17,9 @@ import pytest
 from batchrun.config.fingerprint import job_fingerprint, recorded_keys
 from batchrun.config.job import JobSpec
 from batchrun.config.parts import EnginePart
-from batchrun.io.fingerprint import job_hash
-from batchrun.io.prompts import PromptColumn, PromptKind
-from batchrun.io.reader import InputSource
+from batchrun.io.input.prompts import PromptColumn, PromptKind
+from batchrun.io.input.reader import InputSource
+from batchrun.io.output.fingerprint import job_hash
 from batchrun.sampling.option import Kind, Record, option
 
 MTIME_NS = 1_700_000_000_000_000_000
@@ -140,7 +140,7 @@ def test_a_job_keeps_the_hash_it_had_before_the_declarations(
 
 def test_job_json_is_written_as_before_the_declarations(models: Path) -> None:
     fingerprint = fingerprint_of(EVERY_RECORDED_KEY, models)
-    written = json.dumps(fingerprint, indent=2)  # as io/output_dir.py writes job.json
+    written = json.dumps(fingerprint, indent=2)  # as io/output/directory.py writes job.json
     assert written == json.dumps(EVERY_RECORDED_KEY_FINGERPRINT, indent=2)
 
 

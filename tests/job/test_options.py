@@ -19,9 +19,9 @@ from batchrun.config.fingerprint import job_fingerprint, sampling_keys
 from batchrun.config.job import JobSpec
 from batchrun.config.schema import job_schema
 from batchrun.errors import JobError
-from batchrun.io.overrides import BadOverride, convert_cell, override_kinds
-from batchrun.io.prompts import PromptColumn, PromptKind
-from batchrun.io.reader import InputSource
+from batchrun.io.input.overrides import BadOverride, convert_cell, override_kinds
+from batchrun.io.input.prompts import PromptColumn, PromptKind
+from batchrun.io.input.reader import InputSource
 from batchrun.sampling.option import Kind, Record, option
 from batchrun.sampling.params import SamplingParams
 

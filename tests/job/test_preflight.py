@@ -20,8 +20,8 @@ import batchrun.engine.engine
 import batchrun.models.safetensors_reader
 from batchrun.cli import cli
 from batchrun.config.job import JobSpec
+from batchrun.config.preflight import preflight
 from batchrun.errors import JobError
-from batchrun.preflight import preflight
 from batchrun.tools.tiny_draft import make_tiny_draft
 
 

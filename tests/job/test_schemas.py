@@ -13,17 +13,17 @@ import pytest
 from batchrun.config.job import JobSpec, validate_job_dict
 from batchrun.config.options import job_options
 from batchrun.config.schema import job_schema
+from batchrun.config.schemas import default_schema_dir, schema_files, write_schema_files
 from batchrun.engine.options import MAX_BATCH_SIZE, MAX_BATCHED_TOKENS
 from batchrun.errors import JobError
-from batchrun.io.output_schema import OUTPUT_FIELDS, OutputRow, output_fields, output_schema
+from batchrun.io.output.columns import OUTPUT_FIELDS, OutputRow, output_fields, output_schema
 from batchrun.sampling.params import SEED_END, SEED_MIN, SamplingParams
-from batchrun.schemas import default_schema_dir, schema_files, write_schema_files
 
 
 def test_committed_schema_files_are_up_to_date() -> None:
     for name, text in schema_files().items():
         committed = (default_schema_dir() / name).read_text()
-        assert committed == text, f"schemas/{name} is stale: run python -m batchrun.schemas"
+        assert committed == text, f"schemas/{name} is stale: run python -m batchrun.config.schemas"
 
 
 def test_write_schema_files(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from batchrun.bench.shapes import random_target, shape_from_flags
 from batchrun.cli import cli
 from batchrun.config.job import JobSpec, load_job
 from batchrun.errors import JobError
-from batchrun.io.output_dir import OutputDir
+from batchrun.io.output.directory import OutputDir
 from batchrun.layers.fp8_linear import Fp8Linear
 from batchrun.layers.parallel_logits import first_best
 from batchrun.models.loader import load_qwen3, qwen3_shape, read_config
@@ -35,7 +35,7 @@ from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.models.qwen3_sharding import local_shape
 from batchrun.parallel.group import TensorParallel, init_from_env
 from batchrun.runners.local import run_job
-from batchrun.shard_env import apply_env_shard
+from batchrun.runners.shard_env import apply_env_shard
 from batchrun.spec_decode.width_policy import WidthPolicy
 from batchrun.tools.tiny_draft import make_tiny_draft
 from tests.helpers.dflash_train import CONTINUATION, trained_draft_beside, training_prompts

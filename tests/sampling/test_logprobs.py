@@ -35,7 +35,7 @@ from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request
 from batchrun.engine.engine import Engine
 from batchrun.errors import JobError
-from batchrun.io.output_schema import OUTPUT_FIELDS, output_schema
+from batchrun.io.output.columns import OUTPUT_FIELDS, output_schema
 from batchrun.runners.local import run_job
 from batchrun.runners.ray import BatchrunProcessor
 from batchrun.sampling import logprobs as logprobs_module

@@ -24,9 +24,9 @@ from batchrun.cli import cli
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request, RequestOutput
 from batchrun.errors import JobError
-from batchrun.io.cells import without_nulls
-from batchrun.io.output_schema import finished_row
-from batchrun.io.prompts import PromptColumn, PromptKind, RequestBuilder
+from batchrun.io.input.cells import without_nulls
+from batchrun.io.input.prompts import PromptColumn, PromptKind, RequestBuilder
+from batchrun.io.output.columns import finished_row
 from batchrun.runners.local import run_job
 from batchrun.sampling.constraint import Constraint
 from batchrun.sampling.constraint_check import violation

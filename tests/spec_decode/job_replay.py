@@ -78,8 +78,8 @@ class H200Costs:
 @dataclass(frozen=True)
 class DemoCpuCosts:
     """Milliseconds of a step of the demo pair (batchrun/demo) on a 2-core CPU, fitted to the
-    demo job's step times (48 rows, every width, host_memory.py's allocator settings): a fixed
-    part, a part per row, a part per request and token of context (the torch backend gathers
+    demo job's step times (48 rows, every width, engine/host_memory.py's allocator settings): a
+    fixed part, a part per row, a part per request and token of context (the torch backend gathers
     each request's K/V once a layer: 2.8x a width-1 step over the job), the draft's forward
     over the block (its logits and its own context: 2.4 width-1 steps at first, 1.3 by the
     end) and its context writes at width 1 (5% of a step)."""

@@ -18,15 +18,15 @@ import numpy as np
 import pyarrow as pa
 
 from batchrun.errors import JobError
-from batchrun.io.cells import column_values
-from batchrun.io.output_schema import concat_parts, conform_part
-from batchrun.io.overrides import output_rows
-from batchrun.io.row_samples import RowSamples
-from batchrun.io.sink import OutputSink, RunFacts
+from batchrun.io.input.cells import column_values
+from batchrun.io.input.overrides import output_rows
+from batchrun.io.output.columns import concat_parts, conform_part
+from batchrun.io.output.row_samples import RowSamples
+from batchrun.io.output.sink import OutputSink, RunFacts
+from batchrun.io.output.stats import RunClock
 from batchrun.runners.opened_job import OpenedJob
 from batchrun.runners.ray.errors import job_error
 from batchrun.runners.ray.processor import ROW_INDEX, SAMPLE_INDEX
-from batchrun.stats import RunClock
 
 # The output columns the driver reads of each output row, besides the id column.
 _COUNTED_COLUMNS = [

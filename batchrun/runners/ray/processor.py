@@ -33,9 +33,9 @@ import pyarrow as pa
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request
 from batchrun.errors import JobError
-from batchrun.io.output_schema import OutputRow, build_table
-from batchrun.io.prompts import RequestBuilder, find_prompt_column
-from batchrun.io.reader import InputBatch
+from batchrun.io.input.prompts import RequestBuilder, find_prompt_column
+from batchrun.io.input.reader import InputBatch
+from batchrun.io.output.columns import OutputRow, build_table
 from batchrun.runners.engine_feed import EngineLike, build_engine, generate
 from batchrun.runners.row_pipeline import Pace, RowPipeline, request_builder
 

@@ -5,7 +5,7 @@
     commit    this process (the driver, committer.py): parts and progress, then the sink's finish
 
 Exactly once per input row, as in a local run, because only the driver writes the output, under
-its claim, through the output sink every runner writes with (batchrun.io.sink):
+its claim, through the output sink every runner writes with (batchrun.io.output.sink):
 - each row carries its row_index from the read stage, numbered as a local run numbers it (files
   sorted by path, rows in file order); row groups whose rows are all committed are not read, and
   committed rows of the others are dropped as they are read;
@@ -36,15 +36,15 @@ import pyarrow as pa
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
-from batchrun.io.prompts import PromptColumn, find_prompt_column
-from batchrun.io.reader import open_input
+from batchrun.io.input.prompts import PromptColumn, find_prompt_column
+from batchrun.io.input.reader import open_input
+from batchrun.io.output.stats import RunClock
 from batchrun.runners.engine_feed import QUEUE_FACTOR
 from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.ray.committer import commit_outputs
 from batchrun.runners.ray.errors import job_error
 from batchrun.runners.ray.processor import ROW_INDEX, BatchrunProcessor, processor_settings
 from batchrun.runners.row_sources import RowGroups
-from batchrun.stats import RunClock
 
 CRASH_ONCE_ENV = "BATCHRUN_TEST_RAY_CRASH_ONCE"  # test hook: see BatchrunProcessor._crash_once
 READ_BATCH_ROWS = 1024  # rows per block of the read stage
@@ -115,7 +115,7 @@ def _probe(
 def preflight_info(job: JobSpec, prompt: PromptColumn) -> dict[str, Any]:
     """What commit_outputs needs to know of the engine, found by preflight (no weights)."""
     from batchrun.attention.kv_dtype import kv_dtype
-    from batchrun.preflight import preflight
+    from batchrun.config.preflight import preflight
 
     found = preflight(job, prompt)
     return {

@@ -4,7 +4,7 @@ Each row group of the input is cut into chunks of `size` rows from its start (th
 shorter); every worker of a run plans the same chunks from the input's footers. A worker goes
 through the chunks, its own share (worker I of N: the I-th N-th of them) front to back first,
 then the others' from the back (what their owners reach last). For each chunk not known to be
-done it tries a claim (batchrun.io.claim's try_claim, in a directory of the chunk's own under
+done it tries a claim (batchrun.io.output.claim's try_claim, in a directory of the chunk's own under
 the output's chunk claims). A chunk held by a live worker is skipped; a claim of a worker that
 is gone is stale and taken over. Once it holds a chunk, it looks again at which of its rows are
 committed (a worker killed mid-chunk committed some) and reads the others. Claims are taken as
@@ -25,11 +25,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.errors import JobError
-from batchrun.io.claim import try_claim
-from batchrun.io.openai_batch import read_request_rows
-from batchrun.io.output_dir import OutputDir
-from batchrun.io.reader import READ_BATCH_ROWS, InputBatch, InputFile, InputSource
-from batchrun.io.storage import ObjectLocation, storage_reason
+from batchrun.io.input.openai_batch import read_request_rows
+from batchrun.io.input.reader import READ_BATCH_ROWS, InputBatch, InputFile, InputSource
+from batchrun.io.output.claim import try_claim
+from batchrun.io.output.directory import OutputDir
+from batchrun.io.store import ObjectLocation, storage_reason
 
 CHUNKS_PER_WORKER = 8  # finer chunks balance slow and fast workers better, at more claims
 

@@ -1,17 +1,16 @@
 """`batchrun run --workers N`: N worker processes on this node, one per GPU (or N on the CPU),
 sharing one output.
 
-The parent (this process) checks the job, claims the output and prepares it as a single run
-does, then starts the workers (batchrun.runners.workers.worker). They pull chunks of row groups
-through claims as they need rows (batchrun.runners.workers.chunks): no fixed shards, so a slow
-worker takes less. Each commits parts of its own name (those of shard I of N); the parent draws
-one progress bar from their reports and, once every row is committed, ends the job through the
-output sink (batchrun.io.sink), as every runner does. A worker killed mid-job leaves claims that
-are stale at once on this host (its process is gone): the workers still reading take its chunks
-over, and when all have ended with rows left, the parent starts another round of workers for
-them (as long as a round commits rows). A worker's error stops the others and the job, in one
-line. SIGTERM or SIGINT stop every worker cleanly (what is finished is committed), as for a
-single run."""
+The parent (this process) checks the job, claims the output and prepares it as a single run does,
+then starts the workers (batchrun.runners.workers.worker). They pull chunks of row groups through
+claims as they need rows (batchrun.runners.workers.chunks): no fixed shards, so a slow worker takes
+less. Each commits parts of its own name (those of shard I of N); the parent draws one progress bar
+from their reports and, once every row is committed, ends the job through the output sink
+(batchrun.io.output.sink), as every runner does. A worker killed mid-job leaves claims that are
+stale at once on this host (its process is gone): the workers still reading take its chunks over,
+and when all have ended with rows left, the parent starts another round of workers for them (as
+long as a round commits rows). A worker's error stops the others and the job, in one line. SIGTERM
+or SIGINT stop every worker cleanly (what is finished is committed), as for a single run."""
 
 from __future__ import annotations
 
@@ -32,16 +31,16 @@ from typing import Any
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped, signal_name
-from batchrun.io.output_dir import OutputDir
+from batchrun.io.output.directory import OutputDir
+from batchrun.io.output.progress_bar import ProgressBar
+from batchrun.io.output.sink import OutputSink, RunFacts
+from batchrun.io.output.stats import RunClock, Timing
 from batchrun.io.parts import STATS_FILE, is_temp
-from batchrun.io.progress_bar import ProgressBar
-from batchrun.io.sink import OutputSink, RunFacts
 from batchrun.runners.metrics import MetricsPlan
 from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.stop_signals import StopSignals, stop_line
 from batchrun.runners.workers.chunks import chunk_rows, plan_chunks
 from batchrun.runners.workers.worker import WorkerTask
-from batchrun.stats import RunClock, Timing
 
 POLL_SECONDS = 0.2
 

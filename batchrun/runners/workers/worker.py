@@ -22,9 +22,10 @@ from typing import Any
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
-from batchrun.io.output_dir import OutputDir
-from batchrun.io.progress_bar import ProgressBar
-from batchrun.io.sink import OutputSink
+from batchrun.io.output.directory import OutputDir
+from batchrun.io.output.progress_bar import ProgressBar
+from batchrun.io.output.sink import OutputSink
+from batchrun.io.output.stats import RunClock
 from batchrun.runners.engine_feed import build_engine
 from batchrun.runners.local import LocalRun
 from batchrun.runners.metrics import MetricsPlan, published
@@ -32,7 +33,6 @@ from batchrun.runners.opened_job import open_job
 from batchrun.runners.row_pipeline import Pace, request_builder
 from batchrun.runners.stop_signals import StopSignals
 from batchrun.runners.workers.chunks import Chunk, ChunkPuller
-from batchrun.stats import RunClock
 
 PROGRESS_SECONDS = 0.2
 PR_SET_PDEATHSIG = 1
@@ -107,7 +107,7 @@ def work(task: WorkerTask, conn: Connection) -> int:
         out.check(opened.fingerprint, overwrite=False)  # records the job's hash for parts
         out.guard = lambda: _parent_guard(task)
         opened = dataclasses.replace(opened, out=out)
-        from batchrun.preflight import preflight  # needs transformers, as the engine does
+        from batchrun.config.preflight import preflight  # needs transformers, as the engine does
 
         found = preflight(job, opened.prompt)
         engine = build_engine(job, found.tokenizer, None)

@@ -33,8 +33,8 @@ from batchrun.engine.memory import (
     usable_context,
 )
 from batchrun.errors import JobError
-from batchrun.io.prompts import THINKING_NEEDS_TOKENS, PromptColumn, PromptKind
-from batchrun.io.reasoning import reasoning_split
+from batchrun.io.input.prompts import THINKING_NEEDS_TOKENS, PromptColumn, PromptKind
+from batchrun.io.output.reasoning import reasoning_split
 from batchrun.models.config_check import check_transformers_reads
 from batchrun.models.header_weights import header_weights
 from batchrun.models.loader import (

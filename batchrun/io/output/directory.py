@@ -6,10 +6,10 @@ next start rebuilds from the part's row_index column. A kill during a part write
 temp file, which the next start deletes. A part whose footer cannot be read (truncated, damaged)
 is moved to _progress/damaged/ by the next start, and its rows are redone.
 
-Every part carries its job's hash (batchrun.io.fingerprint) in its Parquet metadata: a row is done
-when a readable part of this job holds it, and a part without that key was not written by batchrun.
-Writes happen only under the run's claim (batchrun.io.claim), checked before every part commit and
-before _SUCCESS.
+Every part carries its job's hash (batchrun.io.output.fingerprint) in its Parquet metadata: a
+row is done when a readable part of this job holds it, and a part without that key was not
+written by batchrun. Writes happen only under the run's claim (batchrun.io.output.claim),
+checked before every part commit and before _SUCCESS.
 
 Nothing in the directory is trusted: a manifest batchrun could not have written (wrong types) is
 treated as absent, and a run refuses a directory where it would write, replace or delete through
@@ -38,8 +38,9 @@ import numpy as np
 import pyarrow as pa
 
 from batchrun.errors import JobError
-from batchrun.io.claim import CLAIMS_DIR, Claim, acquire
-from batchrun.io.fingerprint import first_difference, job_hash
+from batchrun.io.output.claim import CLAIMS_DIR, Claim, acquire
+from batchrun.io.output.fingerprint import first_difference, job_hash
+from batchrun.io.output.stats import Timing
 from batchrun.io.parts import (
     PART_PATTERN,
     PROGRESS_DIR,
@@ -50,9 +51,7 @@ from batchrun.io.parts import (
     is_temp,
     refuse_symlink,
 )
-from batchrun.io.storage import ObjectLocation, storage_reason
-from batchrun.io.store import LOCAL, Store, store_for
-from batchrun.stats import Timing
+from batchrun.io.store import LOCAL, ObjectLocation, Store, storage_reason, store_for
 
 DAMAGED_DIR = "damaged"  # in _progress/
 CHUNKS_DIR = "chunks"  # in _claims/: the chunk claims of a multi-worker job's workers

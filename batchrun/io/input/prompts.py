@@ -19,16 +19,16 @@ import pyarrow as pa
 
 from batchrun.engine.core.requests import Request, row_seed
 from batchrun.errors import JobError
-from batchrun.io.cells import BadCell, row_values, without_nulls
-from batchrun.io.chat_args import chat_kwargs_problem
-from batchrun.io.openai_batch import (
+from batchrun.io.input.cells import BadCell, row_values, without_nulls
+from batchrun.io.input.chat_args import chat_kwargs_problem
+from batchrun.io.input.openai_batch import (
     ID_COLUMN,
     MESSAGES_COLUMN,
     PROMPT_COLUMN,
     REQUEST_ERROR_COLUMN,
     is_request_schema,
 )
-from batchrun.io.overrides import (
+from batchrun.io.input.overrides import (
     OVERRIDE_COLUMNS,
     BadOverride,
     convert_override,
@@ -36,7 +36,7 @@ from batchrun.io.overrides import (
     output_rows,
     show_value,
 )
-from batchrun.io.prompt_bound import fewest_tokens, longest_token_chars
+from batchrun.io.input.prompt_bound import fewest_tokens, longest_token_chars
 from batchrun.models.tokenizer import think_token_ids
 from batchrun.sampling.constraint import KINDS, Constraint
 from batchrun.sampling.grammar import Grammars
@@ -51,7 +51,7 @@ class PromptKind(enum.Enum):
     MESSAGES = "messages"
     TOKEN_IDS = "token_ids"
     # OpenAI Batch requests: a chat row's messages or a completion row's prompt, or the line's
-    # request_error (batchrun/io/openai_batch.py).
+    # request_error (batchrun/io/input/openai_batch.py).
     REQUESTS = "openai_batch"
 
 

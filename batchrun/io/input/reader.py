@@ -1,21 +1,20 @@
 """Streaming Parquet input: a file, a directory or a glob, read in path order, batch by batch.
-(An OpenAI Batch file, *.jsonl, reads the same way: batchrun/io/openai_batch.py.)
+(An OpenAI Batch file, *.jsonl, reads the same way: batchrun/io/input/openai_batch.py.)
 
 Memory does not grow with the input: only one record batch of one row group is decoded at a
 time, and row groups whose rows are all skipped (other shards, already committed) are not read.
 Each file's footer is read once, exactly (open_input), and kept: reading rows then fetches only
 the column chunks of the row groups read, and a file none of whose rows are wanted is never
-opened again. The files may be local or in object storage (s3://, gs://): they are listed and
-opened through their store (batchrun.io.store), read the same way.
+opened again. The files may be local or in object storage (s3://, gs://): they are
+listed (batchrun.io.input.listing) and opened through their store (batchrun.io.store), read the
+same way.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from fnmatch import fnmatch
 from pathlib import Path, PurePath
 
 import numpy as np
@@ -23,17 +22,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.errors import JobError
-from batchrun.io.object_listing import list_object_inputs
-from batchrun.io.openai_batch import (
+from batchrun.io.input.listing import input_paths
+from batchrun.io.input.openai_batch import (
     REQUEST_SCHEMA,
     RequestFileIndex,
     index_request_file,
     is_request_file,
     read_request_rows,
 )
-from batchrun.io.parts import PART_PATTERN, PROGRESS_DIR
-from batchrun.io.storage import ObjectLocation, is_uri, storage_reason
-from batchrun.io.store import LOCAL, Store, store_for
+from batchrun.io.store import LOCAL, ObjectLocation, Store, storage_reason
 
 READ_BATCH_ROWS = 256  # small: a row's pass-through slice pins its batch until the row is written
 _PARQUET_MAGIC = b"PAR1"
@@ -100,66 +97,6 @@ class RowSelection:
         return int((~self.done[self.rows.start : self.rows.stop]).sum())
 
 
-def resolve_input_paths(spec: str, exclude: Path | None = None) -> list[Path]:
-    """The Parquet files named by --input, sorted by path.
-
-    Never the output directory `exclude` or anything under it, and, in an input directory, never
-    the part files of a batchrun output directory found inside it (one holding _progress/).
-    """
-    path = Path(spec)
-    outside = _outside(exclude)
-    if path.is_file():
-        if not outside(path):
-            raise JobError(f"input file {spec!r} is inside the output directory {str(exclude)!r}")
-        return [path]
-    if path.is_dir():
-        found = [
-            p
-            for p in path.rglob("*.parquet")
-            if p.is_file()
-            and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
-            and outside(p)
-            and not _in_nested_output(p, path)
-        ]
-        if not found:
-            raise JobError(f"input directory {spec!r} holds no .parquet files")
-        return sorted(found, key=str)
-    if glob.has_magic(spec):
-        found = [Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file()]
-        found = [p for p in found if outside(p)]
-        if not found:
-            raise JobError(f"input glob {spec!r} matches no files")
-        return sorted(found, key=str)
-    raise JobError(f"input {spec!r} does not exist")
-
-
-def _outside(exclude: Path | None) -> Callable[[Path], bool]:
-    if exclude is None:
-        return lambda path: True
-    root = exclude.resolve()
-    return lambda path: not path.resolve().is_relative_to(root)
-
-
-def _in_nested_output(path: Path, input_dir: Path) -> bool:
-    """A part file of a batchrun output directory below the input directory."""
-    parent = path.parent
-    return (
-        parent != input_dir
-        and fnmatch(path.name, PART_PATTERN)
-        and (parent / PROGRESS_DIR).is_dir()
-    )
-
-
-def input_paths(spec: str, exclude: str | Path | None = None) -> tuple[Store, list[PurePath]]:
-    """The store of --input and the files it names, sorted by path (exclude: the output, a
-    local path or an object-store URI, never read as input)."""
-    store = store_for(spec)
-    if not store.local:
-        return store, list_object_inputs(store, spec, None if exclude is None else str(exclude))
-    local_exclude = None if exclude is None or is_uri(str(exclude)) else Path(exclude)
-    return store, list(resolve_input_paths(spec, local_exclude))
-
-
 def open_input(spec: str, exclude: str | Path | None = None) -> InputSource:
     """Read the footers of every input file (no data) and check they share one schema.
 
@@ -209,7 +146,7 @@ def open_input(spec: str, exclude: str | Path | None = None) -> InputSource:
         sha256 = hashlib.sha256(footer).hexdigest()
         files.append(InputFile(path, first_row, rows, sha256, metadata, store=store))
         first_row += sum(rows)
-    assert schema is not None  # resolve_input_paths never returns an empty list
+    assert schema is not None  # input_paths never returns an empty list
     return InputSource(files=tuple(files), schema=schema)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchrun.io.overrides import (
+from batchrun.io.input.overrides import (
     BadOverride,
     convert_cell,
     override_kinds,

@@ -20,10 +20,10 @@ import pyarrow as pa
 
 from batchrun.engine.core.requests import Request, round_tokens
 from batchrun.errors import JobError
-from batchrun.io.constraint_error import constraint_error
+from batchrun.io.output.constraint_error import constraint_error
 
 if TYPE_CHECKING:  # the split needs transformers: a job that asks for it has it loaded
-    from batchrun.io.reasoning import ReasoningSplit
+    from batchrun.io.output.reasoning import ReasoningSplit
 
 # Parquet names a list's item "element"; using it here keeps parts equal to this schema on read.
 _INT32_LIST = pa.list_(pa.field("element", pa.int32()))

@@ -24,10 +24,10 @@ from typing import Any
 import pyarrow as pa
 
 from batchrun.engine.core.requests import round_tokens
-from batchrun.io.output_dir import STATS_FILE, OutputDir
-from batchrun.io.output_schema import OutputRow, build_table, concat_parts, conform_part
-from batchrun.io.progress_bar import ErrorLog, ProgressBar
-from batchrun.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
+from batchrun.io.output.columns import OutputRow, build_table, concat_parts, conform_part
+from batchrun.io.output.directory import STATS_FILE, OutputDir
+from batchrun.io.output.progress_bar import ErrorLog, ProgressBar
+from batchrun.io.output.stats import STATS_COLUMNS, RunClock, StatsAccumulator, Timing
 
 
 @dataclass(frozen=True)

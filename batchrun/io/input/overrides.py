@@ -12,7 +12,7 @@ import json
 from decimal import Decimal
 from typing import Any
 
-from batchrun.io.cells import BadCell
+from batchrun.io.input.cells import BadCell
 from batchrun.sampling.option import Kind, declared
 from batchrun.sampling.params import SamplingParams
 

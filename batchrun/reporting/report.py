@@ -29,10 +29,10 @@ import numpy as np
 import polars as pl
 
 from batchrun.errors import JobError
-from batchrun.io.output_dir import STATS_FILE, OutputDir
+from batchrun.io.output.directory import STATS_FILE, OutputDir
+from batchrun.io.output.stats import per_position_acceptance
 from batchrun.io.parts import PROGRESS_DIR, REPORT_FILE
-from batchrun.stats import per_position_acceptance
-from batchrun.summary import CommittedParts, pooled_hist
+from batchrun.reporting.summary import CommittedParts, pooled_hist
 
 COLUMNS = [
     "finish_reason",

@@ -21,9 +21,9 @@ import pyarrow as pa
 
 from batchrun.engine.core.requests import round_tokens
 from batchrun.errors import JobError
-from batchrun.io.output_dir import OutputDir
-from batchrun.io.output_schema import output_fields
-from batchrun.stats import (
+from batchrun.io.output.columns import output_fields
+from batchrun.io.output.directory import OutputDir
+from batchrun.io.output.stats import (
     OPTIONAL_STATS_COLUMNS,
     STATS_COLUMNS,
     conditional_acceptance,

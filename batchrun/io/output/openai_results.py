@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import pyarrow.parquet as pq
 
 from batchrun.errors import JobError
-from batchrun.io.openai_batch import (
+from batchrun.io.input.openai_batch import (
     CHAT_URL,
     COMPLETIONS_URL,
     ID_COLUMN,
@@ -30,7 +30,7 @@ from batchrun.io.openai_batch import (
     MODEL_COLUMN,
     URL_COLUMN,
 )
-from batchrun.io.output_dir import STATS_FILE, SUCCESS_FILE, OutputDir
+from batchrun.io.output.directory import STATS_FILE, SUCCESS_FILE, OutputDir
 from batchrun.io.parts import write_atomically
 
 ERROR_CODE = "invalid_request"  # every error row is one its request caused

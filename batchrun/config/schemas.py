@@ -1,7 +1,7 @@
 """The files users read the job file's JSON Schema (config/schema.py derives it from the options'
 declarations) and the output Parquet schema from.
 
-`python -m batchrun.schemas [DIR]` rewrites DIR/job.schema.json and DIR/output.schema.json
+`python -m batchrun.config.schemas [DIR]` rewrites DIR/job.schema.json and DIR/output.schema.json
 (DIR defaults to the repository's schemas/); a test checks the committed files are up to date.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchrun.config.schema import job_schema
-from batchrun.io.output_schema import (
+from batchrun.io.output.columns import (
     COMPLETION_LOGPROB_FIELDS,
     PROMPT_LOGPROBS_FIELD,
     PROMPT_TOP_LOGPROBS_FIELD,
@@ -70,7 +70,7 @@ def schema_files() -> dict[str, str]:
 
 
 def default_schema_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "schemas"
+    return Path(__file__).resolve().parents[2] / "schemas"
 
 
 def write_schema_files(directory: Path) -> None:

@@ -10,7 +10,7 @@ finds the same assignment. With more shards than row groups, some shards get no 
 
 from __future__ import annotations
 
-from batchrun.io.reader import InputSource
+from batchrun.io.input.reader import InputSource
 
 Shard = tuple[int, int]  # (I, N) of --shard I/N
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.errors import JobError
+from batchrun.io.input.reader import InputFile, parquet_footer
 from batchrun.io.parts import is_output_file
-from batchrun.io.reader import InputFile, parquet_footer
 
 FINGERPRINT_VERSION = 3  # 3: the sample_index column, the n key
 # Files of a model directory that shape its outputs: config, weights, tokenizer, chat template.

@@ -1,0 +1,1 @@
+"""Input rows: listing the input files, reading them, and turning rows into engine requests."""

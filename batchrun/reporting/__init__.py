@@ -1,0 +1,1 @@
+"""What `batchrun stats` and `batchrun report` say about an output directory."""
