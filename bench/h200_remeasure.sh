@@ -44,6 +44,14 @@ for stage in ${STAGES:-nodraft}; do
         # the old code wrote no provenance: name the commit it ran
         python3 -c "import json,sys; p=sys.argv[1]; d=json.load(open(p)); d.setdefault('provenance', {'commit': open(sys.argv[2]).read().strip(), 'note': 'added by bench/h200_remeasure.sh: this commit predates provenance'}); json.dump(d, open(p, 'w'), indent=1)" \
             "$OUT/jobs-w1-nodraft-before.json" "$BEFORE/COMMIT" ;;
+    seams)  # issue 43's before and after on W1, no draft and the oracle at tau 6.5 under auto,
+        # after / before / after, so the machine's drift shows (BEFORE's code, same scratch)
+        for side in after before after2; do
+            dir=. commit=${BATCHRUN_SOURCE_COMMIT:-}
+            [ "$side" = before ] && dir=$BEFORE commit=$(cat "$BEFORE/COMMIT")
+            BATCHRUN_SOURCE_COMMIT=$commit RUN_DIR=$dir jobs "jobs-w1-seams-$side" w1 \
+                --widths auto --tau 6.5 --scratch /tmp/bj
+        done ;;
     fp8)  # FP8 weights and FP8 KV on W1, against the bf16 W1 of stage nodraft (same call)
         jobs jobs-w1-fp8-weights-fp8-kv w1 --widths '' --tau '' --fp8-weights \
             --kv-cache-dtype fp8 --scratch /tmp/bj8 ;;
