@@ -97,3 +97,26 @@ def fused_kernel() -> FusedExperts | None:
     except ImportError:
         return None
     return fused_experts
+
+
+class SharedExpertMoe(SparseMoe):
+    """Qwen3.5-MoE's and Qwen3-Next's block: the routed experts (top k renormalised) plus one
+    shared SwiGLU expert that every token passes, weighted by sigmoid(shared_expert_gate)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk: bool,
+        shared_intermediate: int,
+        fp8_block: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__(hidden, intermediate, num_experts, top_k, norm_topk, fp8_block)
+        self.shared_expert = SwiGLU(hidden, shared_intermediate, fp8_block)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        return super().forward(x) + shared

@@ -67,8 +67,48 @@ QWEN3_MOE = COMMON | {
     "decoder_sparse_step": SIZE,
     "mlp_only_layers": Field("integer", 0, INT32_MAX, shape="list", null=True),
 }
-TABLES = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
-ROPE = {"rope_type": Field("string"), "type": Field("string"), "rope_theta": COMMON["rope_theta"]}
+HYBRID = COMMON | {  # Qwen3.5's text model; the Gated DeltaNet layers' keys
+    "hidden_act": Field("string"),
+    "layer_types": Field("string", shape="list", null=True),
+    "full_attention_interval": SIZE,
+    "linear_conv_kernel_dim": Field("integer", 2, 64),
+    "linear_num_key_heads": SIZE,
+    "linear_num_value_heads": SIZE,
+    "linear_key_head_dim": SIZE,
+    "linear_value_head_dim": SIZE,
+}
+HYBRID_EXPERTS = {
+    "num_experts": SIZE,
+    "num_experts_per_tok": SIZE,
+    "moe_intermediate_size": SIZE,
+    "shared_expert_intermediate_size": SIZE,
+}
+QWEN3_NEXT = (
+    HYBRID
+    | HYBRID_EXPERTS
+    | {
+        "norm_topk_prob": FLAG,
+        "decoder_sparse_step": SIZE,
+        "mlp_only_layers": Field("integer", 0, INT32_MAX, shape="list", null=True),
+    }
+)
+# Qwen3.5-MoE: every layer has experts (no dense intermediate_size), top k renormalised.
+QWEN3_5_MOE = {k: f for k, f in (HYBRID | HYBRID_EXPERTS).items() if k != "intermediate_size"}
+TABLES = {
+    "qwen3": QWEN3,
+    "qwen3_moe": QWEN3_MOE,
+    "qwen3_5_text": HYBRID,
+    "qwen3_5_moe_text": QWEN3_5_MOE,
+    "qwen3_next": QWEN3_NEXT,
+}
+LAYER_KINDS = ("linear_attention", "full_attention")
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+ROPE = {
+    "rope_type": Field("string"),
+    "type": Field("string"),
+    "rope_theta": COMMON["rope_theta"],
+    "partial_rotary_factor": Field("number", 0, 1, above=True),
+}
 YARN = {
     "factor": Field("number", 1, null=True, required=True),  # null: the positions' ratio
     "original_max_position_embeddings": Field("integer", 1, MAX_CONTEXT, required=True),
@@ -119,7 +159,7 @@ def checked_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     first key that is wrong."""
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in TABLES:
-        raise JobError(f"{where}: model_type is {model_type!r}; batchrun runs qwen3 and qwen3_moe")
+        raise JobError(f"{where}: model_type is {model_type!r}; batchrun runs {', '.join(TABLES)}")
     table = TABLES[model_type]
     check_fields(config, table, where, model_type)
     aliases = _attribute_map(model_type)
@@ -134,12 +174,34 @@ def checked_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     _post_init(settings, model_type)
     _check_shape(settings, where, model_type)
     settings["rope_theta"], settings["yarn"] = _rope(config, settings, where, model_type)
+    if model_type in HYBRID_TYPES:
+        params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+        # transformers' default for Qwen3.5 and Qwen3-Next (their __post_init__)
+        settings["partial_rotary_factor"] = params.get(
+            "partial_rotary_factor", config.get("partial_rotary_factor", 0.25)
+        )
     return settings
 
 
 def _post_init(s: dict[str, Any], model_type: str) -> None:
     """What transformers makes of a null or missing key beyond its class defaults: Qwen3Config's
-    and Qwen3MoeConfig's __post_init__, and Qwen3-MoE attention's head_dim."""
+    and Qwen3MoeConfig's __post_init__, Qwen3-MoE attention's head_dim, and the hybrid configs'
+    layer_types (every full_attention_interval-th layer full) and fixed MoE rules."""
+    if model_type in HYBRID_TYPES:
+        if s["num_key_value_heads"] is None:
+            s["num_key_value_heads"] = s["num_attention_heads"]
+        if s.get("layer_types") is None:
+            interval = s.pop("full_attention_interval", None) or 4
+            s["layer_types"] = [
+                "linear_attention" if (i + 1) % interval else "full_attention"
+                for i in range(s["num_hidden_layers"])
+            ]
+        s.pop("full_attention_interval", None)
+        if model_type == "qwen3_5_moe_text":
+            s.update(intermediate_size=0, norm_topk_prob=True, decoder_sparse_step=1)
+        if "num_experts" in s:
+            s["mlp_only_layers"] = s.get("mlp_only_layers") or []
+        return
     if model_type == "qwen3_moe":
         s.setdefault("head_dim", s["hidden_size"] // s["num_attention_heads"])
         s["mlp_only_layers"] = s["mlp_only_layers"] or []
@@ -166,7 +228,9 @@ def _check_shape(s: Mapping[str, Any], where: str, model_type: str) -> None:
         )
     if s["head_dim"] % 2:
         raise JobError(f"{where}: head_dim must be even (RoPE turns pairs), got {s['head_dim']}")
-    if model_type != "qwen3_moe":
+    if model_type in HYBRID_TYPES:
+        _check_hybrid(s, where)
+    if "num_experts" not in s:
         return
     experts, top_k = s["num_experts"], s["num_experts_per_tok"]
     if top_k > experts:
@@ -180,6 +244,26 @@ def _check_shape(s: Mapping[str, Any], where: str, model_type: str) -> None:
             f"{where}: mlp_only_layers names layer {outside[0]}; the model has {layers} (0 .. "
             f"{layers - 1})"
         )
+
+
+def _check_hybrid(s: Mapping[str, Any], where: str) -> None:
+    """The Gated DeltaNet layers' ranges: layer_types one known kind per layer, value heads a
+    multiple of key heads, SiLU."""
+    kinds, layers = s["layer_types"], s["num_hidden_layers"]
+    if len(kinds) != layers:
+        raise JobError(
+            f"{where}: layer_types has {len(kinds)} entries; num_hidden_layers is {layers}"
+        )
+    odd = [kind for kind in kinds if kind not in LAYER_KINDS]
+    if odd:
+        raise JobError(f"{where}: layer_types holds {odd[0]!r}; batchrun runs {LAYER_KINDS}")
+    keys, values = s["linear_num_key_heads"], s["linear_num_value_heads"]
+    if values % keys:
+        raise JobError(
+            f"{where}: linear_num_key_heads {keys} does not divide linear_num_value_heads {values}"
+        )
+    if s.get("hidden_act", "silu") != "silu":
+        raise JobError(f"{where}: hidden_act is {s['hidden_act']!r}; batchrun runs silu")
 
 
 def _rope(

@@ -24,10 +24,10 @@ from batchrun.models.loader import (
     load_weights,
     read_config,
     release_staging,
-    shape_of,
 )
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.models.shapes import shape_of
 
 VOCAB_MAPS = ("d2t", "t2d")
 

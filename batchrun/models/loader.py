@@ -12,9 +12,10 @@ from torch import nn
 
 from batchrun.errors import JobError
 from batchrun.layers.fp8_linear import Fp8Linear
-from batchrun.layers.rotary import RotaryEmbedding, Yarn
+from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.config_check import checked_config
-from batchrun.models.fp8 import SCALE_SUFFIX, dequantized, fp8_scheme
+from batchrun.models.families import family_of, is_hybrid, text_weights
+from batchrun.models.fp8 import SCALE_SUFFIX, dequantized
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.models.qwen3_sharding import TensorParallelQwen3, shard_checkpoint
@@ -46,64 +47,11 @@ def read_config(model_dir: Path, what: str = "model") -> dict[str, Any]:
 def qwen3_shape(
     config: Mapping[str, Any], what: str = "target", source: Path | str = "config.json"
 ) -> Qwen3Shape:
-    """The model a qwen3 or qwen3_moe config describes; `source` is where its keys are, for
-    the errors (config_check.checked_config's)."""
-    return shape_of(checked_config(config, f"{what}: {source}"), what)
-
-
-def shape_of(settings: Mapping[str, Any], what: str) -> Qwen3Shape:
-    """The model checked_config's settings describe."""
-    if what == "target" and "sliding_attention" in (settings.get("layer_types") or ()):
-        # transformers would attend through a window in those layers; the target's attention
-        # is full, so its outputs would differ from the model's.
-        raise JobError(f"{what}: sliding-window attention layers are not supported in a target")
-    yarn = _yarn(settings["yarn"])
-    return Qwen3Shape(
-        vocab_size=settings["vocab_size"],
-        hidden_size=settings["hidden_size"],
-        intermediate_size=settings["intermediate_size"],
-        num_layers=settings["num_hidden_layers"],
-        num_heads=settings["num_attention_heads"],
-        num_kv_heads=settings["num_key_value_heads"],
-        head_dim=settings["head_dim"],
-        rms_norm_eps=float(settings["rms_norm_eps"]),
-        rope_theta=settings["rope_theta"],
-        # With YaRN the context is factor x original (as vLLM derives it).
-        max_position_embeddings=max(
-            settings["max_position_embeddings"], yarn.context if yarn else 0
-        ),
-        tie_word_embeddings=settings["tie_word_embeddings"],
-        yarn=yarn,
-        fp8=fp8_scheme(settings, what),
-        **_moe_fields(settings),
-    )
-
-
-def _yarn(params: Mapping[str, Any] | None) -> Yarn | None:
-    """checked_config's YaRN parameters as the rotary tables take them."""
-    if params is None:
-        return None
-    numbers = ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
-    given: dict[str, Any] = {key: float(params[key]) for key in numbers if key in params}
-    if "truncate" in params:
-        given["truncate"] = params["truncate"]
-    return Yarn(
-        original_max_position_embeddings=params["original_max_position_embeddings"], **given
-    )
-
-
-def _moe_fields(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's keys as Qwen3Shape's fields (none for a dense model)."""
-    if "num_experts" not in settings:
-        return {}
-    return {
-        "num_experts": settings["num_experts"],
-        "num_experts_per_tok": settings["num_experts_per_tok"],
-        "moe_intermediate_size": settings["moe_intermediate_size"],
-        "norm_topk_prob": settings["norm_topk_prob"],
-        "decoder_sparse_step": settings["decoder_sparse_step"],
-        "mlp_only_layers": tuple(settings["mlp_only_layers"]),
-    }
+    """The model a config of one of the families (models/families.py) describes; `source` is
+    where its keys are, for the errors (config_check.checked_config's)."""
+    where = f"{what}: {source}"
+    family, text = family_of(config, where)
+    return family.shape(checked_config(text, where), what)
 
 
 def resolve_dtype(name: str, config: dict[str, Any], device: torch.device) -> torch.dtype:
@@ -270,20 +218,29 @@ def load_qwen3(
     """The target; with tp, this tensor-parallel rank's share of it."""
     config = read_config(model_dir, "target model")
     shape = qwen3_shape(config, "target", config_file(model_dir))
+    family, _ = family_of(config, "target")
+    if tp is not None and is_hybrid(shape):
+        raise JobError("target: tensor parallelism (--tp) does not run hybrid targets yet")
     torch_dtype = resolve_dtype(dtype, config, device)
     with shapes_only():
-        model = Qwen3ForCausalLM(shape) if tp is None else TensorParallelQwen3(shape, tp)
+        model = family.model(shape) if tp is None else TensorParallelQwen3(shape, tp)
         model = model.to(torch_dtype)
     model.to_empty(device=device)  # no random init: every parameter is loaded below
     if shape.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     skip = {"lm_head.weight"} if shape.tie_word_embeddings else set()
-    tensors = checkpoint_weights(model_dir, shape, device, "target", model)
+    named, _ = text_weights(family, iter_safetensors(model_dir, device))
+    tensors = fp8_weights(named, shape, "target", model)
+    if family.relayout is not None:
+        tensors = family.relayout(tensors, shape)
     load_weights(model, tensors if tp is None else shard_checkpoint(tensors, tp), "target", skip)
     release_staging(device)
     model.pack_experts()
     # Buffers are not in the checkpoint: build the RoPE table for real, in float32.
     model.rope = RotaryEmbedding(
-        shape.head_dim, shape.max_position_embeddings + rope_headroom, shape.rope_theta, shape.yarn
+        shape.rotary_dim,
+        shape.max_position_embeddings + rope_headroom,
+        shape.rope_theta,
+        shape.yarn,
     ).to(device)
     return model.eval(), config

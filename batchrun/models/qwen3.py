@@ -61,6 +61,11 @@ class Qwen3Shape:
         rows += [self.moe_intermediate_size] if self.num_experts else []
         return block if all(r % block[0] == 0 for r in rows) else None
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head RoPE turns (all of them in Qwen3)."""
+        return self.head_dim
+
     def sparse(self, layer: int) -> bool:
         """Whether layer `layer` has experts (transformers' rule)."""
         return (
@@ -125,15 +130,17 @@ class Qwen3Body(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
+    body: type[nn.Module] = Qwen3Body  # the decoder stack under "model." (a subclass's own)
+
     def __init__(self, shape: Qwen3Shape) -> None:
         super().__init__()
         self.shape = shape
-        self.model = Qwen3Body(shape)
+        self.model = self.body(shape)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(
-            shape.head_dim, shape.max_position_embeddings, shape.rope_theta, shape.yarn
+            shape.rotary_dim, shape.max_position_embeddings, shape.rope_theta, shape.yarn
         )
 
     def forward(

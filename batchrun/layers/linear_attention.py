@@ -1,0 +1,207 @@
+"""A Gated DeltaNet layer (the linear-attention layers of Qwen3.5 and Qwen3-Next) over a packed
+step of many requests, each request's state in a slot of the layer's LinearLayerState.
+
+A step packs decode/verify rows first: requests [0, decoding), `width` rows each (W; 1 is plain
+decoding), then prefill chunks. Prefill chunks and plain decode rows update their slots in
+place. Verify rows (W > 1) read their slots and write nothing there: the layer keeps, per verify
+row, what a replay needs (the pre-conv qkv row, g, beta) in the state's scratch, and `commit`,
+once acceptance is known, replays the kept rows from the slot's state and writes the result.
+A rejected draft so leaves no trace, and verification costs O(W) per-token rows per request,
+no copy of the state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchrun.layers.gated_delta import causal_conv, chunked_rule, prepare_qkv, recurrent_rule
+from batchrun.layers.norm import GatedRMSNorm
+
+
+@dataclass(frozen=True)
+class LinearStepMeta:
+    """What the linear layers need of one packed step (its rows as AttentionMeta's cu_q packs
+    them: the decoding requests' rows, then each prefill chunk's; rows past them are padding,
+    read by no state and given zeros)."""
+
+    slots: torch.Tensor  # [R] int64 on the device: each request's state slot
+    decoding: int  # requests [0, decoding) decode or verify, `width` rows each
+    width: int  # W: rows per decoding request; > 1 is a verify step (see commit)
+    prefill_lens: tuple[int, ...] = ()  # host: the rows of each prefill chunk, in step order
+    prefill_fresh: tuple[bool, ...] = ()  # host: chunk starts its request (zero state)
+
+    @property
+    def verify(self) -> bool:
+        return self.width > 1 and self.decoding > 0
+
+
+@dataclass
+class LinearLayerState:
+    """One linear layer's per-request state: a slot per request, and the scratch a verify step
+    fills for `commit` (indexed by the request's place among the decoding ones)."""
+
+    conv: torch.Tensor  # [num_slots, conv_dim, K - 1] model dtype: the last K - 1 inputs
+    recurrent: torch.Tensor  # [num_slots, Hv, dk, dv] float32
+    scratch_qkv: torch.Tensor  # [max_decoding, max_width, conv_dim] model dtype
+    scratch_g: torch.Tensor  # [max_decoding, max_width, Hv] float32
+    scratch_beta: torch.Tensor  # [max_decoding, max_width, Hv] float32
+
+
+class _ConvWeight(nn.Module):
+    """Holds conv1d.weight [conv_dim, 1, K] under the checkpoint's name (no nn.Conv1d: the
+    layer convolves packed requests itself)."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+
+
+class GatedDeltaNet(nn.Module):
+    # Checkpoint tensors packed into one parameter: name -> (packed name, shard index).
+    PACKED = {
+        "in_proj_qkv": ("in_proj", 0),
+        "in_proj_z": ("in_proj", 1),
+        "in_proj_b": ("in_proj", 2),
+        "in_proj_a": ("in_proj", 3),
+    }
+
+    def __init__(
+        self,
+        hidden: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.conv_dim = 2 * num_k_heads * head_k_dim + self.value_dim
+        self.sizes = (self.conv_dim, self.value_dim, num_v_heads, num_v_heads)
+        self.in_proj = nn.Linear(hidden, sum(self.sizes), bias=False)
+        self.in_proj.shard_sizes = self.sizes  # type: ignore[assignment]
+        self.conv1d = _ConvWeight(self.conv_dim, conv_kernel)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, state: LinearLayerState, meta: LinearStepMeta
+    ) -> torch.Tensor:
+        qkv, z, b, a = self.in_proj(x).split(self.sizes, dim=-1)
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        shape = (x.shape[0], self.num_v_heads, self.head_v_dim)
+        core = torch.zeros(shape, dtype=x.dtype, device=x.device)
+        rows = meta.decoding * meta.width
+        if meta.decoding:
+            core[:rows] = self._decode(qkv[:rows], g[:rows], beta[:rows], state, meta)
+        start = rows
+        for i, (length, fresh) in enumerate(
+            zip(meta.prefill_lens, meta.prefill_fresh, strict=True)
+        ):
+            end = start + length
+            slot = meta.slots[meta.decoding + i : meta.decoding + i + 1]
+            core[start:end] = self._prefill(
+                qkv[start:end], g[start:end], beta[start:end], state, slot, fresh
+            )
+            start = end
+        out = self.norm(core, z.reshape(core.shape))
+        return self.out_proj(out.reshape(x.shape[0], self.value_dim))
+
+    def _decode(
+        self,
+        qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: LinearLayerState,
+        meta: LinearStepMeta,
+    ) -> torch.Tensor:
+        d, w = meta.decoding, meta.width
+        qkv, g, beta = qkv.view(d, w, -1), g.view(d, w, -1), beta.view(d, w, -1)
+        slots = meta.slots[:d]
+        out, window, final = self._run(qkv, g, beta, state.conv[slots], state.recurrent[slots])
+        if meta.verify:  # the slots wait for commit
+            state.scratch_qkv[:d, :w] = qkv
+            state.scratch_g[:d, :w] = g
+            state.scratch_beta[:d, :w] = beta
+        else:
+            state.conv[slots] = self._conv_state(window, window.shape[1] - self._carried)
+            state.recurrent[slots] = final
+        return out.reshape(d * w, self.num_v_heads, self.head_v_dim)
+
+    def _prefill(
+        self,
+        qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: LinearLayerState,
+        slot: torch.Tensor,  # [1]
+        fresh: bool,
+    ) -> torch.Tensor:
+        conv, recurrent = state.conv[slot], state.recurrent[slot]
+        if fresh:
+            conv, recurrent = torch.zeros_like(conv), torch.zeros_like(recurrent)
+        out, window, final = self._run(qkv[None], g[None], beta[None], conv, recurrent, chunk=True)
+        state.conv[slot] = self._conv_state(window, window.shape[1] - self._carried)
+        state.recurrent[slot] = final
+        return out[0]
+
+    @property
+    def _carried(self) -> int:
+        return self.conv1d.weight.shape[-1] - 1
+
+    def _run(
+        self,
+        qkv: torch.Tensor,  # [B, L, conv_dim]
+        g: torch.Tensor,  # [B, L, Hv]
+        beta: torch.Tensor,
+        conv: torch.Tensor,  # [B, conv_dim, K - 1]
+        recurrent: torch.Tensor,  # [B, Hv, dk, dv]
+        keep: torch.Tensor | None = None,
+        chunk: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(core outputs [B, L, Hv, dv] in qkv's dtype, the conv window, the final state)."""
+        mixed, window = causal_conv(qkv, conv, self.conv1d.weight[:, 0])
+        q, k, v = prepare_qkv(mixed, self.num_k_heads, self.head_k_dim, self.num_v_heads)
+        if chunk:
+            out, final = chunked_rule(q, k, v, g, beta, recurrent)
+        else:
+            out, final = recurrent_rule(q, k, v, g, beta, recurrent, keep)
+        return out.to(qkv.dtype), window, final
+
+    def _conv_state(self, window: torch.Tensor, start: torch.Tensor | int) -> torch.Tensor:
+        """The conv state [B, conv_dim, K - 1]: window rows start .. start + K - 2 (start [B]
+        or one for all)."""
+        if isinstance(start, int):
+            return window[:, start : start + self._carried].transpose(1, 2)
+        rows = start[:, None] + torch.arange(self._carried, device=window.device)
+        picked = window.gather(1, rows[..., None].expand(-1, -1, window.shape[-1]))
+        return picked.transpose(1, 2)
+
+    def commit(self, state: LinearLayerState, meta: LinearStepMeta, accepted: torch.Tensor) -> None:
+        """After a verify step: replay rows 0 .. accepted[r] of each decoding request r
+        (accepted [decoding] int64 on the device: drafts accepted) from its slot's state, and
+        write the states they leave. Nothing to do after other steps (their rows updated the
+        slots in the forward)."""
+        if not meta.verify:
+            return
+        d, w = meta.decoding, meta.width
+        slots = meta.slots[:d]
+        keep = torch.arange(w, device=accepted.device)[None] <= accepted[:, None]
+        qkv, g, beta = (
+            state.scratch_qkv[:d, :w],
+            state.scratch_g[:d, :w],
+            state.scratch_beta[:d, :w],
+        )
+        _, window, final = self._run(qkv, g, beta, state.conv[slots], state.recurrent[slots], keep)
+        state.conv[slots] = self._conv_state(window, accepted + 1)
+        state.recurrent[slots] = final
