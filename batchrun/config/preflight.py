@@ -11,6 +11,7 @@ the device's memory could run at all (engine/memory.py, check_batch_memory).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,16 +37,18 @@ from batchrun.errors import JobError
 from batchrun.io.input.prompts import THINKING_NEEDS_TOKENS, PromptColumn, PromptKind
 from batchrun.io.output.reasoning import reasoning_split
 from batchrun.models.config_check import check_transformers_reads
-from batchrun.models.header_weights import header_weights
+from batchrun.models.families import family_of
+from batchrun.models.header_weights import header_tensors
 from batchrun.models.loader import (
     config_file,
     load_weights,
     qwen3_shape,
     read_config,
     resolve_dtype,
+    target_weights,
 )
 from batchrun.models.meta import shapes_only
-from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.models.tokenizer import eos_token_ids, load_tokenizer, think_token_ids
 from batchrun.sampling.constraint import GrammarError
 from batchrun.sampling.grammar import Grammars
@@ -69,6 +72,7 @@ class Preflight:
     target: Qwen3Shape
     tokenizer: PreTrainedTokenizerBase
     checked: CheckedDraft | None  # the draft, checked by its speculation method
+    skipped: tuple[str, ...] = ()  # parts of the target's checkpoint not run (vision tower)
 
     @property
     def draft(self) -> Any:
@@ -117,7 +121,7 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     if outside is not None:
         raise JobError(f"job key 'logit_bias': {outside}")
     _check_constraint(job, tokenizer, target.vocab_size, config)
-    weights = check_checkpoints(config.target, target, checked, dtype)
+    weights, skipped = check_checkpoints(config.target, target_config, target, checked, dtype)
     footprint = batch_footprint(
         target,
         draft,
@@ -130,7 +134,7 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     )
     check_batch_memory(footprint, config.max_batch_size, config.max_batched_tokens, device)
     _check_kv_pool(config, target, draft, dtype, device)
-    return Preflight(device, dtype, backend, target, tokenizer, checked)
+    return Preflight(device, dtype, backend, target, tokenizer, checked, tuple(skipped))
 
 
 def _check_kv_pool(
@@ -180,24 +184,28 @@ def _check_eos(
 
 def check_checkpoints(
     target_dir: Path,
+    target_config: Mapping[str, Any],
     target: Qwen3Shape,
     draft: CheckedDraft | None,
     dtype: torch.dtype,
-) -> int:
+) -> tuple[int, list[str]]:
     """The loaders' own checks of the weights' names and shapes (load_weights), run on models
     built on the meta device against the tensors the safetensors headers describe, so no weight
     is read (the draft's by its method). Returns the bytes the weights take (in `dtype`, but
-    those kept in FP8). Raises JobError."""
+    those kept in FP8) and the parts of the target's checkpoint it does not run. Raises
+    JobError."""
+    family, _ = family_of(target_config, "target")
     with shapes_only():
-        model = Qwen3ForCausalLM(target).to(dtype)
+        model = family.model(target).to(dtype)
     if target.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     skip = {"lm_head.weight"} if target.tie_word_embeddings else set()
-    load_weights(model, header_weights(target_dir, target, "target", model), "target", skip)
+    tensors, skipped = target_weights(header_tensors(target_dir), target_config, target, model)
+    load_weights(model, tensors, "target", skip)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if draft is not None:
         weight_bytes += draft.method.check_weights(draft.directory, draft.spec, target, dtype)
-    return weight_bytes
+    return weight_bytes, skipped
 
 
 def batch_footprint(

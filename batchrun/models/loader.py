@@ -208,6 +208,21 @@ def _shard_sizes(module: nn.Module, param_name: str) -> tuple[int, ...] | None:
     return getattr(owner, "shard_sizes", None)
 
 
+def target_weights(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    config: Mapping[str, Any],
+    shape: Qwen3Shape,
+    model: nn.Module,
+) -> tuple[Iterator[tuple[str, torch.Tensor]], list[str]]:
+    """A target checkpoint's tensors as `model` loads them (its family's text model, FP8
+    weights it does not keep dequantized, relaid out), and the list of the parts it skipped
+    (the vision tower, ...), filled as they are read."""
+    family, _ = family_of(config, "target")
+    named, skipped = text_weights(family, tensors)
+    out = fp8_weights(named, shape, "target", model)
+    return (out if family.relayout is None else family.relayout(out, shape)), skipped
+
+
 def load_qwen3(
     model_dir: Path,
     dtype: str,
@@ -229,10 +244,7 @@ def load_qwen3(
     if shape.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     skip = {"lm_head.weight"} if shape.tie_word_embeddings else set()
-    named, _ = text_weights(family, iter_safetensors(model_dir, device))
-    tensors = fp8_weights(named, shape, "target", model)
-    if family.relayout is not None:
-        tensors = family.relayout(tensors, shape)
+    tensors, _ = target_weights(iter_safetensors(model_dir, device), config, shape, model)
     load_weights(model, tensors if tp is None else shard_checkpoint(tensors, tp), "target", skip)
     release_staging(device)
     model.pack_experts()

@@ -7,7 +7,9 @@ Qwen3-MoE is the same model with a sparse block of experts in place of some laye
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -122,20 +124,27 @@ class DecoderLayer(LayerWeights):
 
 
 class Qwen3Body(nn.Module):
-    def __init__(self, s: Qwen3Shape) -> None:
+    def __init__(
+        self,
+        s: Qwen3Shape,
+        layer: Callable[[Any, int], nn.Module] = DecoderLayer,  # (shape, index) -> layer
+        norm: Callable[[int, float], nn.Module] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(s.num_layers))
-        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(s, i) for i in range(s.num_layers))
+        self.norm = norm(s.hidden_size, s.rms_norm_eps)
 
 
 class Qwen3ForCausalLM(nn.Module):
-    body: type[nn.Module] = Qwen3Body  # the decoder stack under "model." (a subclass's own)
+    # A subclass's decoder layers and final norm (the hybrid models').
+    layer: ClassVar[type[nn.Module]] = DecoderLayer
+    norm: ClassVar[type[nn.Module]] = RMSNorm
 
     def __init__(self, shape: Qwen3Shape) -> None:
         super().__init__()
         self.shape = shape
-        self.model = self.body(shape)
+        self.model = Qwen3Body(shape, self.layer, self.norm)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

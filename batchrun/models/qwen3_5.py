@@ -110,8 +110,7 @@ class HybridLayer(nn.Module):
         super().__init__()
         self.input_layernorm = ZeroCentredRMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.linear = s.layer_types[index] == LINEAR
-        if self.linear:
+        if s.layer_types[index] == LINEAR:
             self.linear_attn = GatedDeltaNet(
                 s.hidden_size,
                 s.linear_num_key_heads,
@@ -163,18 +162,11 @@ class HybridLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class Qwen3_5Body(nn.Module):
-    def __init__(self, s: Qwen3_5Shape) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(HybridLayer(s, i) for i in range(s.num_layers))
-        self.norm = ZeroCentredRMSNorm(s.hidden_size, s.rms_norm_eps)
-
-
 class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
     """Qwen3ForCausalLM's interface (logits, argmax, pack_experts, ...) over hybrid layers."""
 
-    body = Qwen3_5Body
+    layer = HybridLayer
+    norm = ZeroCentredRMSNorm
     shape: Qwen3_5Shape
 
     def forward(  # type: ignore[override]
@@ -209,5 +201,6 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
         slots take the state their kept rows leave. A no-op after steps that verify nothing."""
         for i in self.shape.linear_layers:
             state = kv_caches[i]
-            assert isinstance(state, LinearLayerState)
-            self.model.layers[i].linear_attn.commit(state, meta, accepted)
+            layer = self.model.layers[i]
+            assert isinstance(state, LinearLayerState) and isinstance(layer, HybridLayer)
+            layer.linear_attn.commit(state, meta, accepted)
