@@ -147,7 +147,7 @@ def _check_kv_pool(
     """The engine's refusal of a KV pool too small for a context of 2 tokens, from the pool
     kv_pages sizes before any weights load. On a GPU, with less of its memory in use than
     once the weights are loaded: a pool this finds too small, the engine's is too."""
-    num_pages = config.num_pages or job_kv_pages(config, target, draft, dtype.itemsize, device)
+    num_pages = config.num_pages or job_kv_pages(config, target, draft, dtype, device)
     usable_context(config, target, num_pages, draft.block_size if draft else 1, device)
 
 

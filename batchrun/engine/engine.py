@@ -38,6 +38,7 @@ from batchrun.engine.startup import Models, StartupClock, choose_backend, load_m
 from batchrun.engine.worker import Worker
 from batchrun.errors import JobError
 from batchrun.layers.moe import fused_kernel
+from batchrun.models.families import is_hybrid
 from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.grammar import Grammars
 from batchrun.spec_decode.method import DraftBackends
@@ -92,12 +93,20 @@ class Engine:
         self.instruments = self.worker.instruments  # benchmarks and tests switch them on
         clock.lap("build_runner")
         # A MoE target's experts are graphed only fused (the reference reads routing on the host).
-        graphable = backend.graphable and (not self.model.shape.num_experts or fused_kernel())
+        # A hybrid target's steps run eagerly: a graph pads its requests into the scratch slot,
+        # while its linear layers' verify scratch and commit index the live decoding requests
+        # (LinearStepMeta's decoding), and no CPU emulation in the tests covers that replay.
+        shape = self.model.shape
+        hybrid = is_hybrid(shape)
+        graphable = backend.graphable and (not shape.num_experts or fused_kernel()) and not hybrid
         if config.cuda_graphs and graphable and self.device.type == "cuda":
             self.capture_graphs()
             clock.lap("capture_graphs")
-        # A cached prefix has no logits: prompt log-probabilities need every prompt computed.
-        self.prefix_caching = config.prefix_caching and config.prompt_logprobs is None
+        # Every prompt token computed, from no cached prefix and no sibling sample's shared
+        # pages: a cached prefix has no logits (prompt log-probabilities), and no recurrent
+        # state (a hybrid target's linear layers would start past it from nothing).
+        self.whole_prompts = config.prompt_logprobs is not None or hybrid
+        self.prefix_caching = config.prefix_caching and not self.whole_prompts
         self.built_batch_size = config.max_batch_size  # graphs and slots exist up to it
         self.stopper = Stopper(models.tokenizer, set(models.eos), self.max_model_len)
         self._grammars = GrammarsOnce(self._make_grammars)
@@ -125,9 +134,8 @@ class Engine:
         config, speculator = self.config, self.speculator
         self.pool = PagePool(self.num_pages, config.page_size, self.prefix_caching)
         # Prompt tokens a request computes even when a cached prefix or a sibling sample's
-        # pages hold them: all of them for their log-probabilities.
-        scored = config.prompt_logprobs is not None
-        tail = self.max_model_len if scored else speculator.recompute_tail
+        # pages hold them: all of them when whole prompts are computed.
+        tail = self.max_model_len if self.whole_prompts else speculator.recompute_tail
         self.scheduler = Scheduler(
             self.pool,
             config.max_batch_size,
@@ -164,6 +172,7 @@ class Engine:
             "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
             # What speculation buys: tokens a decoding request commits per target forward.
             "tokens_per_target_forward": self.scheduler.tokens_per_round,
+            "prefix_caching": self.prefix_caching,  # off for prompt logprobs, hybrid targets
             "prefix_cache_hit_rate": self.pool.hit_rate,
             "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
             "startup_seconds": self.startup_seconds,

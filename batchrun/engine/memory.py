@@ -22,8 +22,10 @@ from batchrun.engine.config import EngineConfig
 from batchrun.engine.core.page_pool import pages_for
 from batchrun.engine.cuda_graphs import graph_rows, graph_sizes
 from batchrun.engine.device_state import DEVICE_SLOT_BYTES
+from batchrun.engine.linear_slots import linear_memory_bytes
 from batchrun.engine.step_inputs import IN_FLIGHT_STEPS, step_in_size
 from batchrun.errors import JobError
+from batchrun.models.families import paged_layers
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.spec_decode.method import DraftLayout
 from batchrun.spec_decode.verify_widths import verify_widths
@@ -46,7 +48,7 @@ def page_bytes(
 ) -> int:
     """One page of K and V in every target layer (kv_element bytes an element; None: element)
     and the draft_layers that share the pages (element bytes: a draft's K/V is never FP8)."""
-    size = target.num_layers * layer_page_bytes(target, page_size, kv_element or element)
+    size = paged_layers(target) * layer_page_bytes(target, page_size, kv_element or element)
     if draft is not None:
         size += draft_layers * layer_page_bytes(draft, page_size, element)
     return size
@@ -76,11 +78,13 @@ def kv_pages(
     draft_paged_layers: int,
     ring_pages: int,
     widths: tuple[int, ...] = (1,),
+    slot_bytes: int = 0,
 ) -> int:
     """draft_paged_layers: the draft layers whose K/V lives in the pages (full attention);
     ring_pages: each other (sliding) layer's ring, allocated apart; widths: the verify widths
-    CUDA graphs are captured for. element: the model dtype's size (the target's K/V takes
-    kv_cache_dtype's)."""
+    CUDA graphs are captured for; slot_bytes: per-request state allocated apart (a hybrid
+    target's recurrent state slots and verify scratch). element: the model dtype's size (the
+    target's K/V takes kv_cache_dtype's)."""
     kv_element = kv_element_size(config.kv_cache_dtype, element)
     bytes_per_page = page_bytes(
         target, draft, config.page_size, element, draft_paged_layers, kv_element
@@ -103,6 +107,7 @@ def kv_pages(
         budget = int(total * config.gpu_memory_fraction) - in_use - reserve - rings
     else:
         budget = CPU_KV_BUDGET_BYTES - rings
+    budget -= slot_bytes
     per_request = -(-(target.max_position_embeddings + width + 64) // config.page_size)
     want = config.max_batch_size * per_request
     return max(1, min(want, budget // bytes_per_page))
@@ -112,12 +117,13 @@ def job_kv_pages(
     config: EngineConfig,
     target: Qwen3Shape,
     draft: DraftLayout | None,
-    element: int,
+    dtype: torch.dtype,
     device: torch.device,
 ) -> int:
-    """kv_pages for a job's engine: with a draft (its method's layout, loaded or checked), its
-    paged layers, its ring layers' rings (one per slot and the scratch slot), its block and the
-    verify widths graphs are made for."""
+    """kv_pages for a job's engine (dtype: the model's): with a draft (its method's layout,
+    loaded or checked), its paged layers, its ring layers' rings (one per slot and the scratch
+    slot), its block and the verify widths graphs are made for; a hybrid target's state slots
+    and verify scratch (engine/linear_slots.py: what LinearSlots allocates)."""
     width = draft.block_size if draft is not None else 1
     rings = draft.ring_pages(config.page_size) if draft is not None else 0
     return kv_pages(
@@ -125,12 +131,13 @@ def job_kv_pages(
         target,
         draft.shape if draft is not None else None,
         draft.feature_layers if draft is not None else 0,
-        element,
+        dtype.itemsize,
         width,
         device,
         draft_paged_layers=draft.paged_layers if draft is not None else 0,
         ring_pages=rings * (config.max_batch_size + 1),
         widths=verify_widths(config.verify_width, draft),
+        slot_bytes=linear_memory_bytes(target, dtype, config.max_batch_size, width),
     )
 
 

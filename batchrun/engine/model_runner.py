@@ -37,8 +37,12 @@ from batchrun.engine.step_inputs import (
     step_in_size,
     target_inputs,
 )
+from batchrun.engine.linear_slots import LinearSlots
 from batchrun.layers.attention import PagedAttention
+from batchrun.layers.linear_attention import LinearStepMeta
+from batchrun.models.families import is_hybrid, paged_layers
 from batchrun.models.qwen3 import Qwen3ForCausalLM
+from batchrun.models.qwen3_5 import Qwen3_5ForCausalLM
 from batchrun.spec_decode.base import Speculator, TargetView
 
 
@@ -49,6 +53,7 @@ class TargetOutput:
     row_step: torch.Tensor  # [N] the output-token index it draws
     features: torch.Tensor | None  # every row's hidden states at the speculator's layers
     hidden: torch.Tensor | None = None  # an eager step's every row, pre-norm (prompt logprobs)
+    linear: LinearStepMeta | None = None  # a hybrid target's step: its slots, for the commit
 
 
 @dataclass(frozen=True)
@@ -103,10 +108,18 @@ class ModelRunner:
         self.page_size, self.num_pages = sizes.page_size, sizes.num_pages
         self.max_batched_tokens = sizes.max_batched_tokens
         pool = (sizes.num_pages, sizes.page_size, s.num_kv_heads, s.head_dim)
-        dtype = kv_dtype(kv_cache_dtype, model.lm_head.weight.dtype)
-        self.kv_caches = allocate_kv(s.num_layers, *pool, dtype, device)
+        self.kv_dtype = dtype = kv_dtype(kv_cache_dtype, model.lm_head.weight.dtype)
+        paged = paged_layers(s)  # a hybrid's linear layers hold state slots, not pages
+        self.kv_caches = allocate_kv(paged, *pool, dtype, device)
+        # A hybrid target's recurrent state, a slot per device-state slot (None: every layer
+        # attends over the pages).
+        self.linear: LinearSlots | None = None
+        if is_hybrid(s):
+            assert isinstance(model, Qwen3_5ForCausalLM)
+            width = sizes.block_size
+            self.linear = LinearSlots(model, self.kv_caches, state.num_slots, width, device)
         # An FP8 pool's per-layer scales, [layers, 2] (None: the model dtype's pool).
-        self.kv_scales = kv_scales(s.num_layers, device) if dtype == FP8 else None
+        self.kv_scales = kv_scales(paged, device) if dtype == FP8 else None
         _bind_kv_scales(model, self.kv_scales)
         self.max_kv, max_pages = sizes.max_kv, sizes.max_pages
         self.state = state
@@ -215,25 +228,39 @@ class ModelRunner:
             mixed_decoding=plan.num_decoding if chunks else 0,
         )
         store = chunks or width == 1
-        hidden, features = self._forward(inputs, store_context=store, capture=not quiet)
+        linear = self.linear.meta(plan, args) if self.linear is not None else None
+        hidden, features = self._forward(inputs, store, capture=not quiet, linear=linear)
         row_slot, row_step, sampled = inputs.row_slot, inputs.row_step, hidden
         if args.logit_rows is not None:
             rows = args.logit_rows
             sampled, row_slot, row_step = hidden[rows], row_slot[rows], row_step[rows]
         logits = self.model.logits(sampled)
-        return TargetOutput(logits, row_slot, row_step, features, hidden)
+        return TargetOutput(logits, row_slot, row_step, features, hidden, linear)
+
+    def commit_linear(self, out: TargetOutput, accepted: torch.Tensor) -> None:
+        """A hybrid target's verify step, after acceptance (accepted [D] on the device): its
+        linear layers' slots take the state of the rows kept. Nothing for other targets."""
+        if self.linear is not None and out.linear is not None:
+            self.linear.commit(out.linear, accepted)
 
     def _forward(
-        self, inputs: TargetInputs, store_context: bool, capture: bool = True
+        self,
+        inputs: TargetInputs,
+        store_context: bool,
+        capture: bool = True,
+        linear: LinearStepMeta | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """store_context: the rows the step commits as it runs (prefill chunks; at width 1,
         every row) go to the speculator's context now; capture: the speculator's features are
-        taken at all."""
+        taken at all; linear: a hybrid target's step meta (its linear layers' slots)."""
         self.backend.plan(inputs.meta)
         layers = self.speculator.capture_layers if capture else ()
-        hidden, features = self.model(
-            inputs.ids, inputs.meta.positions, self.backend, self.kv_caches, layers
-        )
+        ids, positions = inputs.ids, inputs.meta.positions
+        if linear is None:
+            hidden, features = self.model(ids, positions, self.backend, self.kv_caches, layers)
+        else:
+            assert self.linear is not None
+            hidden, features = self.linear.forward(ids, positions, self.backend, layers, linear)
         if features is not None and store_context:
             self.speculator.store_context(features, inputs)
         return hidden, features

@@ -20,6 +20,7 @@ from batchrun.engine.attention_backends import attention_backend
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.memory import job_kv_pages, usable_context
 from batchrun.layers.ops import use_ops
+from batchrun.models.families import paged_layers
 from batchrun.models.loader import load_qwen3
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.models.tokenizer import eos_token_ids, load_tokenizer
@@ -94,10 +95,10 @@ def size_memory(
     kv_cache_dtype's; the least over ranks) and the context they leave a request."""
     target = models.target
     device = target.lm_head.weight.device
-    element = target.lm_head.weight.element_size()
+    dtype = target.lm_head.weight.dtype
     num_pages = num_pages or config.num_pages
     layout = models.draft_layout
-    num_pages = num_pages or job_kv_pages(config, target.shape, layout, element, device)
+    num_pages = num_pages or job_kv_pages(config, target.shape, layout, dtype, device)
     if tp is not None:
         num_pages = tp.minimum(num_pages)
     return num_pages, usable_context(config, target.shape, num_pages, block, device)
@@ -131,7 +132,7 @@ def choose_backend(
         page_size=config.page_size,
         batch=config.max_batch_size,
         block_size=block,
-        num_layers=shape.num_layers,
+        num_layers=paged_layers(shape),
         draft_layers=draft.paged_layers + draft.ring_layers if draft else 0,
         context=min(MEASURED_CONTEXT, max_model_len - block),
     )

@@ -53,6 +53,8 @@ class StepPlan:
     num_logit_rows: int  # N; 0 when every row is sampled (no logit-row section)
     max_q: int
     max_kv: int  # an upper bound: the device holds the exact lengths
+    chunk_lens: tuple[int, ...] = ()  # each prefill chunk's rows, in step order
+    chunk_fresh: tuple[bool, ...] = ()  # each chunk starts at its request's position 0
 
     @property
     def uniform(self) -> bool:
@@ -80,6 +82,7 @@ def plan_step(
     head[0] = scratch_slot
     updates: list[np.ndarray] = []
     chunks: list[list[int]] = []
+    fresh: list[bool] = []
     logit_rows: list[np.ndarray] = []
     row = max_kv = num_dec = 0
     for r, it in enumerate(batch):
@@ -91,6 +94,7 @@ def plan_step(
             num_dec += 1
         else:
             chunks.append(it.chunk_ids)
+            fresh.append(it.start == 0)
         logit_rows.append(np.arange(row + it.num_new - k, row + it.num_new))
         row += it.num_new
     update = np.concatenate(updates, axis=1) if updates else np.zeros((3, 0), np.int64)
@@ -115,6 +119,8 @@ def plan_step(
         num_logit_rows=0 if all_rows else len(sampled_rows),
         max_q=max((it.num_new for it in batch), default=0),
         max_kv=max_kv,
+        chunk_lens=tuple(len(c) for c in chunks),
+        chunk_fresh=tuple(fresh),
     )
 
 

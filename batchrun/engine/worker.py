@@ -87,7 +87,7 @@ class Worker:
         runner = self.runner
         return {
             "attention_backend": runner.backend.name,
-            "kv_cache_dtype": str(runner.kv_caches[0][0].dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
             "steps": dict(self.step_kinds),
             # Where the job's time went: each step's period (the time between its results and
             # the previous step's), summed by kind.
@@ -157,6 +157,7 @@ class Worker:
             k = self.logprobs
             scores = score_tokens(self.model, tables, out, sampled, tokens, k, prompt, logits)
         accepted = speculator.accept(drafts, tokens, plan)
+        self.runner.commit_linear(out, accepted)  # a hybrid target's verify: rejected rows undone
         live = plan.num_live
         slots = args.slot[:live]
         q_lens, counts = args.q_len[:live], args.sampled[:live]

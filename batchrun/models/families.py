@@ -91,3 +91,10 @@ def text_weights(family: Family, tensors: Tensors) -> tuple[Tensors, list[str]]:
 def is_hybrid(shape: Qwen3Shape) -> bool:
     """Whether the model has linear-attention layers (per-request state slots)."""
     return isinstance(shape, Qwen3_5Shape) and bool(shape.linear_layers)
+
+
+def paged_layers(shape: Qwen3Shape) -> int:
+    """The target's layers whose K/V lives in the paged pool: all of a Qwen3's, a hybrid's
+    full-attention ones (its linear layers keep per-request state slots instead)."""
+    linear = shape.linear_layers if isinstance(shape, Qwen3_5Shape) else ()
+    return shape.num_layers - len(linear)

@@ -71,6 +71,14 @@ def linear_state_bytes(shape: Qwen3_5Shape, dtype: torch.dtype) -> int:
     return len(shape.linear_layers) * (conv + recurrent)
 
 
+def linear_scratch_bytes(shape: Qwen3_5Shape, dtype: torch.dtype) -> int:
+    """The verify scratch's bytes per verify row (one row of one decoding request), over all
+    linear layers: the pre-conv qkv row (model dtype), g and beta (float32), what commit replays
+    (allocate_linear_states allocates max_decoding * max_width of them)."""
+    row = shape.conv_dim * dtype.itemsize + 2 * shape.linear_num_value_heads * 4
+    return len(shape.linear_layers) * row
+
+
 def allocate_linear_states(
     shape: Qwen3_5Shape,
     num_slots: int,
