@@ -5,14 +5,19 @@ that drafts well is accepted; memory sizing counts what the state slots allocate
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+from click.testing import CliRunner
 from torch import nn
 
+from batchrun.cli import cli
 from batchrun.engine.core.requests import Request
 from batchrun.engine import memory
 from batchrun.engine.linear_slots import linear_memory_bytes
@@ -169,3 +174,27 @@ def test_memory_sizing_counts_what_the_state_slots_allocate(
     )
     with_draft = linear_memory_bytes(shape, dtype, 3, draft_block)
     assert with_draft - allocated == 3 * (draft_block - 1) * linear_scratch_bytes(shape, dtype)
+
+
+def test_validate_and_a_whole_job_on_a_hybrid_checkpoint(text_hybrid: Path, tmp_path: Path) -> None:
+    """`batchrun validate`, then `batchrun run` with and without a draft: every row written,
+    the same completions."""
+    rows = pa.table({"prompt": [f"def step_{i}(state):" for i in range(6)]})
+    (tmp_path / "in").mkdir()
+    pq.write_table(rows, tmp_path / "in" / "0.parquet")
+    draft = make_tiny_draft(tmp_path / "draft", text_hybrid, block_size=4)
+    common = ["--input", str(tmp_path / "in"), "--target", str(text_hybrid), "--max-tokens", "8"]
+    validate = ["validate", *common, "--output", str(tmp_path / "v"), "--draft", str(draft)]
+    checked = CliRunner().invoke(cli, validate)
+    assert checked.exit_code == 0, checked.output
+    completions = {}
+    for name, extra in {"plain": [], "dflash": ["--draft", str(draft)]}.items():
+        out = tmp_path / name
+        result = CliRunner().invoke(cli, ["run", *common, "--output", str(out), "--quiet", *extra])
+        assert result.exit_code == 0, result.output
+        table = pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("part-*.parquet")))
+        assert sorted(table.column("row_index").to_pylist()) == list(range(6))
+        completions[name] = table.sort_by("row_index").column("completion").to_pylist()
+        stats = json.loads((out / "stats.json").read_text())
+        assert stats["prefix_caching"] is False
+    assert completions["dflash"] == completions["plain"]
