@@ -27,6 +27,7 @@ from batchrun.engine.config import EngineConfig
 from batchrun.engine.core.page_pool import pages_for
 from batchrun.engine.cuda_graphs import GraphHost, GraphSet, graph_rows
 from batchrun.engine.device_state import DeviceState
+from batchrun.engine.linear_slots import LinearSlots
 from batchrun.engine.step_inputs import (
     IN_FLIGHT_STEPS,
     StepArgs,
@@ -37,7 +38,6 @@ from batchrun.engine.step_inputs import (
     step_in_size,
     target_inputs,
 )
-from batchrun.engine.linear_slots import LinearSlots
 from batchrun.layers.attention import PagedAttention
 from batchrun.layers.linear_attention import LinearStepMeta
 from batchrun.models.families import is_hybrid, paged_layers

@@ -12,8 +12,9 @@ before it; `read` then brings its results back.
 
 The per-slot device state is one row per slot, filled once when a request takes a slot
 (`launch_forward`: the step's admitted items) and updated on the device by each step's commit;
-memory.py sizes a slot from its declared bytes (PER_SLOT_BYTES). Per-request state of another kind
-(a hybrid target's fixed-size recurrent state) is slot state too: it belongs beside it here.
+memory.py sizes a slot from its declared bytes (PER_SLOT_BYTES). A hybrid target's fixed-size
+recurrent state is slot state too (the runner's LinearSlots, engine/linear_slots.py: a request's
+state slot is its device-state slot); a verify step's commit into it follows acceptance.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ first w-1 of the draft's B-1 proposals. Every width is lossless, so the choice c
 Verifying B rows per request is compute-bound from a modest batch on, so the best width falls as
 the batch grows: a round of width w costs draft(n) + verify(n, w) and commits on average
 1 + sum_{j<w} p_1 ... p_j tokens per request, where p_j is the chance that draft j is accepted
-once drafts 1 .. j-1 were.
+once drafts 1 .. j-1 were. On a hybrid target (Gated DeltaNet layers) verify(n, w) includes the
+commit's replay of the kept rows through the linear layers (engine/linear_slots.py), which runs
+in the same step on the device: the measured step times already hold it, so no term is added.
 """
 
 from __future__ import annotations

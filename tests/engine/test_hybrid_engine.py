@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from torch import nn
 
 from batchrun.cli import cli
-from batchrun.engine.core.requests import Request
 from batchrun.engine import memory
+from batchrun.engine.core.requests import Request
 from batchrun.engine.linear_slots import linear_memory_bytes
 from batchrun.engine.memory import job_kv_pages, page_bytes
 from batchrun.models.families import paged_layers
