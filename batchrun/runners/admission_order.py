@@ -12,38 +12,7 @@ it.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator
-from typing import TypeVar
-
 from batchrun.engine.core.requests import Request
-
-T = TypeVar("T")
-
-
-def windowed(
-    items: Iterator[T],
-    window: int,
-    max_len: int,
-    page_size: int,
-    request: Callable[[T], Request | None],
-) -> Iterator[T]:
-    """The items, each run of `window` of them reordered: those without a request (error
-    rows) first, as they come, then the others in the admission_order of their requests;
-    window 0 passes them on in their own order."""
-    if window <= 0:
-        yield from items
-        return
-    while chunk := list(itertools.islice(items, window)):
-        runnable: dict[int, tuple[Request, T]] = {}
-        for item in chunk:
-            req = request(item)
-            if req is None:
-                yield item
-            else:
-                runnable[id(req)] = (req, item)
-        for req in admission_order([req for req, _ in runnable.values()], max_len, page_size):
-            yield runnable[id(req)][1]
 
 
 def admission_order(requests: list[Request], max_len: int, page_size: int) -> list[Request]:

@@ -10,9 +10,10 @@ far rows are read and queued ahead is the runner's (Pace): the engine is fed by 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import pyarrow as pa
 
@@ -23,10 +24,38 @@ from batchrun.io.input.reader import InputBatch
 from batchrun.io.output.columns import OutputRow, error_rows, finished_row
 from batchrun.io.output.reasoning import reasoning_split
 from batchrun.io.output.row_samples import RowSamples
-from batchrun.runners.admission_order import windowed
+from batchrun.runners.admission_order import admission_order
 from batchrun.runners.engine_feed import QUEUE_FACTOR, EngineLike
 
 PREFETCH_ROWS = 512  # input rows read and tokenized ahead of the engine
+
+
+T = TypeVar("T")
+
+
+def windowed(
+    items: Iterator[T],
+    window: int,
+    max_len: int,
+    page_size: int,
+    request: Callable[[T], Request | None],
+) -> Iterator[T]:
+    """The items, each run of `window` of them reordered: those without a request (error
+    rows) first, as they come, then the others in the admission_order of their requests;
+    window 0 passes them on in their own order."""
+    if window <= 0:
+        yield from items
+        return
+    while chunk := list(itertools.islice(items, window)):
+        runnable: dict[int, tuple[Request, T]] = {}
+        for item in chunk:
+            req = request(item)
+            if req is None:
+                yield item
+            else:
+                runnable[id(req)] = (req, item)
+        for req in admission_order([req for req, _ in runnable.values()], max_len, page_size):
+            yield runnable[id(req)][1]
 
 
 class InputRow(NamedTuple):

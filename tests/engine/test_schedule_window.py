@@ -15,8 +15,9 @@ from batchrun.config.job import JobSpec
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.core.requests import Request
 from batchrun.engine.engine import Engine
-from batchrun.runners.admission_order import admission_order, windowed
+from batchrun.runners.admission_order import admission_order
 from batchrun.runners.local import run_job
+from batchrun.runners.row_pipeline import windowed
 from batchrun.sampling.params import SamplingParams
 from tests.cluster.test_pipeline import BAD_ROWS, FakeEngine, write_input
 
