@@ -60,6 +60,23 @@ def _scenarios(text: str) -> tuple[str, ...]:
     return names
 
 
+def _shape_name(name: str | None) -> str | None:
+    """A name of bench/shapes.py's SHAPES (imported here: the command's module loads no model
+    code until it runs)."""
+    from batchrun.bench.shapes import SHAPES
+
+    if name is not None and name not in SHAPES:
+        raise click.BadParameter(f"{name!r} is not one of {', '.join(SHAPES)}")
+    return name
+
+
+def _hybrid(name: str) -> bool:
+    from batchrun.bench.shapes import SHAPES
+    from batchrun.models.families import is_hybrid
+
+    return is_hybrid(SHAPES[name])
+
+
 def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     """Per-position acceptance (conditional) of finished jobs, named by their files."""
     from batchrun.bench.sweep import conditional_acceptance
@@ -78,8 +95,9 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
 @click.option("--draft", type=click.Path(path_type=Path), help="DFlash draft (also run).")
 @click.option(
     "--shape",
-    type=click.Choice(["qwen3-4b", "qwen3-8b", "qwen3-32b", "qwen3-30b-a3b"]),
-    help="Sweep steady-state steps at this shape, random weights on the GPU (no checkpoint).",
+    callback=lambda _ctx, _param, value: _shape_name(value),
+    help="Sweep steady-state steps at this shape, random weights on the GPU (no checkpoint): "
+    "a name of bench/shapes.py's SHAPES (e.g. qwen3-8b, the hybrid qwen3.5-9b).",
 )
 # At least 4 layers: the draft reads target layers 1 .. L-3.
 @click.option("--num-layers", type=click.IntRange(min=4), help="--shape: override the layer count.")
@@ -285,6 +303,8 @@ def bench(out: Path | None, **opts: Any) -> None:
         raise click.UsageError("give exactly one of --target and --shape")
     if opts["tp"] > 1 and not opts["shape"]:
         raise click.UsageError("--tp is for --shape (a job runs tensor parallel with run --tp)")
+    if opts["tp"] > 1 and _hybrid(opts["shape"]):
+        raise click.UsageError("--tp does not run hybrid shapes (nor does run --tp)")
     if opts["tp"] > 1 and "RANK" not in os.environ:
         sys.exit(_relaunch(opts["tp"]))
     if opts["penalties"]:

@@ -1,5 +1,7 @@
 """The ceilings a step is held against, measured in the same run: device copy bandwidth and
-matmul rate; and what one step must at least move and compute."""
+matmul rate; and what one step must at least move and compute. A hybrid target's step moves
+the KV of its full-attention layers only (a quarter of Qwen3.5's) and its requests' linear
+state: read and written by a decode step, read once more by a verify step's commit."""
 
 from __future__ import annotations
 
@@ -7,7 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
+from batchrun.models.families import paged_layers
 from batchrun.models.qwen3 import Qwen3Shape
+from batchrun.models.qwen3_5 import (
+    LINEAR,
+    Qwen3_5Shape,
+    linear_scratch_bytes,
+    linear_state_bytes,
+)
+
+# The model dtype of an element size: the linear state's conv part is kept in it.
+_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
 
 
 @dataclass(frozen=True)
@@ -71,11 +83,9 @@ def weight_bytes(
     (their scales: not counted, 1/16,384 of them)."""
     s = shape
     projection = 1 if s.fp8_block is not None else element
-    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    attention = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
     total = 0.0
     for i in range(layers or s.num_layers):
-        total += attention * projection
+        total += _mixer_bytes(s, i, projection, element)
         if s.sparse(i):
             read = s.num_experts if experts is None else experts
             router = s.hidden_size * s.num_experts * element
@@ -83,6 +93,42 @@ def weight_bytes(
         else:
             total += 3 * s.hidden_size * s.intermediate_size * projection
     return int(total + element * s.vocab_size * s.hidden_size)
+
+
+def _mixer_bytes(s: Qwen3Shape, layer: int, projection: int, element: int) -> int:
+    """The token mixer's weights in layer `layer`: Qwen3's attention; a hybrid's gated
+    attention (its query projection twice as wide: the gate) or Gated DeltaNet (in_proj, the
+    conv and out_proj, kept in the model dtype by an FP8 checkpoint too)."""
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    if not isinstance(s, Qwen3_5Shape):
+        return (s.hidden_size * (q + 2 * kv) + q * s.hidden_size) * projection
+    if s.layer_types[layer] != LINEAR:
+        return (s.hidden_size * (2 * q + 2 * kv) + q * s.hidden_size) * projection
+    heads, value = s.linear_num_value_heads, s.linear_num_value_heads * s.linear_value_head_dim
+    in_proj = s.hidden_size * (s.conv_dim + value + 2 * heads)
+    return (in_proj + s.conv_dim * s.linear_conv_kernel + value * s.hidden_size) * element
+
+
+def state_bytes(shape: Qwen3Shape, element: int, verify_rows: int = 0) -> int:
+    """The linear state one request's step moves (0 without linear layers): a decode step reads
+    and writes it; a verify step of verify_rows rows reads it, writes their scratch, and its
+    commit reads the state and the scratch again and writes the state."""
+    if not isinstance(shape, Qwen3_5Shape):
+        return 0
+    dtype = _DTYPES[element]
+    state = linear_state_bytes(shape, dtype)
+    if not verify_rows:
+        return 2 * state
+    return 3 * state + 2 * verify_rows * linear_scratch_bytes(shape, dtype)
+
+
+def _recurrent_flops(shape: Qwen3Shape) -> int:
+    """A token's Gated DeltaNet updates over all linear layers: per value head, three products
+    of the dk x dv state (S^T k, the rank-one update, S^T q) of 2 FLOPs an element."""
+    if not isinstance(shape, Qwen3_5Shape):
+        return 0
+    per_head = 6 * shape.linear_key_head_dim * shape.linear_value_head_dim
+    return len(shape.linear_layers) * shape.linear_num_value_heads * per_head
 
 
 def experts_read(shape: Qwen3Shape, tokens: int) -> float:
@@ -102,12 +148,15 @@ def step_floor_ms(
     kv_element: int | None = None,
 ) -> dict[str, float]:
     """The least time a target step can take: the weights it reads (a MoE layer: the experts
-    its tokens route to) and the batch's KV read once (kv_element bytes an element; None:
-    element), or its matmuls at the measured rate, whichever is longer."""
+    its tokens route to), the batch's KV of its paged layers read once (kv_element bytes an
+    element; None: element) and its linear state moved (state_bytes), or its matmuls at the
+    measured rate, whichever is longer."""
     s = shape
     tokens = batch * rows_per_request
-    kv_bytes = batch * context * s.num_layers * 2 * s.num_kv_heads * s.head_dim
+    kv_bytes = batch * context * paged_layers(s) * 2 * s.num_kv_heads * s.head_dim
     kv_bytes *= kv_element or element
+    verify = rows_per_request if rows_per_request > 1 else 0
+    kv_bytes += batch * state_bytes(s, element, verify)
     moved = weight_bytes(s, element, experts=experts_read(s, tokens)) + kv_bytes
     # Each token's matmuls: its own top-k experts (a dense model's whole MLP).
     flops = 2 * weight_bytes(s, 1, experts=s.num_experts_per_tok) * tokens
@@ -135,20 +184,24 @@ def job_bound(
     output token's K/V context read (kv_element bytes an element; None: element), at the
     measured copy rate, whichever is longer; FP8 weights at the FP8 matmul rate. A MoE
     token multiplies by its top-k experts; a decode step reads the experts a full batch routes
-    to."""
+    to. A hybrid's attention and K/V are its full-attention layers'; each output token also
+    reads and writes its request's linear state, and costs its Gated DeltaNet updates."""
     s = shape
     per_token = s.num_experts_per_tok or None  # experts one token's matmuls use (None: dense)
     layer_params = weight_bytes(s, 1, experts=per_token) - s.vocab_size * s.hidden_size
-    kv_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * (kv_element or element)
-    attention = 4 * s.num_layers * s.num_heads * s.head_dim  # FLOPs per (query, key) pair
-    flops = kv_read = 0.0
+    paged = paged_layers(s)
+    kv_per_token = paged * 2 * s.num_kv_heads * s.head_dim * (kv_element or element)
+    attention = 4 * paged * s.num_heads * s.head_dim  # FLOPs per (query, key) pair
+    per_output = state_bytes(s, element)
+    flops = context_read = 0.0
     for prompt, out in zip(prompt_lens, max_tokens, strict=True):
         flops += 2 * layer_params * (prompt + out) + 2 * s.vocab_size * s.hidden_size * out
+        flops += _recurrent_flops(s) * (prompt + out)
         context = (prompt + out) * (prompt + out - 1) / 2  # keys each position attends to
         flops += attention * context
-        kv_read += kv_per_token * (prompt * out + out * (out - 1) / 2)
+        context_read += kv_per_token * (prompt * out + out * (out - 1) / 2) + per_output * out
     steps = max(max(max_tokens, default=0), -(-sum(max_tokens) // batch))
-    moved = steps * weight_bytes(s, element, experts=experts_read(s, batch) or None) + kv_read
+    moved = steps * weight_bytes(s, element, experts=experts_read(s, batch) or None) + context_read
     compute_s = flops / ceilings.matmul_rate(s)
     memory_s = moved / ceilings.copy_bytes_per_s
     return {

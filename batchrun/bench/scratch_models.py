@@ -2,9 +2,10 @@
 whole jobs (`batchrun run --target DIR --draft DIR`) run on them exactly as on a real model.
 
 The target is a Hugging Face Qwen3 directory (safetensors shards of at most 5 GB with
-transformers' index, config.json, generation_config.json) and a byte-level tokenizer covering
-its whole vocabulary (the 256 bytes, then "t256" .. "t{V-1}"); the draft is a DFlash draft in
-z-lab's layout. Weights
+transformers' index, config.json, generation_config.json), or for a hybrid shape Qwen3.5's text
+model (`qwen3_5_text`: the published checkpoints' language model without their vision tower and
+MTP head, which batchrun does not run), and a byte-level tokenizer covering its whole vocabulary
+(the 256 bytes, then "t256" .. "t{V-1}"); the draft is a DFlash draft in z-lab's layout. Weights
 are drawn on `device` in `dtype` (the 8B's 16 GB take seconds on a GPU) and copied to the host
 one shard at a time; tiny shapes on the CPU serve the tests.
 """
@@ -21,13 +22,21 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
-from batchrun.bench.shapes import DRAFT_BLOCK, DRAFT_LAYERS, _randomize
+from batchrun.bench.shapes import DRAFT_BLOCK, DRAFT_LAYERS, _randomize, model_class
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.loader import checkpoint_tensors, qwen3_shape
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.models.qwen3_5 import Qwen3_5Shape
 from batchrun.tools.tiny_draft import draft_config
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
@@ -58,14 +67,15 @@ def write_target(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     echo: bool = False,
 ) -> Path:
-    """A random Qwen3 checkpoint with its tokenizer; seed 0 gives shapes.random_target's
-    weights. Norms are 1 and every other weight is normal with std 0.02. echo: see _echo."""
+    """A random checkpoint of the shape's family with its tokenizer; seed 0 gives
+    shapes.random_target's weights: norms the identity, every other weight normal with std
+    0.02. echo: see _echo."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Allocated uninitialised on the device in dtype (no float32 copy, no default init):
     # _randomize writes every parameter.
     with shapes_only():
-        model = Qwen3ForCausalLM(shape).to(dtype)
+        model = model_class(shape)(shape).to(dtype)
     model.to_empty(device=device)
     if shape.tie_word_embeddings:  # to_empty unties them; tied, lm_head is not in a checkpoint
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -93,8 +103,11 @@ def write_target(
         pad_token_id=eos,
         dtype=name,
     )
-    if shape.num_experts:
-        config: Qwen3Config | Qwen3MoeConfig = Qwen3MoeConfig(
+    config: PretrainedConfig
+    if isinstance(shape, Qwen3_5Shape):
+        config = _hybrid_config(shape, common)
+    elif shape.num_experts:
+        config = Qwen3MoeConfig(
             **common,
             num_experts=shape.num_experts,
             num_experts_per_tok=shape.num_experts_per_tok,
@@ -119,6 +132,21 @@ def write_target(
     GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(out))
     write_tokenizer(out, shape.vocab_size, eos)
     return out
+
+
+def _hybrid_config(shape: Qwen3_5Shape, common: dict[str, Any]) -> PretrainedConfig:
+    """Qwen3.5's text config (dense: the MoE hybrids have no bench shape)."""
+    rope = common["rope_parameters"] | {"partial_rotary_factor": shape.partial_rotary_factor}
+    return Qwen3_5TextConfig(
+        **(common | {"rope_parameters": rope}),
+        layer_types=list(shape.layer_types),
+        linear_conv_kernel_dim=shape.linear_conv_kernel,
+        linear_num_key_heads=shape.linear_num_key_heads,
+        linear_num_value_heads=shape.linear_num_value_heads,
+        linear_key_head_dim=shape.linear_key_head_dim,
+        linear_value_head_dim=shape.linear_value_head_dim,
+        architectures=["Qwen3_5ForCausalLM"],
+    )
 
 
 ECHO_SCALE = 5000.0  # embeddings of std 100 against what 36 layers of std-0.02 weights add (~15)

@@ -3,18 +3,20 @@ the target, a z-lab-shaped DFlash draft for it, and the same target as a transfo
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
 
 from batchrun.attention.kv_dtype import FP8_MAX
+from batchrun.layers.norm import ZeroCentredRMSNorm
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
 from batchrun.models.fp8 import SCALE_SUFFIX, Fp8Scheme
 from batchrun.models.loader import checkpoint_tensors, load_weights
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
+from batchrun.models.qwen3_5 import FULL, LINEAR, Qwen3_5ForCausalLM, Qwen3_5Shape
 from batchrun.models.qwen3_sharding import TensorParallelQwen3
 from batchrun.parallel.group import TensorParallel
 
@@ -26,7 +28,31 @@ _QWEN3 = dict(
     rope_theta=1_000_000.0,
     max_position_embeddings=40960,
 )
-SHAPES = {
+_QWEN3_5 = dict(
+    vocab_size=248320,
+    num_kv_heads=4,
+    head_dim=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10_000_000.0,
+    max_position_embeddings=262144,
+    tie_word_embeddings=False,
+    partial_rotary_factor=0.25,
+    linear_conv_kernel=4,
+    linear_num_key_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+)
+FULL_ATTENTION_INTERVAL = 4  # Qwen3.5's: every fourth layer attends over the paged KV
+
+
+def hybrid_layers(num_layers: int) -> tuple[str, ...]:
+    """Qwen3.5's layer_types: every FULL_ATTENTION_INTERVAL-th layer full, the rest linear."""
+    return tuple(
+        FULL if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else LINEAR for i in range(num_layers)
+    )
+
+
+SHAPES: dict[str, Qwen3Shape] = {
     "qwen3-4b": Qwen3Shape(
         hidden_size=2560,
         intermediate_size=9728,
@@ -62,6 +88,26 @@ SHAPES = {
         moe_intermediate_size=768,
         **{**_QWEN3, "num_kv_heads": 4},  # type: ignore[arg-type]
     ),
+    # Qwen3.5's dense hybrids (Qwen3.6-27B keeps Qwen3.5-27B's shape): their published
+    # config.json's text_config, three Gated DeltaNet layers to one of gated full attention.
+    "qwen3.5-9b": Qwen3_5Shape(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=32,
+        layer_types=hybrid_layers(32),
+        num_heads=16,
+        linear_num_value_heads=32,
+        **_QWEN3_5,  # type: ignore[arg-type]
+    ),
+    "qwen3.6-27b": Qwen3_5Shape(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_layers=64,
+        layer_types=hybrid_layers(64),
+        num_heads=24,
+        linear_num_value_heads=48,
+        **_QWEN3_5,  # type: ignore[arg-type]
+    ),
 }
 DRAFT_LAYERS = 5  # z-lab's Qwen3 DFlash drafts: 5 layers, block 16
 DRAFT_BLOCK = 16
@@ -88,18 +134,38 @@ def shape_from_flags(name: str | None, fp8_weights: bool = False, **flags: Any) 
     base = SHAPES[name] if name else SHAPES["qwen3-8b"]
     if fp8_weights:
         base = replace(base, fp8=Fp8Scheme(FP8_BLOCK))
-    return replace(base, **{k: v for k, v in flags.items() if v is not None})
+    shape = replace(base, **{k: v for k, v in flags.items() if v is not None})
+    if isinstance(shape, Qwen3_5Shape):  # a layer count of its own keeps the 3 : 1 pattern
+        shape = replace(shape, layer_types=hybrid_layers(shape.num_layers))
+    return shape
+
+
+def model_class(shape: Qwen3Shape) -> type[Qwen3ForCausalLM]:
+    """The causal LM that runs the shape: the hybrid one for a Qwen3.5 shape."""
+    return Qwen3_5ForCausalLM if isinstance(shape, Qwen3_5Shape) else Qwen3ForCausalLM
+
+
+def qwen3_part(shape: Qwen3Shape) -> Qwen3Shape:
+    """The shape's Qwen3 fields alone (a hybrid's widths, as its DFlash draft takes them)."""
+    return Qwen3Shape(**{f.name: getattr(shape, f.name) for f in fields(Qwen3Shape)})
 
 
 def _randomize(module: torch.nn.Module, seed: int) -> None:
-    """Norms 1, every other weight normal with std 0.02 (FP8 ones: FP8_SPREAD times that, with
-    scales that bring it back)."""
+    """Norms the identity (1, a zero-centred one's stored weight 0), every other weight normal
+    with std 0.02 (FP8 ones: FP8_SPREAD times that, with scales that bring it back)."""
     device = next(module.parameters()).device
     # The meta device (a check that builds nothing) has no generator and needs none.
     gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
+    centred = {
+        f"{name}.weight"
+        for name, sub in module.named_modules()
+        if isinstance(sub, ZeroCentredRMSNorm)
+    }
     with torch.no_grad():
         for name, param in module.named_parameters():
-            if name.endswith("norm.weight"):
+            if name in centred:
+                param.zero_()
+            elif name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif param.dtype == torch.float8_e4m3fn:
                 for rows in param.split(1024):  # no float32 copy of the whole weight
@@ -113,10 +179,10 @@ def _randomize(module: torch.nn.Module, seed: int) -> None:
 def random_target(
     shape: Qwen3Shape, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
 ) -> Qwen3ForCausalLM:
-    """With tp, only this rank's share is built (its own random weights)."""
+    """With tp, only this rank's share is built (its own random weights; a Qwen3 shape)."""
     s = shape
     with shapes_only():  # allocated once, in dtype: a float32 build of a 30B model would not fit
-        model = Qwen3ForCausalLM(shape) if tp is None else TensorParallelQwen3(shape, tp)
+        model = model_class(shape)(shape) if tp is None else TensorParallelQwen3(shape, tp)
         model = model.to(dtype)
     model.to_empty(device=device)
     if shape.tie_word_embeddings:  # to_empty unties them
@@ -125,7 +191,7 @@ def random_target(
     model.pack_experts()
     # The RoPE table is built on the host (layers/rotary.py) and .to(dtype) rounded it: build it
     # again on the device, in float32, as the loader does.
-    model.rope = RotaryEmbedding(s.head_dim, s.max_position_embeddings, s.rope_theta, s.yarn).to(
+    model.rope = RotaryEmbedding(s.rotary_dim, s.max_position_embeddings, s.rope_theta, s.yarn).to(
         device
     )
     return model.eval()
@@ -135,8 +201,12 @@ def random_draft(target: Qwen3ForCausalLM, shape: Qwen3Shape, max_positions: int
     """shape: the target's whole shape (a tensor-parallel rank's model holds a share of its
     heads); the draft is whole, the same on every rank."""
     s = shape
-    draft_shape = replace(  # dense, as z-lab's drafts of MoE targets
-        s, num_layers=DRAFT_LAYERS, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0
+    draft_shape = replace(  # dense Qwen3 layers, as z-lab's drafts of MoE and hybrid targets
+        qwen3_part(s),
+        num_layers=DRAFT_LAYERS,
+        num_experts=0,
+        num_experts_per_tok=0,
+        moe_intermediate_size=0,
     )
     layer_ids = default_target_layer_ids(DRAFT_LAYERS, s.num_layers)
     device = target.lm_head.weight.device

@@ -36,6 +36,7 @@ from batchrun.engine.engine import Engine
 from batchrun.engine.heap import collect_everything
 from batchrun.engine.startup import Models
 from batchrun.errors import JobError
+from batchrun.models.families import is_hybrid
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.parallel.group import TensorParallel
 from batchrun.spec_decode.width_policy import best_width, expected_tokens
@@ -174,8 +175,10 @@ def run_sweep(
     baselines: list[dict[str, Any]] = []
     result = _result(plan, ceilings, points, baselines, profiles)
     progress(result)
-    # generate() runs on a transformers twin of the dense model (none for a MoE shape).
-    dense = not model.shape.num_experts
+    # generate() runs on a transformers twin of a dense Qwen3 (none for a MoE or hybrid shape:
+    # transformers runs the hybrids' Gated DeltaNet on its torch fallback without the
+    # flash-linear-attention kernels, no baseline worth timing against).
+    dense = not model.shape.num_experts and not is_hybrid(model.shape)
     if plan.tp is None and dense and (plan.hf_eager or plan.hf_compiled_batches):
         hf = hf_twin(model)
         for baseline in _hf_baselines(plan, hf):
