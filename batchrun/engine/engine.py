@@ -93,12 +93,9 @@ class Engine:
         self.instruments = self.worker.instruments  # benchmarks and tests switch them on
         clock.lap("build_runner")
         # A MoE target's experts are graphed only fused (the reference reads routing on the host).
-        # A hybrid target's steps run eagerly: a graph pads its requests into the scratch slot,
-        # while its linear layers' verify scratch and commit index the live decoding requests
-        # (LinearStepMeta's decoding), and no CPU emulation in the tests covers that replay.
         shape = self.model.shape
         hybrid = is_hybrid(shape)
-        graphable = backend.graphable and (not shape.num_experts or fused_kernel()) and not hybrid
+        graphable = backend.graphable and (not shape.num_experts or fused_kernel())
         if config.cuda_graphs and graphable and self.device.type == "cuda":
             self.capture_graphs()
             clock.lap("capture_graphs")

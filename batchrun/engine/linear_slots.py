@@ -9,6 +9,8 @@ starts from zero state, so a slot needs no clearing when a request takes it, a p
 request recomputes from scratch, and a later chunk carries the state on. After a verify step's
 acceptance, `commit` writes the states the kept rows leave: a rejected draft leaves no trace.
 A plain decode step (width 1) updates its slots in the forward, and its commit does nothing.
+A CUDA graph's step runs its padding requests too, in the scratch slot (graph_meta): they
+write only that slot's state and scratch rows past the live requests', which nothing reads.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class LinearSlots:
         draft's block, else 1)."""
         self.model = model
         dtype = model.lm_head.weight.dtype
+        self.max_decoding = num_slots  # a graph's padded batch is at most the slots'
         self.states: dict[int, LinearLayerState] = allocate_linear_states(
             model.shape, num_slots + 1, num_slots, max_width, dtype, device
         )
@@ -70,6 +73,13 @@ class LinearSlots:
             prefill_lens=plan.chunk_lens,
             prefill_fresh=plan.chunk_fresh,
         )
+
+    def graph_meta(self, slots: torch.Tensor, width: int) -> LinearStepMeta:
+        """A CUDA graph's step: every one of its requests decodes (slots [size], the padding
+        ones the scratch slot's), its scratch rows [:size] filled for the commit, which reads
+        the live ones (`meta`'s), the first of them."""
+        assert slots.shape[0] <= self.max_decoding, "the verify scratch holds every graph row"
+        return LinearStepMeta(slots=slots, decoding=slots.shape[0], width=width)
 
     def forward(
         self,

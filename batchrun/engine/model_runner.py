@@ -5,7 +5,8 @@ target's CUDA graphs, and runs the target's forward of a step over the per-slot 
 A step arrives as one packed host array (its layout: engine/step_inputs.py), copied once into a
 persistent device buffer; everything else is built on the device from it and the slots' state.
 A step in which every request decodes (W rows each: its anchor, then W - 1 drafts) replays a CUDA
-graph captured for its width and the smallest batch size that holds it, input building included;
+graph captured for its width and the smallest batch size that holds it, input building included
+(a hybrid target's linear layers too: their slots by the step's, padding in the scratch slot);
 any other step (prefill chunks mixed in) runs the same code eagerly. What drafting needs happens
 in the speculator the runner builds (spec_decode/), handing it a view of the target; the forward
 hands it the features of rows it commits.
@@ -215,7 +216,10 @@ class ModelRunner:
             metas = partial(self._graph_target_metas, size, width)
             replayed = self.graph_host.replay(graphs, size, [self.backend], metas)
             logits, row_slot, row_step, *captured = replayed
-            return TargetOutput(logits, row_slot, row_step, captured[0] if captured else None)
+            # The commit replays the live requests' rows: they lead the graph's scratch rows.
+            linear = self.linear.meta(plan, args) if self.linear is not None else None
+            features = captured[0] if captured else None
+            return TargetOutput(logits, row_slot, row_step, features, linear=linear)
         inputs = target_inputs(
             args,
             self.state,
@@ -284,7 +288,12 @@ class ModelRunner:
         self, size: int, width: int, capture: bool = True
     ) -> tuple[torch.Tensor, ...]:
         inputs = self._graph_target_inputs(size, width)
-        hidden, features = self._forward(inputs, store_context=width == 1, capture=capture)
+        linear = None
+        if self.linear is not None:  # padding requests' rows run in the scratch slot's state
+            linear = self.linear.graph_meta(graph_step_args(self.step_in, size).slot, width)
+        hidden, features = self._forward(
+            inputs, store_context=width == 1, capture=capture, linear=linear
+        )
         # Every graph writes its logits into one buffer outside the pool: each graph's own
         # would stay allocated for its replays (17 GB at the 8B's vocabulary, batch 256).
         assert self.graph_logits is not None  # allocated before any capture

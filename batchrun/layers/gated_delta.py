@@ -111,3 +111,44 @@ def chunked_rule(
         state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ corrected
     out = out.reshape(b, h, total, -1)[:, :, :length].transpose(1, 2)
     return out, state
+
+
+def conv_rows(
+    qkv: torch.Tensor,  # [D, W, C] each request's W pre-conv rows
+    conv: torch.Tensor,  # [num_slots, C, K - 1] the slots' carried inputs
+    slots: torch.Tensor,  # [D] int64
+    weight: torch.Tensor,  # [C, K]
+    keep: torch.Tensor | None,  # [D] int64: rows whose inputs the slot takes (None: read only)
+) -> torch.Tensor:
+    """causal_conv of each request's rows from its slot's carried inputs: silu(conv) [D, W, C].
+    With `keep`, each slot then carries the K - 1 inputs before row keep[r] (after rows
+    0 .. keep[r] - 1): a decode step keeps W, a verify's commit the accepted rows."""
+    mixed, window = causal_conv(qkv, conv[slots], weight)
+    if keep is not None:
+        rows = keep[:, None] + torch.arange(weight.shape[1] - 1, device=qkv.device)
+        picked = window.gather(1, rows[..., None].expand(-1, -1, window.shape[-1]))
+        conv[slots] = picked.transpose(1, 2)
+    return mixed
+
+
+def delta_rows(
+    mixed: torch.Tensor,  # [D, W, C] conv_rows' output
+    g: torch.Tensor,  # [D, W, Hv] float32
+    beta: torch.Tensor,  # [D, W, Hv] float32
+    recurrent: torch.Tensor,  # [num_slots, Hv, dk, dv] float32
+    slots: torch.Tensor,  # [D] int64
+    keep: torch.Tensor | None,  # [D] int64: rows whose updates the slot takes (None: read only)
+    num_k_heads: int,
+    head_k_dim: int,
+) -> torch.Tensor:
+    """recurrent_rule over each request's rows from its slot's state: outputs [D, W, Hv, dv] in
+    mixed's dtype. With `keep`, each slot then holds the state after rows 0 .. keep[r] - 1 (the
+    outputs of later rows are then not the rule's: a commit drops them)."""
+    q, k, v = prepare_qkv(mixed, num_k_heads, head_k_dim, g.shape[-1])
+    kept = None
+    if keep is not None:
+        kept = torch.arange(mixed.shape[1], device=mixed.device)[None] < keep[:, None]
+    out, final = recurrent_rule(q, k, v, g, beta, recurrent[slots], kept)
+    if keep is not None:
+        recurrent[slots] = final
+    return out.to(mixed.dtype)

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.layers.gated_delta import causal_conv, chunked_rule, prepare_qkv, recurrent_rule
+from batchrun.layers.gated_delta import causal_conv, chunked_rule, prepare_qkv
 from batchrun.layers.norm import GatedRMSNorm
+from batchrun.layers.ops import TORCH_OPS
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.ops = TORCH_OPS  # use_ops swaps in the Triton kernels of its decode rows
 
     def forward(
         self, x: torch.Tensor, state: LinearLayerState, meta: LinearStepMeta
@@ -127,16 +129,29 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         d, w = meta.decoding, meta.width
         qkv, g, beta = qkv.view(d, w, -1), g.view(d, w, -1), beta.view(d, w, -1)
-        slots = meta.slots[:d]
-        out, window, final = self._run(qkv, g, beta, state.conv[slots], state.recurrent[slots])
-        if meta.verify:  # the slots wait for commit
+        # A verify step's slots wait for commit; a decode step's take every row now.
+        keep = None if meta.verify else torch.full((d,), w, device=qkv.device)
+        out = self._rows(qkv, g, beta, state, meta.slots[:d], keep)
+        if meta.verify:
             state.scratch_qkv[:d, :w] = qkv
             state.scratch_g[:d, :w] = g
             state.scratch_beta[:d, :w] = beta
-        else:
-            state.conv[slots] = self._conv_state(window, window.shape[1] - self._carried)
-            state.recurrent[slots] = final
         return out.reshape(d * w, self.num_v_heads, self.head_v_dim)
+
+    def _rows(
+        self,
+        qkv: torch.Tensor,  # [D, W, conv_dim]
+        g: torch.Tensor,  # [D, W, Hv]
+        beta: torch.Tensor,
+        state: LinearLayerState,
+        slots: torch.Tensor,  # [D]
+        keep: torch.Tensor | None,  # [D]: rows the slots take (None: they are only read)
+    ) -> torch.Tensor:
+        """The core outputs [D, W, Hv, dv] of decode or verify rows, from the ops' kernels."""
+        mixed = self.ops.conv_rows(qkv, state.conv, slots, self.conv1d.weight[:, 0], keep)
+        return self.ops.delta_rows(
+            mixed, g, beta, state.recurrent, slots, keep, self.num_k_heads, self.head_k_dim
+        )
 
     def _prefill(
         self,
@@ -150,42 +165,13 @@ class GatedDeltaNet(nn.Module):
         conv, recurrent = state.conv[slot], state.recurrent[slot]
         if fresh:
             conv, recurrent = torch.zeros_like(conv), torch.zeros_like(recurrent)
-        out, window, final = self._run(qkv[None], g[None], beta[None], conv, recurrent, chunk=True)
-        state.conv[slot] = self._conv_state(window, window.shape[1] - self._carried)
-        state.recurrent[slot] = final
-        return out[0]
-
-    @property
-    def _carried(self) -> int:
-        return self.conv1d.weight.shape[-1] - 1
-
-    def _run(
-        self,
-        qkv: torch.Tensor,  # [B, L, conv_dim]
-        g: torch.Tensor,  # [B, L, Hv]
-        beta: torch.Tensor,
-        conv: torch.Tensor,  # [B, conv_dim, K - 1]
-        recurrent: torch.Tensor,  # [B, Hv, dk, dv]
-        keep: torch.Tensor | None = None,
-        chunk: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(core outputs [B, L, Hv, dv] in qkv's dtype, the conv window, the final state)."""
-        mixed, window = causal_conv(qkv, conv, self.conv1d.weight[:, 0])
+        mixed, window = causal_conv(qkv[None], conv, self.conv1d.weight[:, 0])
         q, k, v = prepare_qkv(mixed, self.num_k_heads, self.head_k_dim, self.num_v_heads)
-        if chunk:
-            out, final = chunked_rule(q, k, v, g, beta, recurrent)
-        else:
-            out, final = recurrent_rule(q, k, v, g, beta, recurrent, keep)
-        return out.to(qkv.dtype), window, final
-
-    def _conv_state(self, window: torch.Tensor, start: torch.Tensor | int) -> torch.Tensor:
-        """The conv state [B, conv_dim, K - 1]: window rows start .. start + K - 2 (start [B]
-        or one for all)."""
-        if isinstance(start, int):
-            return window[:, start : start + self._carried].transpose(1, 2)
-        rows = start[:, None] + torch.arange(self._carried, device=window.device)
-        picked = window.gather(1, rows[..., None].expand(-1, -1, window.shape[-1]))
-        return picked.transpose(1, 2)
+        out, final = chunked_rule(q, k, v, g[None], beta[None], recurrent)
+        carried = self.conv1d.weight.shape[-1] - 1
+        state.conv[slot] = window[:, window.shape[1] - carried :].transpose(1, 2)
+        state.recurrent[slot] = final
+        return out[0].to(qkv.dtype)
 
     def commit(self, state: LinearLayerState, meta: LinearStepMeta, accepted: torch.Tensor) -> None:
         """After a verify step: replay rows 0 .. accepted[r] of each decoding request r
@@ -195,13 +181,9 @@ class GatedDeltaNet(nn.Module):
         if not meta.verify:
             return
         d, w = meta.decoding, meta.width
-        slots = meta.slots[:d]
-        keep = torch.arange(w, device=accepted.device)[None] <= accepted[:, None]
         qkv, g, beta = (
             state.scratch_qkv[:d, :w],
             state.scratch_g[:d, :w],
             state.scratch_beta[:d, :w],
         )
-        _, window, final = self._run(qkv, g, beta, state.conv[slots], state.recurrent[slots], keep)
-        state.conv[slots] = self._conv_state(window, accepted + 1)
-        state.recurrent[slots] = final
+        self._rows(qkv, g, beta, state, meta.slots[:d], accepted + 1)

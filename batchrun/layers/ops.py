@@ -1,4 +1,5 @@
-"""The small element-wise ops of a Qwen3 layer, as one swappable set.
+"""The small element-wise ops of a Qwen3 layer, and a Gated DeltaNet layer's decode rows, as one
+swappable set.
 
 `TorchOps` is the reference (plain torch, any device). A model runner on a GPU swaps in the fused
 Triton set (batchrun.layers.triton_ops) with `use_ops`; both compute the same functions: RMSNorm
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from batchrun.layers import gated_delta
 
 
 class TorchOps:
@@ -62,6 +65,33 @@ class TorchOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    # A Gated DeltaNet's decode and verify rows, each request's state in a slot (the math and
+    # its arguments: layers/gated_delta.py).
+    def conv_rows(
+        self,
+        qkv: torch.Tensor,
+        conv: torch.Tensor,
+        slots: torch.Tensor,
+        weight: torch.Tensor,
+        keep: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return gated_delta.conv_rows(qkv, conv, slots, weight, keep)
+
+    def delta_rows(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        recurrent: torch.Tensor,
+        slots: torch.Tensor,
+        keep: torch.Tensor | None,
+        num_k_heads: int,
+        head_k_dim: int,
+    ) -> torch.Tensor:
+        return gated_delta.delta_rows(
+            mixed, g, beta, recurrent, slots, keep, num_k_heads, head_k_dim
+        )
 
 
 TORCH_OPS = TorchOps()

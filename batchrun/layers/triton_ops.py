@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 import batchrun.kernels.triton_fused as kernels
+import batchrun.kernels.triton_gated_delta as delta_kernels
 from batchrun.layers.ops import TorchOps
 
 
@@ -52,3 +53,28 @@ class TritonOps(TorchOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_and_mul(gate_up)
+
+    def conv_rows(
+        self,
+        qkv: torch.Tensor,
+        conv: torch.Tensor,
+        slots: torch.Tensor,
+        weight: torch.Tensor,
+        keep: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return delta_kernels.conv_rows(qkv, conv, slots, weight, keep)
+
+    def delta_rows(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        recurrent: torch.Tensor,
+        slots: torch.Tensor,
+        keep: torch.Tensor | None,
+        num_k_heads: int,
+        head_k_dim: int,
+    ) -> torch.Tensor:
+        return delta_kernels.delta_rows(
+            mixed, g, beta, recurrent, slots, keep, num_k_heads, head_k_dim
+        )
