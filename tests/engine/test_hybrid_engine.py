@@ -1,7 +1,8 @@
 """Hybrid Gated DeltaNet targets through the engine, on the CPU in float32: greedy tokens equal
 transformers' generate() on every row (chunked prefill, several rows a batch, preemption, n > 1);
 a drafter on a hybrid target changes no output, greedy or seeded, at every verify width, and one
-that drafts well is accepted; memory sizing counts what the state slots allocate."""
+that drafts well is accepted; a shared prefix and an n-sample prompt are computed once, their
+state restored from snapshots; memory sizing counts what the state and snapshot slots allocate."""
 
 from __future__ import annotations
 
