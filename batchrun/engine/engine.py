@@ -29,6 +29,7 @@ from batchrun.engine.config import EngineConfig, check_batch_budget
 from batchrun.engine.core.page_pool import PagePool
 from batchrun.engine.core.requests import Request, sample_requests
 from batchrun.engine.core.scheduler import Recorded, Scheduler
+from batchrun.engine.core.state_snapshots import SnapshotPool
 from batchrun.engine.core.stopping import Stopper
 from batchrun.engine.heap import collect_everything, freeze_heap
 from batchrun.engine.host_memory import keep_freed_memory
@@ -38,7 +39,6 @@ from batchrun.engine.startup import Models, StartupClock, choose_backend, load_m
 from batchrun.engine.worker import Worker
 from batchrun.errors import JobError
 from batchrun.layers.moe import fused_kernel
-from batchrun.models.families import is_hybrid
 from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.grammar import Grammars
 from batchrun.spec_decode.method import DraftBackends
@@ -93,16 +93,14 @@ class Engine:
         self.instruments = self.worker.instruments  # benchmarks and tests switch them on
         clock.lap("build_runner")
         # A MoE target's experts are graphed only fused (the reference reads routing on the host).
-        shape = self.model.shape
-        hybrid = is_hybrid(shape)
-        graphable = backend.graphable and (not shape.num_experts or fused_kernel())
+        graphable = backend.graphable and (not self.model.shape.num_experts or fused_kernel())
         if config.cuda_graphs and graphable and self.device.type == "cuda":
             self.capture_graphs()
             clock.lap("capture_graphs")
         # Every prompt token computed, from no cached prefix and no sibling sample's shared
-        # pages: a cached prefix has no logits (prompt log-probabilities), and no recurrent
-        # state (a hybrid target's linear layers would start past it from nothing).
-        self.whole_prompts = config.prompt_logprobs is not None or hybrid
+        # pages, when the job asks for prompt log-probabilities: a cached prefix has no logits.
+        # (A hybrid target's reuse restarts its linear layers from state snapshots.)
+        self.whole_prompts = config.prompt_logprobs is not None
         self.prefix_caching = config.prefix_caching and not self.whole_prompts
         self.built_batch_size = config.max_batch_size  # graphs and slots exist up to it
         self.stopper = Stopper(models.tokenizer, set(models.eos), self.max_model_len)
@@ -129,7 +127,9 @@ class Engine:
 
     def _start_job(self) -> None:
         config, speculator = self.config, self.speculator
-        self.pool = PagePool(self.num_pages, config.page_size, self.prefix_caching)
+        linear = self.runner.linear  # a hybrid target's: reuse restores its state snapshots
+        snapshots = SnapshotPool(linear.num_snapshots) if linear is not None else None
+        self.pool = PagePool(self.num_pages, config.page_size, self.prefix_caching, snapshots)
         # Prompt tokens a request computes even when a cached prefix or a sibling sample's
         # pages hold them: all of them when whole prompts are computed.
         tail = self.max_model_len if self.whole_prompts else speculator.recompute_tail
@@ -169,7 +169,7 @@ class Engine:
             "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
             # What speculation buys: tokens a decoding request commits per target forward.
             "tokens_per_target_forward": self.scheduler.tokens_per_round,
-            "prefix_caching": self.prefix_caching,  # off for prompt logprobs, hybrid targets
+            "prefix_caching": self.prefix_caching,  # off for prompt logprobs
             "prefix_cache_hit_rate": self.pool.hit_rate,
             "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
             "startup_seconds": self.startup_seconds,

@@ -1,14 +1,17 @@
 """A hybrid target's per-request recurrent state (its Gated DeltaNet layers'), hosted beside
 the paged KV: one state slot per device-state slot (a request's slot is its state's, taken at
 admission and given back at finish), the scratch slot's for padding, and the verify scratch
-commit replays from (models/qwen3_5.py declares both, and their bytes).
+commit replays from (models/qwen3_5.py declares both, and their bytes), and the snapshot
+slots of reused prefixes (core/state_snapshots.py), SNAPSHOTS_PER_REQUEST per request.
 
-Each step's `meta` maps its rows to their slots from the step plan. A prefill chunk that starts
-its request's computation (position 0: hybrid targets compute every prompt token, engine.py)
-starts from zero state, so a slot needs no clearing when a request takes it, a preempted
-request recomputes from scratch, and a later chunk carries the state on. After a verify step's
-acceptance, `commit` writes the states the kept rows leave: a rejected draft leaves no trace.
-A plain decode step (width 1) updates its slots in the forward, and its commit does nothing.
+Each step's `meta` maps its rows to their slots from the step plan. A prefill chunk at its
+request's position 0 starts from zero state, so a slot needs no clearing when a request takes
+it, and a later chunk carries the state on. A chunk that starts past a reused prefix (a cache
+hit, a sibling's prompt) has its slot restored from the prefix's snapshot first (`restore`),
+and a chunk that ends at a stored boundary copies its slot into a snapshot after the forward
+(`store`). After a verify step's acceptance, `commit` writes the states the kept rows leave: a
+rejected draft leaves no trace. A plain decode step (width 1) updates its slots in the
+forward, and its commit does nothing.
 A CUDA graph's step runs its padding requests too, in the scratch slot (graph_meta): they
 write only that slot's state and scratch rows past the live requests', which nothing reads.
 """
@@ -30,13 +33,23 @@ from batchrun.models.qwen3_5 import (
     linear_state_bytes,
 )
 
+# State snapshots kept per request slot: the pool holds max_batch_size of them, so a full
+# batch can each fork or restart from one (more would cost a whole state each).
+SNAPSHOTS_PER_REQUEST = 1
+
+
+def snapshot_slots(num_slots: int) -> int:
+    """The snapshot pool's size for num_slots request slots."""
+    return SNAPSHOTS_PER_REQUEST * num_slots
+
 
 def linear_memory_bytes(shape: Qwen3Shape, dtype: torch.dtype, num_slots: int, width: int) -> int:
     """What LinearSlots allocates for num_slots requests (and the scratch slot) verifying up to
-    `width` rows each; 0 for a target without linear layers. Memory sizing counts it."""
+    `width` rows each, with their snapshot slots; 0 for a target without linear layers. Memory
+    sizing counts it."""
     if not isinstance(shape, Qwen3_5Shape) or not shape.linear_layers:
         return 0
-    slots = (num_slots + 1) * linear_state_bytes(shape, dtype)
+    slots = (num_slots + 1 + snapshot_slots(num_slots)) * linear_state_bytes(shape, dtype)
     return slots + num_slots * width * linear_scratch_bytes(shape, dtype)
 
 
@@ -51,12 +64,15 @@ class LinearSlots:
     ) -> None:
         """pools: the full-attention layers' K/V, in layer order; num_slots: the device
         state's (its scratch slot gets one too); max_width: the widest verify step (the
-        draft's block, else 1)."""
+        draft's block, else 1). Snapshot j lives in state slot num_slots + 1 + j."""
         self.model = model
         dtype = model.lm_head.weight.dtype
         self.max_decoding = num_slots  # a graph's padded batch is at most the slots'
+        self.num_snapshots = snapshot_slots(num_slots)
+        self._first_snapshot = num_slots + 1
+        total = self._first_snapshot + self.num_snapshots
         self.states: dict[int, LinearLayerState] = allocate_linear_states(
-            model.shape, num_slots + 1, num_slots, max_width, dtype, device
+            model.shape, total, num_slots, max_width, dtype, device
         )
         left = iter(pools)
         n = model.shape.num_layers
@@ -91,6 +107,31 @@ class LinearSlots:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's forward over the step (Qwen3ForCausalLM.forward's outputs)."""
         return self.model(ids, positions, backend, self.caches, capture_layers, linear=meta)
+
+    def restore(self, plan: StepPlan) -> None:
+        """Before the step's forward: each (snapshot, slot) of the plan's restores."""
+        if plan.restores:
+            snapshots, slots = zip(*plan.restores, strict=True)
+            self._copy(self._snapshot_slots(snapshots), list(slots))
+
+    def store(self, plan: StepPlan) -> None:
+        """After the step's forward: each (slot, snapshot) of the plan's stores."""
+        if plan.stores:
+            slots, snapshots = zip(*plan.stores, strict=True)
+            self._copy(list(slots), self._snapshot_slots(snapshots))
+
+    def _snapshot_slots(self, snapshots: tuple[int, ...]) -> list[int]:
+        return [self._first_snapshot + j for j in snapshots]
+
+    def _copy(self, src: list[int], dst: list[int]) -> None:
+        """Every linear layer's state slots src -> dst (a gather, then a scatter: one pair of
+        kernels per tensor whatever the count)."""
+        device = next(iter(self.states.values())).conv.device
+        src_t = torch.tensor(src, dtype=torch.int64).to(device, non_blocking=True)
+        dst_t = torch.tensor(dst, dtype=torch.int64).to(device, non_blocking=True)
+        for state in self.states.values():
+            state.conv.index_copy_(0, dst_t, state.conv.index_select(0, src_t))
+            state.recurrent.index_copy_(0, dst_t, state.recurrent.index_select(0, src_t))
 
     def commit(self, meta: LinearStepMeta, accepted: torch.Tensor) -> None:
         """After the step's acceptance (accepted [decoding], on the device)."""

@@ -232,8 +232,13 @@ class ModelRunner:
             mixed_decoding=plan.num_decoding if chunks else 0,
         )
         store = chunks or width == 1
-        linear = self.linear.meta(plan, args) if self.linear is not None else None
+        linear = None
+        if self.linear is not None:  # reused prefixes' states in, stored boundaries' out
+            linear = self.linear.meta(plan, args)
+            self.linear.restore(plan)
         hidden, features = self._forward(inputs, store, capture=not quiet, linear=linear)
+        if self.linear is not None:
+            self.linear.store(plan)
         row_slot, row_step, sampled = inputs.row_slot, inputs.row_step, hidden
         if args.logit_rows is not None:
             rows = args.logit_rows

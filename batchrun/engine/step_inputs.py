@@ -55,6 +55,10 @@ class StepPlan:
     max_kv: int  # an upper bound: the device holds the exact lengths
     chunk_lens: tuple[int, ...] = ()  # each prefill chunk's rows, in step order
     chunk_fresh: tuple[bool, ...] = ()  # each chunk starts at its request's position 0
+    # A hybrid target's state snapshots (core/state_snapshots.py): (snapshot, slot) copied
+    # before the forward, (slot, snapshot) after it.
+    restores: tuple[tuple[int, int], ...] = ()
+    stores: tuple[tuple[int, int], ...] = ()
 
     @property
     def uniform(self) -> bool:
@@ -83,6 +87,8 @@ def plan_step(
     updates: list[np.ndarray] = []
     chunks: list[list[int]] = []
     fresh: list[bool] = []
+    restores: list[tuple[int, int]] = []
+    stores: list[tuple[int, int]] = []
     logit_rows: list[np.ndarray] = []
     row = max_kv = num_dec = 0
     for r, it in enumerate(batch):
@@ -95,6 +101,10 @@ def plan_step(
         else:
             chunks.append(it.chunk_ids)
             fresh.append(it.start == 0)
+            if it.restore >= 0:
+                restores.append((it.restore, it.slot))
+            if it.store >= 0:
+                stores.append((it.slot, it.store))
         logit_rows.append(np.arange(row + it.num_new - k, row + it.num_new))
         row += it.num_new
     update = np.concatenate(updates, axis=1) if updates else np.zeros((3, 0), np.int64)
@@ -121,6 +131,8 @@ def plan_step(
         max_kv=max_kv,
         chunk_lens=tuple(len(c) for c in chunks),
         chunk_fresh=tuple(fresh),
+        restores=tuple(restores),
+        stores=tuple(stores),
     )
 
 

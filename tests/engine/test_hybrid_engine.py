@@ -1,7 +1,8 @@
 """Hybrid Gated DeltaNet targets through the engine, on the CPU in float32: greedy tokens equal
 transformers' generate() on every row (chunked prefill, several rows a batch, preemption, n > 1);
 a drafter on a hybrid target changes no output, greedy or seeded, at every verify width, and one
-that drafts well is accepted; memory sizing counts what the state slots allocate."""
+that drafts well is accepted; a shared prefix and an n-sample prompt are computed once, their
+state restored from snapshots; memory sizing counts what the state and snapshot slots allocate."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from torch import nn
 from batchrun.cli import cli
 from batchrun.engine import memory
 from batchrun.engine.core.requests import Request
-from batchrun.engine.linear_slots import linear_memory_bytes
+from batchrun.engine.core.state_snapshots import STRIDE_PAGES
+from batchrun.engine.linear_slots import linear_memory_bytes, snapshot_slots
 from batchrun.engine.memory import job_kv_pages, page_bytes
 from batchrun.models.families import paged_layers
 from batchrun.models.qwen3_5 import Qwen3_5Shape, linear_scratch_bytes, linear_state_bytes
@@ -64,12 +66,19 @@ def hybrid(
 
 
 @pytest.fixture(scope="module")
-def text_hybrid(tmp_path_factory: pytest.TempPathFactory, hybrid_tokenizer: Path) -> Path:
-    """The Qwen3.5 text checkpoint the drafter tests run on."""
+def text_pair(
+    tmp_path_factory: pytest.TempPathFactory, hybrid_tokenizer: Path
+) -> tuple[Path, nn.Module]:
+    """The Qwen3.5 text checkpoint the drafter and reuse tests run on, and transformers' model."""
     out = tmp_path_factory.mktemp("qwen3_5_text")
-    make_hybrid(out, "qwen3_5_text")
+    reference = make_hybrid(out, "qwen3_5_text")
     with_tokenizer(out, hybrid_tokenizer)
-    return out
+    return out, reference
+
+
+@pytest.fixture(scope="module")
+def text_hybrid(text_pair: tuple[Path, nn.Module]) -> Path:
+    return text_pair[0]
 
 
 def prompts() -> list[list[int]]:
@@ -88,13 +97,24 @@ def tokens(requests: list[Request]) -> list[list[int]]:
     return [r.output.token_ids for r in requests]
 
 
+def generated(reference: nn.Module, prompt: list[int], eos: set[int]) -> list[int]:
+    """transformers' greedy tokens for `prompt`, cut after the first end-of-sequence."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS
+        )[0, len(prompt) :].tolist()
+    cut = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
+    return out[:cut]
+
+
 @torch.no_grad()
 def test_greedy_tokens_equal_generate(hybrid: tuple[Path, nn.Module]) -> None:
     path, reference = hybrid
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, n=2)
     finished, engine = run(path, None, [greedy])
     assert engine.num_preemptions > 0, "the pool was meant to run dry"
-    assert engine.info()["prefix_caching"] is False  # a cached prefix would skip the state
+    assert engine.info()["prefix_caching"] is True  # prefixes restore their state snapshots
     by_row = {r.row_index: [] for r in finished}
     for r in finished:
         by_row[r.row_index].append(r.output.token_ids)
@@ -158,6 +178,14 @@ def test_memory_sizing_counts_what_the_state_slots_allocate(
         for t in (s.conv, s.recurrent, s.scratch_qkv, s.scratch_g, s.scratch_beta)
     )
     assert allocated == linear_memory_bytes(shape, dtype, 3, 1)
+    # The snapshot pool: the slots past the requests' and the scratch slot's, as many as the
+    # page pool hands out, each one state.
+    linear = runner.linear
+    assert linear.num_snapshots == snapshot_slots(3) == engine.pool.snapshots.num_slots > 0
+    first = 3 + 1
+    pooled = sum(t[first:].nbytes for s in states for t in (s.conv, s.recurrent))
+    assert pooled == snapshot_slots(3) * linear_state_bytes(shape, dtype)
+    assert first + linear.num_snapshots == next(iter(states)).conv.shape[0]
     # The K/V pool holds the full-attention layers only, and the pages are what is left.
     assert len(runner.kv_caches) == paged_layers(shape) < shape.num_layers
     # A budget that binds: the pages are what the state slots leave of it.
@@ -167,7 +195,10 @@ def test_memory_sizing_counts_what_the_state_slots_allocate(
     assert job_kv_pages(engine.config, shape, None, dtype, torch.device("cpu")) == 10
     # Rollback at W = 16: per request, the scratch holds W rows of per-token inputs and no copy
     # of the state (at most 1.25x one state plus O(W) rows).
-    scratch = linear_memory_bytes(shape, dtype, 1, 16) - 2 * linear_state_bytes(shape, dtype)
+    states_of_one = 2 + snapshot_slots(1)  # its slot, the scratch slot, its snapshots
+    scratch = linear_memory_bytes(shape, dtype, 1, 16) - states_of_one * linear_state_bytes(
+        shape, dtype
+    )
     assert scratch == 16 * linear_scratch_bytes(shape, dtype)
     assert scratch <= 1.25 * linear_state_bytes(shape, dtype) + 16 * linear_scratch_bytes(
         shape, dtype
@@ -196,5 +227,63 @@ def test_validate_and_a_whole_job_on_a_hybrid_checkpoint(text_hybrid: Path, tmp_
         assert sorted(table.column("row_index").to_pylist()) == list(range(6))
         completions[name] = table.sort_by("row_index").column("completion").to_pylist()
         stats = json.loads((out / "stats.json").read_text())
-        assert stats["prefix_caching"] is False
+        assert stats["prefix_caching"] is True
     assert completions["dflash"] == completions["plain"]
+
+
+SHARED = 70  # a prefix many pages long: past the first stored boundary
+STRIDE = STRIDE_PAGES * 4  # that boundary (cpu_engine's pages hold 4 tokens)
+
+
+def shared_prefix_prompts(rows: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, VOCAB, (SHARED,), generator=gen).tolist()
+    return [
+        prefix + torch.randint(0, VOCAB, (3 + 2 * i,), generator=gen).tolist() for i in range(rows)
+    ]
+
+
+@pytest.mark.parametrize("num_pages", [200, 40])
+def test_a_shared_prefix_is_computed_once_and_restored(
+    text_pair: tuple[Path, nn.Module], num_pages: int
+) -> None:
+    """Rows sharing a prefix: the first computes it and stores its state at the boundary, the
+    rest start there (the hit rate counts them) and still generate what transformers does; with
+    few pages, through preemptions too."""
+    path, reference = text_pair
+    assert SHARED > STRIDE
+    rows = shared_prefix_prompts(5)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    engine = cpu_engine(path, None, **(SMALL | {"num_pages": num_pages}))
+    finished = run_to_end(engine, requests_of([(p, greedy) for p in rows]))
+    info = engine.info()
+    assert info["prefix_caching"] is True
+    assert info["prefix_cache_hit_rate"] > 0
+    if num_pages == 200:  # every later row starts at the boundary
+        assert engine.num_preemptions == 0
+        assert info["prompt_tokens_computed"] == sum(map(len, rows)) - STRIDE * (len(rows) - 1)
+    else:
+        assert engine.num_preemptions > 0, "the pool was meant to run dry"
+    eos = engine.stopper.eos_ids
+    by_row = {r.row_index: r.output.token_ids for r in finished}
+    for row, prompt in enumerate(rows):
+        assert by_row[row] == generated(reference, prompt, eos), row
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_n_samples_fork_from_the_prompts_state(
+    text_pair: tuple[Path, nn.Module], prefix_caching: bool
+) -> None:
+    """n = 3 samples of a prompt: it is computed once (the siblings restore its state at its
+    last page and compute the rest), and each sample is what transformers generates."""
+    path, reference = text_pair
+    prompt = prompts()[3]  # 30 tokens: the fork at 28
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, n=3)
+    engine = cpu_engine(
+        path, None, **(SMALL | {"num_pages": 200, "prefix_caching": prefix_caching})
+    )
+    finished = run_to_end(engine, requests_of([(prompt, greedy)]))
+    fork = (len(prompt) - 1) // 4 * 4
+    assert engine.info()["prompt_tokens_computed"] == len(prompt) + 2 * (len(prompt) - fork)
+    want = generated(reference, prompt, engine.stopper.eos_ids)
+    assert [r.output.token_ids for r in finished] == [want] * 3

@@ -11,6 +11,11 @@ order on one stream, so a page registered at launch is written before any later 
 
 The samples of one row share their prompt's full pages the same way, by reference count, but
 explicitly (`share`), so also with caching off.
+
+A hybrid target's pool also keeps its recurrent-state snapshots (`snapshots`,
+core/state_snapshots.py), each under the page it ends at: a match is cut back to the last page
+that has one (the linear layers restart there), and a page's snapshot goes when the page is
+freed or evicted.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import hashlib
 from collections import OrderedDict, deque
 
 import numpy as np
+
+from batchrun.engine.core.state_snapshots import SnapshotPool
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -37,9 +44,17 @@ def page_digests(tokens: list[int], num_pages: int, page_size: int) -> list[byte
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        prefix_caching: bool = False,
+        snapshots: SnapshotPool | None = None,
+    ) -> None:
+        """snapshots: a hybrid target's recurrent-state snapshots (None: reuse needs none)."""
         self.num_pages, self.page_size = num_pages, page_size
         self.prefix_caching = prefix_caching
+        self.snapshots = snapshots
         self._free: deque[int] = deque(range(num_pages))  # unregistered, held by nobody
         self._refs = [0] * num_pages
         self._digest_of: dict[int, bytes] = {}  # registered page -> its digest
@@ -109,7 +124,18 @@ class PagePool:
                 del self._idle[page]
             self._refs[page] += 1
             pages.append(page)
+        keep = self.restorable(pages)
+        while len(pages) > keep:  # past the last restart point: they stay cached
+            self._drop(pages.pop())
         return pages
+
+    def restorable(self, pages: list[int]) -> int:
+        """How many leading `pages` a request can start past: all of them, or for a hybrid
+        target up to the last that has a state snapshot."""
+        if self.snapshots is None:
+            return len(pages)
+        has = self.snapshots.has
+        return next((k for k in range(len(pages), 0, -1) if has(pages[k - 1])), 0)
 
     def register(self, pages: list[int], tokens: list[int], start: int, end: int) -> None:
         """A launched step writes the K/V of tokens[start:end] into `pages`: register the full
@@ -131,6 +157,7 @@ class PagePool:
         else:  # evict the least recently used cached page
             page, _ = self._idle.popitem(last=False)
             del self._page_of[self._digest_of.pop(page)]
+            self._forget_state(page)
         self._refs[page] = 1
         return page
 
@@ -140,4 +167,9 @@ class PagePool:
             if page in self._digest_of:
                 self._idle[page] = None
             else:
+                self._forget_state(page)
                 self._free.append(page)
+
+    def _forget_state(self, page: int) -> None:
+        if self.snapshots is not None:
+            self.snapshots.drop(page)

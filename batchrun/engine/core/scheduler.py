@@ -19,6 +19,10 @@ rest, at least the prompt's last token. A page is freed when its last holder let
 preempting or finishing one sample never frees what another still reads; a preempted sample
 shares again from a running sibling when it comes back, or prefills alone if none runs.
 
+On a hybrid target (the pool keeps state snapshots, core/state_snapshots.py) a request starts
+past shared or cached pages only where a snapshot ends (its first chunk restores it), and a
+prefill chunk ends at the next boundary its state is stored at.
+
 `schedule` marks the step launched as it returns it (its items are snapshots of what the step's
 plan needs: core/step.py). The engine launches a step before it reads the previous one's
 tokens, so a decoding request's pages cover its in-flight rows too, and each running request
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING
 from batchrun.engine.config import check_batch_budget
 from batchrun.engine.core.page_pool import PagePool, pages_for
 from batchrun.engine.core.requests import Request, RequestOutput, Status
+from batchrun.engine.core.state_snapshots import next_boundary
 from batchrun.engine.core.step import Scheduled, ScheduledStep, StepOutput
 from batchrun.engine.core.stopping import Stopper
 from batchrun.sampling.logprobs import asked_logprobs
@@ -155,7 +160,7 @@ class Scheduler:
                 continue
             n = self._chunk(req, budget, self._step_pages * len(batch))
             if n <= 0 and not batch:  # nothing else can run: the oldest request goes on
-                n = min(prefill_len(req) - req.state.num_cached, budget)
+                n = self._chunk_len(req, budget)
                 n = n if self._grow_or_preempt(req, n) else 0
             if n > 0:
                 batch.append(self._plan(req, n, decoding=False))
@@ -188,12 +193,45 @@ class Scheduler:
             batch.append(self._plan(req, n, decoding=False))
             budget -= n
         self.waiting.extendleft(reversed(held))
-        items = [Scheduled.of(req, n, decoding=decoding) for req, n, decoding in batch]
+        items = self._items(batch, admitted)
         for it in items:
             self._launch(it)
         given = set(admitted)
         new = [it for it in items if it.req in given]
         return ScheduledStep(items=items, admitted=new, width=width)
+
+    def _items(self, batch: list[_Planned], admitted: list[Request]) -> list[Scheduled]:
+        """The step's snapshots; on a hybrid target with the state snapshots its chunks restore
+        (taken first: a store may evict the least recently used) and store."""
+        snapshots = self.pool.snapshots
+        if snapshots is None:
+            return [Scheduled.of(req, n, decoding=decoding) for req, n, decoding in batch]
+        page_size, restore = self.pool.page_size, {}
+        for req in admitted:
+            if req.state.num_cached:  # past shared or cached pages: from the last one's state
+                slot = snapshots.get(req.state.pages[req.state.num_cached // page_size - 1])
+                assert slot is not None, "reuse stops at a page with a snapshot"
+                restore[req] = slot
+        items = []
+        for req, n, decoding in batch:
+            store, end = -1, req.state.num_cached + n
+            if not decoding and end == self._boundary(req):
+                page = req.state.pages[end // page_size - 1]
+                store = -1 if snapshots.has(page) else snapshots.store(page)
+            it = Scheduled.of(req, n, decoding=decoding, restore=restore.get(req, -1), store=store)
+            items.append(it)
+        return items
+
+    def _boundary(self, req: Request) -> int | None:
+        """A hybrid target's next state boundary past the request's cached tokens."""
+        state, pool = req.state, self.pool
+        return next_boundary(
+            state.num_cached,
+            len(req.prompt_ids),
+            self.recompute_tail,
+            pool.page_size,
+            strided=pool.prefix_caching,
+        )
 
     def _launch(self, it: Scheduled) -> None:
         """The step goes on its way as scheduled: its page-table entries will be on the device,
@@ -300,7 +338,8 @@ class Scheduler:
         source = max(running, key=lambda s: s.state.num_cached)
         if source.state.num_cached < full * self.pool.page_size:
             return None
-        return source.state.pages[:full]
+        pages = source.state.pages[:full]
+        return pages[: self.pool.restorable(pages)]  # a hybrid's: up to its prompt's snapshot
 
     def _reuse_prefix(self, req: Request, shared: list[int]) -> int:
         """Start a request being admitted from the pages its sibling shares, else from the
@@ -326,12 +365,19 @@ class Scheduler:
         chunk completes the prefill, room for the request's first decode step; else 0."""
         state = req.state
         remaining = prefill_len(req) - state.num_cached
-        n = min(remaining, budget)
+        n = self._chunk_len(req, budget)
         end = state.num_cached + n + (self.decode_width if n == remaining else 0)
         if self.pool.extra_pages(state.pages, end) > self.pool.num_free - reserve:
             return 0
         self.pool.grow(state.pages, state.num_cached + n)
         return n
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        """As much of the request's prefill as the budget allows, ending at the next state
+        boundary if it would pass one (a hybrid target's)."""
+        n = min(prefill_len(req) - req.state.num_cached, budget)
+        boundary = self._boundary(req) if self.pool.snapshots is not None else None
+        return n if boundary is None else min(n, boundary - req.state.num_cached)
 
     def _grow_or_preempt(self, req: Request, num_new: int) -> bool:
         while not self.pool.grow(req.state.pages, req.state.num_cached + num_new):

@@ -32,9 +32,15 @@ class Scheduled:
     first_new_page: int  # the page-table column of new_pages[0]
     new_pages: list[int]  # the pages the device's table lacks
     epoch: int  # the request's epoch at launch: a later one drops the result
+    # A hybrid target's chunk: the state snapshot its linear layers start from (a reused
+    # prefix), and the one its end is stored in (core/state_snapshots.py); -1: none.
+    restore: int = -1
+    store: int = -1
 
     @classmethod
-    def of(cls, req: Request, num_new: int, *, decoding: bool) -> Scheduled:
+    def of(
+        cls, req: Request, num_new: int, *, decoding: bool, restore: int = -1, store: int = -1
+    ) -> Scheduled:
         """The snapshot of `req`'s part of a step, from its state before the step launches."""
         state, output = req.state, req.output
         start = state.num_cached + (state.in_flight if decoding else 0)
@@ -50,6 +56,8 @@ class Scheduled:
             first_new_page=state.pages_on_device,
             new_pages=state.pages[state.pages_on_device :],
             epoch=state.epoch,
+            restore=restore,
+            store=store,
         )
 
 

@@ -205,7 +205,7 @@ class StatsAccumulator:
             "steps": info.get("steps"),  # this run's steps by kind: prefill, mixed, decode
             "step_seconds": info.get("step_seconds"),  # and the seconds they took
             "startup_seconds": info.get("startup_seconds"),  # the engine's, by stage
-            # Whether prefix caching ran: off when asked, with prompt logprobs, hybrid targets.
+            # Whether prefix caching ran: off when asked, and with prompt logprobs.
             "prefix_caching": info.get("prefix_caching"),
             "prefix_cache_hit_rate": info.get("prefix_cache_hit_rate"),
             # Prompt tokens the target computed: cached prefixes and shared samples' are not.
