@@ -20,7 +20,7 @@ from batchrun.sampling.params import SamplingParams
 from batchrun.spec_decode.base import Speculator, StepShape, TargetView
 from batchrun.spec_decode.method import DraftBackends
 from batchrun.spec_decode.registry import METHODS
-from tests.engine.test_hybrid_engine import SMALL, prompts, text_hybrid, tokens
+from tests.engine.test_hybrid_engine import SMALL, prompts, text_hybrid, text_pair, tokens
 from tests.engine.test_hybrid_engine import hybrid_tokenizer as hybrid_tokenizer
 from tests.helpers.engine_runs import cpu_engine, requests_of, run_to_end
 from tests.helpers.hybrid_models import VOCAB
@@ -32,7 +32,7 @@ from tests.spec_decode.test_method_registry import (
     write_draft,
 )
 
-__all__ = ["hybrid_tokenizer", "text_hybrid"]  # fixtures, registered here
+__all__ = ["hybrid_tokenizer", "text_hybrid", "text_pair"]  # fixtures, registered here
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PARAMS = [
