@@ -10,17 +10,16 @@ missing block, if it differs from what the declarations give now.
 
 from __future__ import annotations
 
-import argparse
-import re
 import sys
 from pathlib import Path
 
+from batchrun.config import doc_blocks
+from batchrun.config.doc_blocks import update_blocks
 from batchrun.config.published_models import PUBLISHED, PublishedPair
 from batchrun.models.families import FAMILIES
 from batchrun.spec_decode.registry import METHODS
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"
-_BLOCK = re.compile(r"(<!-- models: (\S+) [^\n]*-->\n)(.*?)(<!-- /models: \2 -->)", re.DOTALL)
 
 
 def runs(pair: PublishedPair) -> str:
@@ -44,42 +43,12 @@ def published_table() -> list[str]:
 
 
 def update(page: Path = PAGE, check: bool = False) -> list[str]:
-    """Rewrite (with check, only compare) the page's block. Returns a line per problem: a stale
-    block, a block of no table, no block."""
-    text = page.read_text()
-    wanted = {"published": "\n".join(published_table()) + "\n"}
-    problems: list[str] = []
-    parts, end = [], 0
-    for match in _BLOCK.finditer(text):
-        name, body = match.group(2), match.group(3)
-        parts.append(text[end : match.start(3)])
-        end = match.end(3)
-        new = wanted.pop(name, None)
-        if new is None:
-            problems.append(f"{page.name}: block {name} is no models table")
-            parts.append(body)
-            continue
-        if body != new:
-            problems.append(f"{page.name}: models table {name} is stale")
-        parts.append(new)
-    problems += [f"{page.name}: no block for models table {name}" for name in wanted]
-    rewritten = "".join(parts) + text[end:]
-    if not check and rewritten != text:
-        page.write_text(rewritten)
-    return problems
+    """Rewrite (with check, only compare) the page's blocks: doc_blocks.update_blocks."""
+    return update_blocks(page, "models", {"published": published_table()}, check)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m batchrun.config.model_tables", description=__doc__
-    )
-    parser.add_argument("--check", action="store_true", help="exit 1 if the table is stale")
-    args = parser.parse_args(argv)
-    problems = update(check=args.check)
-    for line in problems:
-        print(line)
-    missing = any("no block" in line or "no models table" in line for line in problems)
-    return 1 if missing or (args.check and problems) else 0
+    return doc_blocks.main("python -m batchrun.config.model_tables", __doc__, update, argv)
 
 
 if __name__ == "__main__":

@@ -8,17 +8,16 @@ stale or missing block, if any differs from what the declarations give now.
 
 from __future__ import annotations
 
-import argparse
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from batchrun.config import doc_blocks
+from batchrun.config.doc_blocks import update_blocks
 from batchrun.config.options import JobOption, job_options
 from batchrun.sampling.option_rules import requirement
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "jobs.md"
-_BLOCK = re.compile(r"(<!-- options: (\S+) [^\n]*-->\n)(.*?)(<!-- /options: \2 -->)", re.DOTALL)
 
 
 def _cell(text: str) -> str:
@@ -57,42 +56,12 @@ TABLES: dict[str, Callable[[], list[str]]] = {
 
 
 def update(page: Path = PAGE, check: bool = False) -> list[str]:
-    """Rewrite (with check, only compare) the page's blocks. Returns a line per stale block, per
-    block of no table, and per table without a block."""
-    text = page.read_text()
-    wanted = {name: "\n".join(make()) + "\n" for name, make in TABLES.items()}
-    problems: list[str] = []
-    parts, end = [], 0
-    for match in _BLOCK.finditer(text):
-        name, body = match.group(2), match.group(3)
-        parts.append(text[end : match.start(3)])
-        end = match.end(3)
-        new = wanted.pop(name, None)
-        if new is None:
-            problems.append(f"{page.name}: block {name} is no option table")
-            parts.append(body)
-            continue
-        if body != new:
-            problems.append(f"{page.name}: option table {name} is stale")
-        parts.append(new)
-    problems += [f"{page.name}: no block for option table {name}" for name in wanted]
-    rewritten = "".join(parts) + text[end:]
-    if not check and rewritten != text:
-        page.write_text(rewritten)
-    return problems
+    """Rewrite (with check, only compare) the page's blocks: doc_blocks.update_blocks."""
+    return update_blocks(page, "options", {name: make() for name, make in TABLES.items()}, check)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m batchrun.config.option_tables", description=__doc__
-    )
-    parser.add_argument("--check", action="store_true", help="exit 1 if any block is stale")
-    args = parser.parse_args(argv)
-    problems = update(check=args.check)
-    for line in problems:
-        print(line)
-    missing = any("no block" in line or "no option table" in line for line in problems)
-    return 1 if missing or (args.check and problems) else 0
+    return doc_blocks.main("python -m batchrun.config.option_tables", __doc__, update, argv)
 
 
 if __name__ == "__main__":
