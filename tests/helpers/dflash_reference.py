@@ -108,7 +108,8 @@ def _cached_target(path: str, mtime_ns: int) -> PreTrainedModel:
 
 
 def load_target(target_dir: Path | str) -> PreTrainedModel:
-    """The HF target (its model_type's class) in float32, loaded once per checkpoint (the key includes its mtime)."""
+    """The HF target (its model_type's class) in float32, loaded once per checkpoint (the key
+    includes its mtime)."""
     weights = sorted(Path(target_dir).glob("*.safetensors"))
     return _cached_target(str(target_dir), max(w.stat().st_mtime_ns for w in weights))
 
