@@ -1,4 +1,5 @@
-"""Shared fixtures: one locally trained tokenizer per session and tiny random Qwen3 checkpoints."""
+"""Shared fixtures: one locally trained tokenizer per session, tiny random Qwen3 checkpoints and
+the tests' bigram speculation method."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ if not torch.cuda.is_available():
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
 
+from batchrun.spec_decode.registry import METHODS  # noqa: E402
 from batchrun.tools.bpe import build_tokenizer  # noqa: E402
 from batchrun.tools.tiny import make_tiny_model  # noqa: E402
+from tests.helpers.bigram_method import Bigram  # noqa: E402
 from tests.helpers.dflash_reference import one_thread as single_thread  # noqa: E402
 from tests.helpers.dflash_train import TARGET_SHAPE  # noqa: E402
 
@@ -92,3 +95,11 @@ def make_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
 @pytest.fixture(scope="session")
 def tiny_model(make_model: MakeModel) -> Path:
     return make_model()
+
+
+@pytest.fixture
+def bigram(monkeypatch: pytest.MonkeyPatch) -> Bigram:
+    """The bigram method (tests/helpers/bigram_method.py), registered for this test only."""
+    method = Bigram()
+    monkeypatch.setitem(METHODS, method.name, method)
+    return method

@@ -152,3 +152,32 @@ def delta_rows(
     if keep is not None:
         recurrent[slots] = final
     return out.to(mixed.dtype)
+
+
+def prefill_chunks(
+    qkv: torch.Tensor,  # [N, C] the chunks' packed pre-conv rows
+    g: torch.Tensor,  # [N, Hv] float32
+    beta: torch.Tensor,  # [N, Hv] float32
+    conv: torch.Tensor,  # [num_slots, C, K - 1]
+    recurrent: torch.Tensor,  # [num_slots, Hv, dk, dv] float32
+    slots: torch.Tensor,  # [P] int64: each chunk's slot
+    lens: tuple[int, ...],  # host: each chunk's rows, in order
+    weight: torch.Tensor,  # [C, K]
+    num_k_heads: int,
+    head_k_dim: int,
+) -> torch.Tensor:
+    """Each prefill chunk from its slot's states, chunked_rule one chunk at a time (chunks differ
+    in length): outputs [N, Hv, dv] in qkv's dtype; each slot then holds the state after its
+    chunk."""
+    out = qkv.new_empty((qkv.shape[0], *recurrent.shape[1:2], recurrent.shape[-1]))
+    carried, start = weight.shape[1] - 1, 0
+    for p, length in enumerate(lens):
+        rows, slot = slice(start, start + length), slots[p : p + 1]
+        mixed, window = causal_conv(qkv[None, rows], conv[slot], weight)
+        q, k, v = prepare_qkv(mixed, num_k_heads, head_k_dim, g.shape[-1])
+        o, final = chunked_rule(q, k, v, g[None, rows], beta[None, rows], recurrent[slot])
+        conv[slot] = window[:, window.shape[1] - carried :].transpose(1, 2)
+        recurrent[slot] = final
+        out[rows] = o[0].to(qkv.dtype)
+        start += length
+    return out

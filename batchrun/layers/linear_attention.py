@@ -13,12 +13,12 @@ no copy of the state.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.layers.gated_delta import causal_conv, chunked_rule, prepare_qkv
 from batchrun.layers.norm import GatedRMSNorm
 from batchrun.layers.ops import TORCH_OPS
 
@@ -38,6 +38,21 @@ class LinearStepMeta:
     @property
     def verify(self) -> bool:
         return self.width > 1 and self.decoding > 0
+
+    # Built once a step on the device, for every linear layer (cached on the frozen instance).
+    @cached_property
+    def prefill_cu(self) -> torch.Tensor:
+        """[P + 1] int32: the prefill chunks' row offsets within the prefill rows."""
+        offsets = [0]
+        for length in self.prefill_lens:
+            offsets.append(offsets[-1] + length)
+        return torch.tensor(offsets, dtype=torch.int32).to(self.slots.device, non_blocking=True)
+
+    @cached_property
+    def fresh_slots(self) -> torch.Tensor:
+        """The slots of the chunks that start their request (their state starts at zero)."""
+        fresh = [self.decoding + i for i, f in enumerate(self.prefill_fresh) if f]
+        return self.slots[torch.tensor(fresh, dtype=torch.int64).to(self.slots.device)]
 
 
 @dataclass
@@ -93,7 +108,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
-        self.ops = TORCH_OPS  # use_ops swaps in the Triton kernels of its decode rows
+        self.ops = TORCH_OPS  # use_ops swaps in the Triton kernels of its rows and chunks
 
     def forward(
         self, x: torch.Tensor, state: LinearLayerState, meta: LinearStepMeta
@@ -106,16 +121,10 @@ class GatedDeltaNet(nn.Module):
         rows = meta.decoding * meta.width
         if meta.decoding:
             core[:rows] = self._decode(qkv[:rows], g[:rows], beta[:rows], state, meta)
-        start = rows
-        for i, (length, fresh) in enumerate(
-            zip(meta.prefill_lens, meta.prefill_fresh, strict=True)
-        ):
-            end = start + length
-            slot = meta.slots[meta.decoding + i : meta.decoding + i + 1]
-            core[start:end] = self._prefill(
-                qkv[start:end], g[start:end], beta[start:end], state, slot, fresh
+        if meta.prefill_lens:
+            core[rows : rows + sum(meta.prefill_lens)] = self._prefill(
+                qkv[rows:], g[rows:], beta[rows:], state, meta
             )
-            start = end
         out = self.norm(core, z.reshape(core.shape))
         return self.out_proj(out.reshape(x.shape[0], self.value_dim))
 
@@ -155,23 +164,30 @@ class GatedDeltaNet(nn.Module):
 
     def _prefill(
         self,
-        qkv: torch.Tensor,
+        qkv: torch.Tensor,  # the prefill rows (and any padding after them)
         g: torch.Tensor,
         beta: torch.Tensor,
         state: LinearLayerState,
-        slot: torch.Tensor,  # [1]
-        fresh: bool,
+        meta: LinearStepMeta,
     ) -> torch.Tensor:
-        conv, recurrent = state.conv[slot], state.recurrent[slot]
-        if fresh:
-            conv, recurrent = torch.zeros_like(conv), torch.zeros_like(recurrent)
-        mixed, window = causal_conv(qkv[None], conv, self.conv1d.weight[:, 0])
-        q, k, v = prepare_qkv(mixed, self.num_k_heads, self.head_k_dim, self.num_v_heads)
-        out, final = chunked_rule(q, k, v, g[None], beta[None], recurrent)
-        carried = self.conv1d.weight.shape[-1] - 1
-        state.conv[slot] = window[:, window.shape[1] - carried :].transpose(1, 2)
-        state.recurrent[slot] = final
-        return out[0].to(qkv.dtype)
+        """Every prefill chunk of the step from its slot's state, the slots updated in place."""
+        if any(meta.prefill_fresh):
+            state.conv[meta.fresh_slots] = 0
+            state.recurrent[meta.fresh_slots] = 0
+        n = sum(meta.prefill_lens)
+        return self.ops.prefill_chunks(
+            qkv[:n],
+            g[:n],
+            beta[:n],
+            state.conv,
+            state.recurrent,
+            meta.slots[meta.decoding :],
+            meta.prefill_lens,
+            meta.prefill_cu,
+            self.conv1d.weight[:, 0],
+            self.num_k_heads,
+            self.head_k_dim,
+        )
 
     def commit(self, state: LinearLayerState, meta: LinearStepMeta, accepted: torch.Tensor) -> None:
         """After a verify step: replay rows 0 .. accepted[r] of each decoding request r

@@ -1,5 +1,5 @@
-"""The small element-wise ops of a Qwen3 layer, and a Gated DeltaNet layer's decode rows, as one
-swappable set.
+"""The small element-wise ops of a Qwen3 layer, and a Gated DeltaNet layer's decode rows and
+prefill chunks, as one swappable set.
 
 `TorchOps` is the reference (plain torch, any device). A model runner on a GPU swaps in the fused
 Triton set (batchrun.layers.triton_ops) with `use_ops`; both compute the same functions: RMSNorm
@@ -91,6 +91,24 @@ class TorchOps:
     ) -> torch.Tensor:
         return gated_delta.delta_rows(
             mixed, g, beta, recurrent, slots, keep, num_k_heads, head_k_dim
+        )
+
+    def prefill_chunks(
+        self,
+        qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv: torch.Tensor,
+        recurrent: torch.Tensor,
+        slots: torch.Tensor,
+        lens: tuple[int, ...],
+        cu: torch.Tensor,  # [P + 1] int32 on the device: lens' offsets (the kernels' view)
+        weight: torch.Tensor,
+        num_k_heads: int,
+        head_k_dim: int,
+    ) -> torch.Tensor:
+        return gated_delta.prefill_chunks(
+            qkv, g, beta, conv, recurrent, slots, lens, weight, num_k_heads, head_k_dim
         )
 
 

@@ -8,6 +8,7 @@ import torch
 
 import batchrun.kernels.triton_fused as kernels
 import batchrun.kernels.triton_gated_delta as delta_kernels
+import batchrun.kernels.triton_gated_delta_chunks as chunk_kernels
 from batchrun.layers.ops import TorchOps
 
 
@@ -77,4 +78,24 @@ class TritonOps(TorchOps):
     ) -> torch.Tensor:
         return delta_kernels.delta_rows(
             mixed, g, beta, recurrent, slots, keep, num_k_heads, head_k_dim
+        )
+
+    def prefill_chunks(
+        self,
+        qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv: torch.Tensor,
+        recurrent: torch.Tensor,
+        slots: torch.Tensor,
+        lens: tuple[int, ...],
+        cu: torch.Tensor,
+        weight: torch.Tensor,
+        num_k_heads: int,
+        head_k_dim: int,
+    ) -> torch.Tensor:
+        """Every chunk of the step in one launch per kernel, by the offsets cu."""
+        mixed = chunk_kernels.conv_chunks(qkv, conv, slots, cu, weight)
+        return chunk_kernels.delta_chunks(
+            mixed, g, beta, recurrent, slots, cu, num_k_heads, head_k_dim
         )

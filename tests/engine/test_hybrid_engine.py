@@ -20,39 +20,19 @@ from torch import nn
 
 from batchrun.cli import cli
 from batchrun.engine import memory
-from batchrun.engine.core.requests import Request
 from batchrun.engine.core.state_snapshots import STRIDE_PAGES
 from batchrun.engine.linear_slots import linear_memory_bytes, snapshot_slots
 from batchrun.engine.memory import job_kv_pages, page_bytes
 from batchrun.models.families import paged_layers
 from batchrun.models.qwen3_5 import Qwen3_5Shape, linear_scratch_bytes, linear_state_bytes
 from batchrun.sampling.params import SamplingParams
-from batchrun.tools.bpe import build_tokenizer
 from batchrun.tools.tiny_draft import make_tiny_draft
+from tests.helpers.bigram_method import Bigram, learnt_table, write_draft
 from tests.helpers.engine_runs import cpu_engine, requests_of, run_to_end
-from tests.helpers.hybrid_models import KINDS, VOCAB, make_hybrid
-from tests.spec_decode.test_method_registry import Bigram, bigram, learnt_table, write_draft
+from tests.helpers.hybrid_models import KINDS, VOCAB, make_hybrid, with_tokenizer
+from tests.helpers.hybrid_runs import MAX_TOKENS, SMALL, prompts, tokens
 
-__all__ = ["bigram"]  # the fixture, registered for the tests that take it
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-PROMPT_LENGTHS = (1, 5, 13, 30, 47, 9)  # most longer than a prefill chunk (16 rows)
-MAX_TOKENS = 12
-# Few pages: four running requests outgrow them, so some are preempted and recomputed.
-SMALL = {"max_batched_tokens": 16, "max_batch_size": 4, "num_pages": 24, "cuda_graphs": False}
-
-
-@pytest.fixture(scope="module")
-def hybrid_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A BPE tokenizer over the tiny hybrids' vocabulary (VOCAB ids)."""
-    out = tmp_path_factory.mktemp("hybrid-tokenizer")
-    build_tokenizer(out, vocab_size=VOCAB, max_bytes=200_000)
-    return out
-
-
-def with_tokenizer(out: Path, tokenizer: Path) -> None:
-    for file in tokenizer.iterdir():
-        (out / file.name).write_bytes(file.read_bytes())
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -65,36 +45,11 @@ def hybrid(
     return out, reference
 
 
-@pytest.fixture(scope="module")
-def text_pair(
-    tmp_path_factory: pytest.TempPathFactory, hybrid_tokenizer: Path
-) -> tuple[Path, nn.Module]:
-    """The Qwen3.5 text checkpoint the drafter and reuse tests run on, and transformers' model."""
-    out = tmp_path_factory.mktemp("qwen3_5_text")
-    reference = make_hybrid(out, "qwen3_5_text")
-    with_tokenizer(out, hybrid_tokenizer)
-    return out, reference
-
-
-@pytest.fixture(scope="module")
-def text_hybrid(text_pair: tuple[Path, nn.Module]) -> Path:
-    return text_pair[0]
-
-
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-
-
 def run(target: Path, draft: Path | None, params: Sequence[SamplingParams], **settings: Any):
     """Every prompt under each of `params`; the finished requests and the engine."""
     engine = cpu_engine(target, draft, **(SMALL | settings))
     jobs = [(p, sp) for p in prompts() for sp in params]
     return run_to_end(engine, requests_of(jobs)), engine
-
-
-def tokens(requests: list[Request]) -> list[list[int]]:
-    return [r.output.token_ids for r in requests]
 
 
 def generated(reference: nn.Module, prompt: list[int], eos: set[int]) -> list[int]:

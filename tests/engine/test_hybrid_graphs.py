@@ -2,7 +2,8 @@
 persistent buffers as a replay would be): the tokens equal the eager engine's, greedy and
 seeded, with and without a drafter that is accepted, and some replays pad their batch with
 requests in the scratch slot, whose linear-layer rows must touch no live request's state.
-The drafter is the registry test's bigram, its drafts kept where a graph reads them."""
+The drafter is the tests' bigram (tests/helpers/bigram_method.py), its drafts kept where a
+graph reads them."""
 
 from __future__ import annotations
 
@@ -20,19 +21,17 @@ from batchrun.sampling.params import SamplingParams
 from batchrun.spec_decode.base import Speculator, StepShape, TargetView
 from batchrun.spec_decode.method import DraftBackends
 from batchrun.spec_decode.registry import METHODS
-from tests.engine.test_hybrid_engine import SMALL, prompts, text_hybrid, text_pair, tokens
-from tests.engine.test_hybrid_engine import hybrid_tokenizer as hybrid_tokenizer
-from tests.helpers.engine_runs import cpu_engine, requests_of, run_to_end
-from tests.helpers.hybrid_models import VOCAB
-from tests.spec_decode.test_method_registry import (
+from tests.helpers.bigram_method import (
     Bigram,
     BigramDraft,
     BigramSpeculator,
     learnt_table,
     write_draft,
 )
+from tests.helpers.engine_runs import cpu_engine, requests_of, run_to_end
+from tests.helpers.hybrid_models import VOCAB
+from tests.helpers.hybrid_runs import SMALL, prompts, tokens
 
-__all__ = ["hybrid_tokenizer", "text_hybrid", "text_pair"]  # fixtures, registered here
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PARAMS = [
@@ -85,6 +84,7 @@ class GraphedBigram(Bigram):
 
 @pytest.fixture
 def bigram(monkeypatch: pytest.MonkeyPatch) -> Bigram:
+    """Overrides tests/conftest.py's: the graph-aware bigram, registered for this test only."""
     method = GraphedBigram()
     monkeypatch.setitem(METHODS, method.name, method)
     return method

@@ -3,9 +3,10 @@ variants beyond it: sliding-window layers (a row at position q sees positions > 
 in the block where the format says so), a reduced draft vocabulary (the draft's own lm_head,
 then target id = draft id + d2t[draft id]) and the speculators config format.
 
-One request at a time, no pages, no batching, no KV cache: the target is transformers' own
-Qwen3ForCausalLM, re-run over the whole sequence every round, and the draft is its safetensors
-tensors used with plain torch ops over an explicit mask. Clarity over speed; from batchrun it
+One request at a time, no pages, no batching, no KV cache: the target is transformers' own model
+of its checkpoint (Qwen3ForCausalLM, or a hybrid Gated DeltaNet's Qwen3_5ForCausalLM), re-run
+over the whole sequence every round, and the draft is its safetensors tensors used with plain
+torch ops over an explicit mask. Clarity over speed; from batchrun it
 takes only the default target layer ids (a config formula that tests check on their own).
 """
 
@@ -22,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
 from batchrun.models.dflash import default_target_layer_ids
 
@@ -101,13 +102,14 @@ def read_draft(draft_dir: Path | str) -> Draft:
 
 
 @lru_cache(maxsize=8)
-def _cached_target(path: str, mtime_ns: int) -> Qwen3ForCausalLM:
-    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+def _cached_target(path: str, mtime_ns: int) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.eval().requires_grad_(False)
 
 
-def load_target(target_dir: Path | str) -> Qwen3ForCausalLM:
-    """The HF target in float32, loaded once per checkpoint (the key includes its mtime)."""
+def load_target(target_dir: Path | str) -> PreTrainedModel:
+    """The HF target (its model_type's class) in float32, loaded once per checkpoint (the key
+    includes its mtime)."""
     weights = sorted(Path(target_dir).glob("*.safetensors"))
     return _cached_target(str(target_dir), max(w.stat().st_mtime_ns for w in weights))
 
@@ -127,7 +129,7 @@ def one_thread() -> Iterator[None]:
 
 
 @contextmanager
-def _layer_outputs(target: Qwen3ForCausalLM, layer_ids: Sequence[int]) -> Iterator[dict]:
+def _layer_outputs(target: PreTrainedModel, layer_ids: Sequence[int]) -> Iterator[dict]:
     """Capture each listed decoder layer's output. This equals HF's hidden_states[l + 1] except
     for the last layer, where HF applies the final norm and the spec wants the pre-norm stream."""
     captured: dict[int, torch.Tensor] = {}
@@ -146,7 +148,7 @@ def _layer_outputs(target: Qwen3ForCausalLM, layer_ids: Sequence[int]) -> Iterat
 
 
 def target_pass(
-    target: Qwen3ForCausalLM, ids: Sequence[int], layer_ids: Sequence[int]
+    target: PreTrainedModel, ids: Sequence[int], layer_ids: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal forward over ids from position 0: (logits [T, V], features f [T, n * H])."""
     with torch.no_grad(), _layer_outputs(target, layer_ids) as captured:
@@ -244,7 +246,7 @@ def draft_hidden(
 
 
 def draft_block_logits(
-    draft: Draft, target: Qwen3ForCausalLM, ctx_features: torch.Tensor, anchors: torch.Tensor
+    draft: Draft, target: PreTrainedModel, ctx_features: torch.Tensor, anchors: torch.Tensor
 ) -> torch.Tensor:
     """Logits [..., B-1, V] of block rows 1 .. B-1, for anchors [...] after ctx_features
     [..., p, n * H], through the target's embedding and the target's lm_head (a reduced
@@ -265,10 +267,13 @@ def reference_generate(
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     eos_ids: Sequence[int],
+    width: int | None = None,
 ) -> tuple[list[int], list[RefRound]]:
-    """Greedy DFlash generation: (generated ids without the prompt, every verify round)."""
+    """Greedy DFlash generation: (generated ids without the prompt, every verify round). Each
+    round verifies the anchor and the first width - 1 of the block's drafts (width: the block
+    size unless given; the draft still runs its whole block, as the engine's does)."""
     target, draft = load_target(target_dir), read_draft(draft_dir)
-    layer_ids, width = draft.target_layer_ids, draft.block_size
+    layer_ids, width = draft.target_layer_ids, width or draft.block_size
     logits, feats = target_pass(target, prompt_ids, layer_ids)
     out = [int(logits[-1].argmax())]
     rounds: list[RefRound] = []
@@ -277,7 +282,7 @@ def reference_generate(
         p, anchor = len(seq) - 1, out[-1]
         with torch.no_grad():
             draft_logits = draft_block_logits(draft, target, feats[:p], torch.tensor(anchor))
-        drafts = draft.target_ids(draft_logits.argmax(-1)).tolist()
+        drafts = draft.target_ids(draft_logits.argmax(-1)).tolist()[: width - 1]
         # The verify pass's features cover p .. p+B-1; rows p .. p+acc are the next context.
         logits, feats = target_pass(target, seq + drafts, layer_ids)
         post = logits[p : p + width].argmax(-1).tolist()

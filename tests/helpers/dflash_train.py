@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3ForCausalLM
+from transformers import PreTrainedModel
 
 from batchrun.tools.tiny_draft import make_tiny_draft
 from tests.helpers.dflash_reference import (
@@ -39,16 +39,17 @@ LEARNING_RATE = 1e-2
 POSITION_DECAY = 0.7
 
 
-def training_prompts(seed: int) -> list[list[int]]:
-    """The prompts whose continuations train_draft(..., seed=seed) memorises."""
+def training_prompts(seed: int, ids: tuple[int, int] = PROMPT_IDS) -> list[list[int]]:
+    """The prompts whose continuations train_draft(..., seed=seed, ids=ids) memorises (ids: the
+    range their tokens come from, for a target whose vocabulary is smaller)."""
     rng = random.Random(seed)
     return [
-        [rng.randrange(*PROMPT_IDS) for _ in range(rng.randint(*PROMPT_LENGTHS))]
+        [rng.randrange(*ids) for _ in range(rng.randint(*PROMPT_LENGTHS))]
         for _ in range(NUM_PROMPTS)
     ]
 
 
-def greedy_continuation(target: Qwen3ForCausalLM, prompt: list[int]) -> list[int]:
+def greedy_continuation(target: PreTrainedModel, prompt: list[int]) -> list[int]:
     """prompt + the target's greedy continuation, stopping after an eos."""
     eos = target.generation_config.eos_token_id
     with torch.no_grad():
@@ -72,12 +73,19 @@ def continuation_vocab(target_dir: Path | str, seed: int, size: int) -> list[int
     return sorted(seen) + others[: size - len(seen)]
 
 
-def train_draft(target_dir: Path | str, draft_dir: Path | str, *, steps: int, seed: int) -> Path:
+def train_draft(
+    target_dir: Path | str,
+    draft_dir: Path | str,
+    *,
+    steps: int,
+    seed: int,
+    ids: tuple[int, int] = PROMPT_IDS,
+) -> Path:
     """Train the draft in draft_dir (written by make_tiny_draft, in either format) in place:
     its float tensors; a reduced vocabulary's maps stay. Returns draft_dir."""
     target, draft = load_target(target_dir), read_draft(draft_dir)
     width, layer_ids = draft.block_size, draft.target_layer_ids
-    prompts = training_prompts(seed)
+    prompts = training_prompts(seed, ids)
     sequences = [greedy_continuation(target, prompt) for prompt in prompts]
     features = [target_pass(target, s, layer_ids)[1] for s in sequences]
     # Anchors where generation puts them: from the first generated token on. One step trains

@@ -75,6 +75,12 @@ def make_hybrid(out: Path, kind: str, seed: int = 0) -> nn.Module:
     return model
 
 
+def with_tokenizer(out: Path, tokenizer: Path) -> None:
+    """Copy a tokenizer's files beside a checkpoint."""
+    for file in tokenizer.iterdir():
+        (out / file.name).write_bytes(file.read_bytes())
+
+
 class Stepper:
     """Runs packed steps of a Qwen3_5ForCausalLM on the CPU: slot s owns KV pages
     s * PAGES_PER_SLOT onwards and linear state slot s."""

@@ -1,13 +1,13 @@
-"""The speculation-method registry: a method registered here, in the test (a bigram drafter whose
-next-token table is its draft's config.json), is chosen by the draft's `architectures` or by
-`speculative_method`, checked by preflight and run through the engine and a whole job, with
-outputs identical to no draft (speculation is lossless, whatever a drafter proposes)."""
+"""The speculation-method registry: a method registered by the test (the bigram drafter of
+tests/helpers/bigram_method.py, whose next-token table is its draft's config.json), is chosen
+by the draft's `architectures` or by `speculative_method`, checked by preflight and run through
+the engine and a whole job, with outputs identical to no draft (speculation is lossless,
+whatever a drafter proposes)."""
 
 from __future__ import annotations
 
 import ast
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
-from torch import nn
 
 import batchrun
 from batchrun.cli import cli
@@ -25,133 +24,17 @@ from batchrun.config.preflight import preflight
 from batchrun.engine.core.requests import Request
 from batchrun.errors import JobError
 from batchrun.models.loader import read_config
-from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
-from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.params import SamplingParams
 from batchrun.spec_decode import registry
-from batchrun.spec_decode.acceptance import accepted_lengths
-from batchrun.spec_decode.base import Speculator, StepShape, TargetView
-from batchrun.spec_decode.method import DraftBackends, DraftLayout
-from batchrun.spec_decode.registry import METHODS, choose_method
-from batchrun.spec_decode.width_policy import candidate_widths
+from batchrun.spec_decode.registry import choose_method
+from tests.helpers.bigram_method import BLOCK, Bigram, learnt_table, write_draft
 from tests.helpers.engine_runs import cpu_engine, requests_of, run_to_end
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
-ARCHITECTURE = "BigramDraftModel"
-BLOCK = 4
-
-
-class BigramDraft(nn.Module):
-    """Drafts by a next-token table: d1 = next[anchor], d2 = next[d1], ..."""
-
-    def __init__(self, spec: dict[str, Any], device: torch.device) -> None:
-        super().__init__()
-        self.spec, self.block_size = spec, spec["block_size"]
-        self.register_buffer("next_token", torch.tensor(spec["next_token"], device=device))
-
-
-class BigramSpeculator(Speculator):
-    def __init__(self, target: TargetView, draft: BigramDraft, widths: tuple[int, ...]) -> None:
-        super().__init__()
-        self.state, self.next_token = target.state, draft.next_token
-        self.drafting, self.block_size, self.widths = True, draft.block_size, widths
-
-    def next_width(self, running: int, prefill_pending: bool) -> int:
-        return self.widths[-1]
-
-    def propose(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor | None:
-        d = step.num_decoding
-        if not d or step.width == 1:
-            return None
-        token, drafts = self.state.last_token[slots[:d]].long(), []
-        for _ in range(step.width - 1):
-            token = self.next_token[token]
-            drafts.append(token)
-        return torch.stack(drafts, dim=1)
-
-    def accept(
-        self, drafts: torch.Tensor | None, tokens: torch.Tensor, step: StepShape
-    ) -> torch.Tensor:
-        d = step.num_decoding
-        if drafts is None:
-            return tokens.new_zeros(d)
-        return accepted_lengths(drafts, tokens[: d * step.width].view(d, step.width))
-
-
-class Bigram:
-    name = "bigram"
-    architectures = frozenset({ARCHITECTURE})
-
-    def check(self, draft_dir: Path, target: Qwen3Shape) -> dict[str, Any]:
-        config = read_config(draft_dir, "draft")
-        if len(config["next_token"]) != target.vocab_size:
-            raise JobError("draft: next_token must map every token of the target")
-        return config | {"target": target}
-
-    def check_weights(
-        self, draft_dir: Path, spec: dict[str, Any], target: Qwen3Shape, dtype: torch.dtype
-    ) -> int:
-        return 8 * len(spec["next_token"])
-
-    def describe(self, spec: dict[str, Any]) -> str:
-        return f"bigram, block size {spec['block_size']}"
-
-    def layout(self, draft: dict[str, Any] | BigramDraft) -> DraftLayout:
-        """No layers of its own: nothing in the pages, no rings, no features."""
-        spec = draft if isinstance(draft, dict) else draft.spec
-        block = spec["block_size"]
-        return DraftLayout(spec["target"], block, candidate_widths(block))
-
-    def load(
-        self, draft_dir: Path, target: Qwen3ForCausalLM, device: torch.device, max_positions: int
-    ) -> BigramDraft:
-        return BigramDraft(self.check(draft_dir, target.shape), device)
-
-    def owns(self, draft: nn.Module) -> bool:
-        return isinstance(draft, BigramDraft)
-
-    def make(
-        self,
-        target: TargetView,
-        draft: nn.Module,
-        backends: DraftBackends,
-        *,
-        widths: tuple[int, ...],
-        max_batch_size: int,
-        tp: TensorParallel | None,
-    ) -> Speculator:
-        assert isinstance(draft, BigramDraft)
-        return BigramSpeculator(target, draft, widths)
-
-
-@pytest.fixture
-def bigram(monkeypatch: pytest.MonkeyPatch) -> Bigram:
-    """The bigram method, registered for this test only."""
-    method = Bigram()
-    monkeypatch.setitem(METHODS, method.name, method)
-    return method
-
-
-def write_draft(out: Path, next_token: Sequence[int], architecture: str = ARCHITECTURE) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": [architecture], "block_size": BLOCK, "next_token": list(next_token)}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
 
 def vocab_of(model: Path) -> int:
     return int(read_config(model, "target")["vocab_size"])
-
-
-def learnt_table(runs: list[Request], vocab: int) -> list[int]:
-    """Each token's successor in these outputs (a token never seen: itself)."""
-    table = list(range(vocab))
-    for req in runs:
-        ids = req.output.token_ids
-        for a, b in zip(ids, ids[1:], strict=False):
-            table[a] = b
-    return table
 
 
 def run(target: Path, draft: Path | None, **settings: Any) -> list[Request]:
