@@ -634,9 +634,11 @@ def test_a_dormant_drafter_writes_nothing_and_changes_nothing(
     captures: list[bool] = []
     forward = ModelRunner._forward
 
-    def spied(self: ModelRunner, inputs: Any, store_context: bool, capture: bool = True) -> Any:
+    def spied(
+        self: ModelRunner, inputs: Any, store_context: bool, capture: bool = True, **kw: Any
+    ) -> Any:
         captures.append(capture)
-        return forward(self, inputs, store_context, capture)
+        return forward(self, inputs, store_context, capture, **kw)
 
     monkeypatch.setattr(ModelRunner, "_forward", spied)
     stored: list[int] = []
