@@ -53,8 +53,8 @@ def test_tables_are_transformers_own(extra: dict[str, Any]) -> None:
     )
     inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
     shape = qwen3_shape(config.to_dict())
-    assert shape.max_position_embeddings == 4 * ORIGINAL and shape.yarn is not None
-    rope = RotaryEmbedding(64, 200, 1_000_000.0, shape.yarn)
+    assert shape.max_position_embeddings == 4 * ORIGINAL and shape.rope_scaling is not None
+    rope = RotaryEmbedding(64, 200, 1_000_000.0, shape.rope_scaling)
     freqs = torch.outer(torch.arange(200, dtype=torch.float32), inv_freq)
     assert torch.equal(rope.cos, freqs.cos() * scale)
     assert torch.equal(rope.sin, freqs.sin() * scale)
