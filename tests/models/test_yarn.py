@@ -95,7 +95,8 @@ def test_validate_reports_the_yarn_context(yarn_model: Path, tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("rope", "message"),
     [
-        ({"rope_type": "llama3", "factor": 8.0}, "rope type 'llama3' is not supported"),
+        ({"rope_type": "longrope", "factor": 8.0}, "rope type 'longrope' is not supported"),
+        ({"rope_type": "llama3", "factor": 8.0}, "llama3 needs low_freq_factor"),
         ({"rope_type": "yarn", "factor": 4.0}, "yarn needs original_max_position_embeddings"),
         ({**YARN, "factor": 0.5}, r"rope_parameters.factor must be a finite number >= 1 .*0\.5"),
     ],
