@@ -191,9 +191,9 @@ def random_target(
     model.pack_experts()
     # The RoPE table is built on the host (layers/rotary.py) and .to(dtype) rounded it: build it
     # again on the device, in float32, as the loader does.
-    model.rope = RotaryEmbedding(s.rotary_dim, s.max_position_embeddings, s.rope_theta, s.yarn).to(
-        device
-    )
+    model.rope = RotaryEmbedding(
+        s.rotary_dim, s.max_position_embeddings, s.rope_theta, s.rope_scaling
+    ).to(device)
     return model.eval()
 
 

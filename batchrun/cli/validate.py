@@ -11,6 +11,7 @@ from batchrun.cli.options import job_flags, job_of
 from batchrun.config.job import JobSpec
 from batchrun.io.input.overrides import OVERRIDE_COLUMNS
 from batchrun.io.input.prompts import CHAT_KWARGS_COLUMN, CONSTRAINT_COLUMNS, template_thinks
+from batchrun.layers.rotary import Yarn
 from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.workers.run import check_workers, planned_devices
 
@@ -82,11 +83,14 @@ def _model_lines(job: JobSpec, found: Preflight) -> list[str]:
         from batchrun.models.qwen3_sharding import fp8_kept
 
         context = f"{t.fp8.describe(kept=fp8_kept(t, job.run.tp))}, {context}"
-    if t.yarn is not None:
-        yarn = t.yarn
+    if isinstance(t.rope_scaling, Yarn):
+        yarn = t.rope_scaling
         context += f" (YaRN: {yarn.factor:g} x {yarn.original_max_position_embeddings})"
+    elif t.rope_scaling is not None:
+        context += f" (llama3 RoPE: factor {t.rope_scaling.factor:g})"
     return [
-        f"target: {job.engine.target} ({t.num_layers} layers, hidden size {t.hidden_size}, "
+        f"target: {job.engine.target} ({found.family}: {t.num_layers} layers, "
+        f"hidden size {t.hidden_size}, "
         f"vocab {t.vocab_size}, {context}; "
         f"tokenizer: {len(found.tokenizer)} tokens, {template})",
         f"draft: {job.engine.draft} ({draft.describe()})" if draft is not None else "draft: none",

@@ -70,6 +70,7 @@ class Preflight:
     dtype: torch.dtype
     attention_backend: str
     target: Qwen3Shape
+    family: str  # the target's model_type (models/families.py)
     tokenizer: PreTrainedTokenizerBase
     checked: CheckedDraft | None  # the draft, checked by its speculation method
     skipped: tuple[str, ...] = ()  # parts of the target's checkpoint not run (vision tower)
@@ -134,7 +135,8 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
     )
     check_batch_memory(footprint, config.max_batch_size, config.max_batched_tokens, device)
     _check_kv_pool(config, target, draft, dtype, device)
-    return Preflight(device, dtype, backend, target, tokenizer, checked, tuple(skipped))
+    family = str(target_config["model_type"])  # family_of has accepted it
+    return Preflight(device, dtype, backend, target, family, tokenizer, checked, tuple(skipped))
 
 
 def _check_kv_pool(

@@ -1,5 +1,5 @@
-"""Qwen3 self-attention over a paged KV cache: q/k/v in one matmul, per-head q/k RMSNorm with
-RoPE, then the backend writes K/V into pages and attends (GQA)."""
+"""Qwen3 self-attention over a paged KV cache: q/k/v in one matmul, per-head q/k RMSNorm (none
+in Llama) with RoPE, then the backend writes K/V into pages and attends (GQA)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class PagedAttention(nn.Module):
         head_dim: int,
         eps: float,
         fp8_block: tuple[int, int] | None = None,  # projections kept in FP8 blocks (fp8_linear)
+        qk_norm: bool = True,  # off: no q_norm/k_norm weights, RoPE alone (Llama)
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -34,8 +35,8 @@ class PagedAttention(nn.Module):
         self.qkv_proj = make_linear(hidden, self.q_size + 2 * self.kv_size, fp8_block)
         self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)  # type: ignore[assignment]
         self.o_proj = make_linear(self.q_size, hidden, fp8_block)
-        self.q_norm = RMSNorm(head_dim, eps)
-        self.k_norm = RMSNorm(head_dim, eps)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.scale = head_dim**-0.5
         self.ops = TORCH_OPS
 
@@ -50,15 +51,30 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
     ) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.head_dim
+        q, k = q.reshape(-1, self.num_heads, d), k.reshape(-1, self.num_kv_heads, d)
+        if self.q_norm is None or self.k_norm is None:
+            return self.ops.qk_rope(q, k, rope.cos, rope.sin, positions)
         return self.ops.qk_norm_rope(
-            q.reshape(-1, self.num_heads, d),
-            k.reshape(-1, self.num_kv_heads, d),
+            q,
+            k,
             self.q_norm.weight,
             self.k_norm.weight,
             self.q_norm.eps,
             rope.cos,
             rope.sin,
             positions,
+        )
+
+    def rotate_keys(
+        self, k: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
+    ) -> torch.Tensor:
+        """k [T, Hkv * D] normed (where the layer norms) and rotated, [T, Hkv, D] (a DFlash
+        draft's context keys, which have no queries)."""
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.k_norm is None:
+            return self.ops.rope(k, rope.cos, rope.sin, positions)
+        return self.ops.norm_rope(
+            k, self.k_norm.weight, self.k_norm.eps, rope.cos, rope.sin, positions
         )
 
     def attend(

@@ -40,10 +40,27 @@ class TorchOps:
         positions: torch.Tensor,  # [T]
     ) -> torch.Tensor:
         """Per-head RMSNorm, then rotate-half RoPE computed in float32."""
-        x = self.rms_norm(x, weight, eps)
+        return self.rope(self.rms_norm(x, weight, eps), cos, sin, positions)
+
+    def rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Rotate-half RoPE of x [T, heads, head_dim], computed in float32 (the fused set keeps
+        this one: it runs only for layers without a q/k norm)."""
         c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    def qk_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope of the queries and of the keys (Llama: no q/k norm)."""
+        return self.rope(q, cos, sin, positions), self.rope(k, cos, sin, positions)
 
     def qk_norm_rope(
         self,

@@ -1,6 +1,7 @@
-"""Rotary position embedding tables, neox (rotate-half) layout, in float32: plain RoPE, or YaRN
+"""Rotary position embedding tables, neox (rotate-half) layout, in float32: plain RoPE, YaRN
 (frequencies blended between the original and the interpolated ones, and cos/sin scaled by its
-attention factor) as transformers computes them."""
+attention factor) or Llama 3's (long wavelengths divided by factor, smoothed between), as
+transformers computes them."""
 
 from __future__ import annotations
 
@@ -61,6 +62,40 @@ class Yarn:
         return interpolated * (1 - extrapolated) + 1.0 / wavelengths * extrapolated
 
 
+@dataclass(frozen=True)
+class Llama3:
+    """rope_type llama3 (Llama 3.1 and later): the context stays max_position_embeddings."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def scale(self) -> float:
+        return 1.0  # cos and sin are not scaled
+
+    def inv_freq(self, head_dim: int, theta: float, cpu: torch.device) -> torch.Tensor:
+        """transformers' _compute_llama3_parameters, op for op in float32: pairs of wavelength
+        below original / high_freq_factor keep their frequency, above original /
+        low_freq_factor divide it by factor, and those between blend the two by how many turns
+        they make over the original context."""
+        inv_freq = 1.0 / _wavelengths(head_dim, theta, cpu)
+        original = self.original_max_position_embeddings
+        low_wavelength = original / self.low_freq_factor
+        high_wavelength = original / self.high_freq_factor
+        wavelength = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelength > low_wavelength, inv_freq / self.factor, inv_freq)
+        smooth = (original / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = ~(wavelength < high_wavelength) * ~(wavelength > low_wavelength)
+        return torch.where(medium, smoothed, scaled)
+
+
+RopeScaling = Yarn | Llama3
+
+
 def _wavelengths(head_dim: int, theta: float, cpu: torch.device) -> torch.Tensor:
     dims = torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu)
     return theta ** (dims / head_dim)
@@ -68,17 +103,17 @@ def _wavelengths(head_dim: int, theta: float, cpu: torch.device) -> torch.Tensor
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, yarn: Yarn | None = None
+        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None
     ) -> None:
         super().__init__()
         # Computed on the host whatever the default device: on the meta device (the start-up
         # checks build models there) these ops would first import torch._dynamo, a second.
         cpu = torch.device("cpu")
-        if yarn is None:
+        if scaling is None:
             inv_freq = 1.0 / _wavelengths(head_dim, theta, cpu)
         else:
-            inv_freq = yarn.inv_freq(head_dim, theta, cpu)
-        scale = 1.0 if yarn is None else yarn.scale()
+            inv_freq = scaling.inv_freq(head_dim, theta, cpu)
+        scale = 1.0 if scaling is None else scaling.scale()
         positions = torch.arange(max_positions, dtype=torch.float32, device=cpu)
         freqs = torch.outer(positions, inv_freq)
         self.cos: torch.Tensor  # [max_positions, head_dim / 2]

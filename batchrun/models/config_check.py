@@ -1,6 +1,7 @@
 """Every key batchrun reads from a model's config.json, checked by type and range (the tables
-below) before anything is built from it: a target's Qwen3 or Qwen3-MoE config, the Qwen3 config
-of a DFlash draft's layers, and the draft's own keys in either format (models/dflash_formats.py).
+below) before anything is built from it: a target's Qwen3, Qwen3-MoE, hybrid or Llama config, the
+Qwen3 or Llama config of a DFlash draft's layers, and the draft's own keys in either format
+(models/dflash_formats.py).
 
 A key left out takes the default of transformers' config class for the model type (read from
 the class itself), and a null one, where transformers takes null, what that class's
@@ -92,6 +93,14 @@ QWEN3_NEXT = (
         "mlp_only_layers": Field("integer", 0, INT32_MAX, shape="list", null=True),
     }
 )
+# Llama 3: Qwen3's layers without the q/k norm; biases and other activations are not run.
+LLAMA = COMMON | {
+    "head_dim": MAYBE_SIZE,  # null: hidden_size / num_attention_heads
+    "hidden_act": Field("string"),
+    "attention_bias": FLAG,
+    "mlp_bias": FLAG,
+}
+NO_QK_NORM = ("llama",)  # model types whose attention has no per-head q/k RMSNorm
 # Qwen3.5-MoE: every layer has experts (no dense intermediate_size), top k renormalised.
 QWEN3_5_MOE = {k: f for k, f in (HYBRID | HYBRID_EXPERTS).items() if k != "intermediate_size"}
 TABLES = {
@@ -100,6 +109,7 @@ TABLES = {
     "qwen3_5_text": HYBRID,
     "qwen3_5_moe_text": QWEN3_5_MOE,
     "qwen3_next": QWEN3_NEXT,
+    "llama": LLAMA,
 }
 LAYER_KINDS = ("linear_attention", "full_attention")
 HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -119,6 +129,12 @@ YARN = {
     "mscale": Field("number", 0),
     "mscale_all_dim": Field("number", 0),
     "truncate": FLAG,
+}
+LLAMA3 = {  # transformers reads each of them without a default
+    "factor": Field("number", 1, required=True),
+    "low_freq_factor": Field("number", 0, above=True, required=True),
+    "high_freq_factor": Field("number", 0, above=True, required=True),
+    "original_max_position_embeddings": Field("integer", 1, MAX_CONTEXT, required=True),
 }
 # A DFlash draft's own keys (models/dflash_formats.py), at the top of a z-lab config, in its
 # dflash_config, and at the top of a speculators config.
@@ -154,8 +170,9 @@ SPECULATORS = {
 
 def checked_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The keys of the model type's table, checked, as transformers reads them: its defaults
-    for those left out (none where it has none), plus rope_theta and `yarn`, the checked YaRN
-    parameters (None: plain RoPE). JobError, naming `where` (the file) and the key, for the
+    for those left out (none where it has none), plus rope_theta, `rope_scaling` (the checked
+    YaRN or llama3 parameters with their rope_type; None: plain RoPE) and `qk_norm` (whether
+    the attention norms q and k). JobError, naming `where` (the file) and the key, for the
     first key that is wrong."""
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in TABLES:
@@ -173,7 +190,8 @@ def checked_config(config: Mapping[str, Any], where: str) -> dict[str, Any]:
             settings[key] = defaults[key]
     _post_init(settings, model_type)
     _check_shape(settings, where, model_type)
-    settings["rope_theta"], settings["yarn"] = _rope(config, settings, where, model_type)
+    settings["rope_theta"], settings["rope_scaling"] = _rope(config, settings, where, model_type)
+    settings["qk_norm"] = model_type not in NO_QK_NORM
     if model_type in HYBRID_TYPES:
         params = config.get("rope_scaling") or config.get("rope_parameters") or {}
         # transformers' default for Qwen3.5 and Qwen3-Next (their __post_init__)
@@ -201,6 +219,12 @@ def _post_init(s: dict[str, Any], model_type: str) -> None:
             s.update(intermediate_size=0, norm_topk_prob=True, decoder_sparse_step=1)
         if "num_experts" in s:
             s["mlp_only_layers"] = s.get("mlp_only_layers") or []
+        return
+    if model_type == "llama":
+        if s["head_dim"] is None:
+            s["head_dim"] = s["hidden_size"] // s["num_attention_heads"]
+        if s["num_key_value_heads"] is None:
+            s["num_key_value_heads"] = s["num_attention_heads"]
         return
     if model_type == "qwen3_moe":
         s.setdefault("head_dim", s["hidden_size"] // s["num_attention_heads"])
@@ -230,6 +254,8 @@ def _check_shape(s: Mapping[str, Any], where: str, model_type: str) -> None:
         raise JobError(f"{where}: head_dim must be even (RoPE turns pairs), got {s['head_dim']}")
     if model_type in HYBRID_TYPES:
         _check_hybrid(s, where)
+    if model_type == "llama":
+        _check_llama(s, where)
     if "num_experts" not in s:
         return
     experts, top_k = s["num_experts"], s["num_experts_per_tok"]
@@ -266,11 +292,21 @@ def _check_hybrid(s: Mapping[str, Any], where: str) -> None:
         raise JobError(f"{where}: hidden_act is {s['hidden_act']!r}; batchrun runs silu")
 
 
+def _check_llama(s: Mapping[str, Any], where: str) -> None:
+    """What Llama's config may switch on that batchrun's layers do not compute."""
+    for key in ("attention_bias", "mlp_bias"):
+        if s[key]:
+            raise JobError(f"{where}: {key} is true; batchrun runs Llama without biases")
+    if s["hidden_act"] != "silu":
+        raise JobError(f"{where}: hidden_act is {s['hidden_act']!r}; batchrun runs silu")
+
+
 def _rope(
     config: Mapping[str, Any], s: Mapping[str, Any], where: str, model_type: str
 ) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, the YaRN parameters or None), read as transformers reads them: rope_scaling
-    over rope_parameters, and a theta among them over a rope_theta beside them."""
+    """(rope_theta, the YaRN or llama3 parameters with their rope_type, or None), read as
+    transformers reads them: rope_scaling over rope_parameters, and a theta among them over a
+    rope_theta beside them."""
     source = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     params = config.get(source) or {}
     check_fields(params, ROPE, where, "rope", f"{source}.")
@@ -280,8 +316,11 @@ def _rope(
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return float(theta), None
+    if kind == "llama3":
+        check_fields(params, LLAMA3, where, "llama3", f"{source}.")
+        return float(theta), {"rope_type": kind} | {key: params[key] for key in LLAMA3}
     if kind != "yarn":
-        raise JobError(f"{where}: rope type {kind!r} is not supported (plain RoPE or yarn)")
+        raise JobError(f"{where}: rope type {kind!r} is not supported (plain RoPE, yarn or llama3)")
     check_fields(params, YARN, where, "yarn", f"{source}.")
     yarn = {key: params[key] for key in YARN if params.get(key) is not None}
     original = yarn["original_max_position_embeddings"]
@@ -296,7 +335,7 @@ def _rope(
             f"{where}: {source}.factor {factor:g} x original_max_position_embeddings {original} "
             f"is more than the {MAX_CONTEXT} positions batchrun addresses"
         )
-    return float(theta), yarn
+    return float(theta), {"rope_type": kind} | yarn
 
 
 @functools.cache

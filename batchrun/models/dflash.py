@@ -76,7 +76,9 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(h, shape.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(shape) for _ in range(shape.num_layers))
         self.norm = RMSNorm(h, shape.rms_norm_eps)
-        self.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta, shape.yarn)
+        self.rope = RotaryEmbedding(
+            shape.head_dim, max_positions, shape.rope_theta, shape.rope_scaling
+        )
         self.context_kv: torch.Tensor | None = None  # set by pack_context_kv() once loaded
         self.lm_head: nn.Linear | None = None
         if draft_vocab_size is not None:
@@ -113,14 +115,7 @@ class DFlashDraft(nn.Module):
             attn = cast(PagedAttention, layer.self_attn)
             k = kv[:, 2 * i * kv_size : (2 * i + 1) * kv_size]
             v = kv[:, (2 * i + 1) * kv_size : (2 * i + 2) * kv_size]
-            k = attn.ops.norm_rope(
-                k.reshape(-1, attn.num_kv_heads, attn.head_dim),
-                attn.k_norm.weight,
-                attn.k_norm.eps,
-                self.rope.cos,
-                self.rope.sin,
-                positions,
-            )
+            k = attn.rotate_keys(k, positions, self.rope)
             layer_kv_index = window_kv_index if sliding else kv_index
             assert layer_kv_index is not None, "a sliding layer's context goes to its ring"
             backend.write_kv(k, v.reshape_as(k), cache[0], cache[1], layer_kv_index)

@@ -1,7 +1,8 @@
 """The two formats of a DFlash draft's config.json, read into one description.
 
-z-lab (docs/dflash.md section 1): a Qwen3 config with `block_size` and `dflash_config`
-(`target_layer_ids`, the 0-based target layers whose output is a feature, and `mask_token_id`).
+z-lab (docs/dflash.md section 1): a Qwen3 config (a Llama one for Llama-style layers, without
+the q/k norm) with `block_size` and `dflash_config` (`target_layer_ids`, the 0-based target
+layers whose output is a feature, and `mask_token_id`).
 
 speculators (vllm-project/speculators, `speculators_model_type: "dflash"`): the draft's Qwen3
 config under `transformer_layer_config`, written as transformers' diff dict (keys equal to
@@ -48,6 +49,11 @@ class DraftConfig:
     verifier_tensors: frozenset[str] = frozenset()  # copies of the target's, never loaded
 
 
+# The layers a z-lab draft's model_type names: Qwen3's, or Llama's (no q/k norm; the drafter of
+# Llama 3.1).
+DRAFT_LAYERS = ("qwen3", "llama")
+
+
 def draft_config(config: dict[str, Any], where: str) -> DraftConfig:
     """Reads either format, its own keys checked by type and range (config_check's tables);
     refuses, by name, what batchrun does not implement. where: the file, for errors."""
@@ -64,8 +70,10 @@ def _zlab(config: dict[str, Any], where: str) -> DraftConfig:
     if arch != ["DFlashDraftModel"]:
         raise JobError(f"draft: architectures {arch} is not supported (only DFlashDraftModel)")
     kind = config.get("model_type")
-    if kind != "qwen3":
-        raise JobError(f"{where}: model_type is {kind!r}; batchrun runs qwen3 drafts")
+    if kind not in DRAFT_LAYERS:
+        raise JobError(
+            f"{where}: model_type is {kind!r}; batchrun runs {' and '.join(DRAFT_LAYERS)} drafts"
+        )
     if config.get("sample_from_anchor") or dflash.get("sample_from_anchor"):
         raise JobError("draft: sample_from_anchor: true is not supported")
     causal = config.get("is_causal", dflash.get("causal"))

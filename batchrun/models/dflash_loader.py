@@ -113,8 +113,10 @@ def _block_attention(
 ) -> BlockAttention:
     """Which layers slide: `layer_types` of checked_config's settings, which read them as
     transformers' Qwen3Config does (`sliding_window` counts only with `use_sliding_window`;
-    without layer_types, the layers from `max_window_layers` on slide when there is a window)."""
-    window, types = layers["sliding_window"], layers["layer_types"]
+    without layer_types, the layers from `max_window_layers` on slide when there is a window).
+    Llama layers (LlamaConfig has no window) all attend in full."""
+    window = layers.get("sliding_window")
+    types = layers.get("layer_types") or ["full_attention"] * layers["num_hidden_layers"]
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
     if unknown:
         raise JobError(f"draft: layer type {unknown[0]!r} is not supported")
@@ -212,9 +214,9 @@ def load_dflash(
     tensors = checkpoint_weights(draft_dir, shape, device, "draft")
     load_weights(draft, tensors, "draft", skip=set(spec.not_loaded))
     release_staging(device)
-    draft.rope = RotaryEmbedding(shape.head_dim, max_positions, shape.rope_theta, shape.yarn).to(
-        device
-    )
+    draft.rope = RotaryEmbedding(
+        shape.head_dim, max_positions, shape.rope_theta, shape.rope_scaling
+    ).to(device)
     draft.draft_to_target = (
         _draft_to_target(draft_dir, spec.head_rows, target.shape.vocab_size).to(device)
         if spec.vocab_map and spec.head_rows is not None

@@ -34,6 +34,7 @@ _MULTIMODAL = (("model.visual.", "the vision tower"), ("mtp.", "the MTP head"))
 FAMILIES = {
     "qwen3": Family(shape_of, Qwen3ForCausalLM),
     "qwen3_moe": Family(shape_of, Qwen3ForCausalLM),
+    "llama": Family(shape_of, Qwen3ForCausalLM),  # Qwen3 without the q/k norm (shape.qk_norm)
     "qwen3_5_text": Family(hybrid_shape, Qwen3_5ForCausalLM, skipped=_MULTIMODAL[1:]),
     "qwen3_5_moe_text": Family(hybrid_shape, Qwen3_5ForCausalLM, skipped=_MULTIMODAL[1:]),
     "qwen3_5": Family(

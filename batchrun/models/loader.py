@@ -253,6 +253,6 @@ def load_qwen3(
         shape.rotary_dim,
         shape.max_position_embeddings + rope_headroom,
         shape.rope_theta,
-        shape.yarn,
+        shape.rope_scaling,
     ).to(device)
     return model.eval(), config

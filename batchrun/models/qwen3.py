@@ -1,4 +1,5 @@
-"""Qwen3 causal LM reading and writing its KV cache through pages.
+"""Qwen3 causal LM reading and writing its KV cache through pages; Llama 3 is the same model
+without the per-head q/k RMSNorm (`Qwen3Shape.qk_norm` off).
 
 Module names mirror the Hugging Face checkpoint ("model.layers.0.self_attn.o_proj", ...), except
 that q/k/v and gate/up are packed into one matmul each (`PACKED` says how the loader fills them).
@@ -19,7 +20,7 @@ from batchrun.layers.attention import PagedAttention
 from batchrun.layers.mlp import SwiGLU
 from batchrun.layers.moe import SparseMoe
 from batchrun.layers.norm import RMSNorm
-from batchrun.layers.rotary import RotaryEmbedding, Yarn
+from batchrun.layers.rotary import RopeScaling, RotaryEmbedding
 from batchrun.models.fp8 import Fp8Scheme
 
 
@@ -36,7 +37,8 @@ class Qwen3Shape:
     rope_theta: float
     max_position_embeddings: int  # the positions it addresses (with YaRN: factor x original)
     tie_word_embeddings: bool
-    yarn: Yarn | None = None
+    rope_scaling: RopeScaling | None = None
+    qk_norm: bool = True  # Qwen3's per-head RMSNorm of q and k before RoPE (Llama has none)
     fp8: Fp8Scheme | None = None  # an FP8 checkpoint's scales (see fp8_block)
     # Qwen3-MoE: experts of moe_intermediate_size, top num_experts_per_tok of num_experts per
     # token, in layers i with (i + 1) % decoder_sparse_step == 0 outside mlp_only_layers.
@@ -85,7 +87,13 @@ class LayerWeights(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.self_attn = PagedAttention(
-            s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, s.fp8_block
+            s.hidden_size,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            s.rms_norm_eps,
+            s.fp8_block,
+            s.qk_norm,
         )
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp: nn.Module = (
@@ -149,7 +157,7 @@ class Qwen3ForCausalLM(nn.Module):
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(
-            shape.rotary_dim, shape.max_position_embeddings, shape.rope_theta, shape.yarn
+            shape.rotary_dim, shape.max_position_embeddings, shape.rope_theta, shape.rope_scaling
         )
 
     def forward(

@@ -1,5 +1,5 @@
-"""Model shapes from checked config settings (config_check.checked_config's): Qwen3 and
-Qwen3-MoE, and the hybrid Gated DeltaNet models on top of them."""
+"""Model shapes from checked config settings (config_check.checked_config's): Qwen3, Qwen3-MoE
+and Llama, and the hybrid Gated DeltaNet models on top of them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchrun.errors import JobError
-from batchrun.layers.rotary import Yarn
+from batchrun.layers.rotary import Llama3, RopeScaling, Yarn
 from batchrun.models.fp8 import fp8_scheme
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.models.qwen3_5 import Qwen3_5Shape
@@ -19,7 +19,8 @@ def shape_of(settings: Mapping[str, Any], what: str) -> Qwen3Shape:
         # transformers would attend through a window in those layers; the target's attention
         # is full, so its outputs would differ from the model's.
         raise JobError(f"{what}: sliding-window attention layers are not supported in a target")
-    yarn = _yarn(settings["yarn"])
+    scaling = _rope_scaling(settings["rope_scaling"])
+    yarn = scaling if isinstance(scaling, Yarn) else None
     return Qwen3Shape(
         vocab_size=settings["vocab_size"],
         hidden_size=settings["hidden_size"],
@@ -35,16 +36,24 @@ def shape_of(settings: Mapping[str, Any], what: str) -> Qwen3Shape:
             settings["max_position_embeddings"], yarn.context if yarn else 0
         ),
         tie_word_embeddings=settings["tie_word_embeddings"],
-        yarn=yarn,
+        rope_scaling=scaling,
+        qk_norm=settings["qk_norm"],
         fp8=fp8_scheme(settings, what),
         **_moe_fields(settings),
     )
 
 
-def _yarn(params: Mapping[str, Any] | None) -> Yarn | None:
-    """checked_config's YaRN parameters as the rotary tables take them."""
+def _rope_scaling(params: Mapping[str, Any] | None) -> RopeScaling | None:
+    """checked_config's YaRN or llama3 parameters as the rotary tables take them."""
     if params is None:
         return None
+    if params["rope_type"] == "llama3":
+        return Llama3(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=params["original_max_position_embeddings"],
+        )
     numbers = ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
     given: dict[str, Any] = {key: float(params[key]) for key in numbers if key in params}
     if "truncate" in params:

@@ -5,6 +5,7 @@ format, or the speculators one; optionally with sliding-window layers and a redu
                                         [--layer-ids 0,2] [--mask-id N] [--seed S]
                                         [--sliding-window W --sliding-layers 0,1]
                                         [--draft-vocab N] [--speculators]
+                                        [--layers-type qwen3|llama]
 
 The draft has no embedding (it borrows the target's) and no lm_head unless its vocabulary is
 reduced, so its shape is read from the target's config.json; see docs/dflash.md section 1 for
@@ -41,6 +42,7 @@ def make_tiny_draft(
     sliding_layers: list[int] | None = None,
     draft_vocab: list[int] | None = None,
     speculators: bool = False,
+    layers: str = "qwen3",
 ) -> Path:
     """Save a DFlash draft for the target in target_dir to out_dir and return out_dir.
 
@@ -49,6 +51,7 @@ def make_tiny_draft(
     does not use, or the last row. sliding_layers (default: all) slide over sliding_window
     positions. draft_vocab: the target ids the draft drafts from (a reduced vocabulary: its own
     lm_head, d2t and t2d). speculators: write the speculators format instead of z-lab's.
+    layers: the model_type of the draft's layers, "qwen3" or "llama" (no q/k norm weights).
     state_dict is written as given instead of random weights (extra tensors included).
     extra_config's top-level keys overwrite the generated config (a dict replaces, it does not
     merge), so tests can write broken variants.
@@ -62,6 +65,7 @@ def make_tiny_draft(
     if target_layer_ids is not None:
         dflash_config["target_layer_ids"] = list(target_layer_ids)
     config = draft_config(target, num_layers, block_size, dflash_config)
+    config["model_type"] = layers
     if sliding_window is not None:
         sliding = set(range(num_layers) if sliding_layers is None else sliding_layers)
         config["layer_types"] = [
@@ -227,6 +231,8 @@ def random_draft_weights(
             p + "mlp.up_proj.weight": linear(inter, h),
             p + "mlp.down_proj.weight": linear(h, inter),
         }
+        if config["model_type"] == "llama":  # no q/k norm (drawn all the same: same weights)
+            del weights[p + "self_attn.q_norm.weight"], weights[p + "self_attn.k_norm.weight"]
     return weights
 
 
@@ -252,6 +258,12 @@ def main(argv: list[str] | None = None) -> None:
         "--draft-vocab", type=int, default=None, help="a reduced vocabulary of N random ids"
     )
     parser.add_argument("--speculators", action="store_true", help="the speculators format")
+    parser.add_argument(
+        "--layers-type",
+        default="qwen3",
+        choices=("qwen3", "llama"),
+        help="the draft layers' model_type (llama: no q/k norm)",
+    )
     args = parser.parse_args(argv)
     layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
     sliding = [int(x) for x in args.sliding_layers.split(",")] if args.sliding_layers else None
@@ -272,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         sliding_layers=sliding,
         draft_vocab=vocab,
         speculators=args.speculators,
+        layers=args.layers_type,
     )
     print(out)
 

@@ -399,7 +399,7 @@ def test_rope_is_read_as_transformers_reads_it(case: str) -> None:
     settings = checked_config(json.loads(json.dumps(config)), "test")
     hf = CONFIG_MAPPING["qwen3"].from_dict(json.loads(json.dumps(config))).rope_parameters
     assert settings["rope_theta"] == hf["rope_theta"]
-    yarn = settings["yarn"]
+    yarn = settings["rope_scaling"]
     assert (yarn is None) == (hf["rope_type"] == "default")
     if yarn is not None:
         factor = hf["factor"] or 512 / hf["original_max_position_embeddings"]  # null: the ratio

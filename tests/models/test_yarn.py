@@ -53,8 +53,8 @@ def test_tables_are_transformers_own(extra: dict[str, Any]) -> None:
     )
     inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
     shape = qwen3_shape(config.to_dict())
-    assert shape.max_position_embeddings == 4 * ORIGINAL and shape.yarn is not None
-    rope = RotaryEmbedding(64, 200, 1_000_000.0, shape.yarn)
+    assert shape.max_position_embeddings == 4 * ORIGINAL and shape.rope_scaling is not None
+    rope = RotaryEmbedding(64, 200, 1_000_000.0, shape.rope_scaling)
     freqs = torch.outer(torch.arange(200, dtype=torch.float32), inv_freq)
     assert torch.equal(rope.cos, freqs.cos() * scale)
     assert torch.equal(rope.sin, freqs.sin() * scale)
@@ -95,7 +95,8 @@ def test_validate_reports_the_yarn_context(yarn_model: Path, tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("rope", "message"),
     [
-        ({"rope_type": "llama3", "factor": 8.0}, "rope type 'llama3' is not supported"),
+        ({"rope_type": "longrope", "factor": 8.0}, "rope type 'longrope' is not supported"),
+        ({"rope_type": "llama3", "factor": 8.0}, "llama3 needs low_freq_factor"),
         ({"rope_type": "yarn", "factor": 4.0}, "yarn needs original_max_position_embeddings"),
         ({**YARN, "factor": 0.5}, r"rope_parameters.factor must be a finite number >= 1 .*0\.5"),
     ],

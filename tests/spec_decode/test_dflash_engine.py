@@ -468,9 +468,13 @@ BAD_DRAFTS: dict[str, tuple[dict[str, Any], str]] = {
         {"extra_config": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}},
         "yarn needs original_max_position_embeddings",
     ),
-    "llama3-rope-scaling": (
+    "longrope-scaling": (
+        {"extra_config": {"rope_scaling": {"rope_type": "longrope", "factor": 8.0}}},
+        "rope type 'longrope' is not supported",
+    ),
+    "llama3-without-its-factors": (
         {"extra_config": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}},
-        "rope type 'llama3' is not supported",
+        "llama3 needs low_freq_factor",
     ),
     # Sliding windows: transformers reads no window without use_sliding_window.
     "sliding-without-window": (
