@@ -25,6 +25,7 @@ from batchrun.io.input.openai_batch import (
 )
 from batchrun.sampling.option import Kind
 from tests.job.test_cli import kill_when
+from tests.job.test_preflight import assert_refused_alike
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
@@ -222,6 +223,26 @@ def test_export_of_a_parquet_job_and_one_line_errors(tmp_path: Path, tiny_model:
     flagged = invoke("validate", "--input", str(requests), "--output", str(tmp_path / "o2"),
                      "--target", str(tiny_model), "--prompt-column", "prompt")  # fmt: skip
     assert flagged.exit_code == 2 and "does not apply to OpenAI Batch requests" in flagged.stderr
+
+
+def test_a_custom_id_twice_is_refused_by_validate_and_run_alike(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    one = tmp_path / "one.jsonl"
+    one.write_text("\n".join([chat("dup", "hi"), "{not json", "", chat("dup", "again")]) + "\n")
+    flags = ["--input", str(one), "--output", str(out), "--target", str(tiny_model)]
+    line = assert_refused_alike(flags, "custom_id 'dup' is on lines 1 and 4 of", out, monkeypatch)
+    assert str(one) in line
+
+    inputs = tmp_path / "two"
+    inputs.mkdir()
+    (inputs / "a.jsonl").write_text(chat("a", "hi") + "\n" + completion("same", "x") + "\n")
+    (inputs / "b.jsonl").write_text(chat("same", "hi") + "\n")
+    flags = ["--input", str(inputs / "*.jsonl"), "--output", str(out), "--target", str(tiny_model)]
+    line = assert_refused_alike(flags, "custom_id 'same' is on line 2 of", out, monkeypatch)
+    a, b = str(inputs / "a.jsonl"), str(inputs / "b.jsonl")
+    assert f"line 2 of {a!r} and line 1 of {b!r}" in line
 
 
 # -- the body's fields -------------------------------------------------------------------------
