@@ -214,6 +214,14 @@ def test_export_of_a_parquet_job_and_one_line_errors(tmp_path: Path, tiny_model:
     assert sorted(line["custom_id"] for line in results) == ["row-0", "row-1"]
     assert all(line["response"]["body"]["object"] == "text_completion" for line in results)
 
+    numbered = tmp_path / "numbered.parquet"
+    pq.write_table(pa.table({"prompt": ["def f(", "import "], "custom_id": [7, None]}), numbered)
+    ran = invoke("run", "--input", str(numbered), "--output", str(tmp_path / "out_n"),
+                 "--target", str(tiny_model), "--max-tokens", "3", "--quiet")  # fmt: skip
+    assert ran.exit_code == 0, ran.output
+    ids = [line["custom_id"] for line in export(tmp_path / "out_n", tmp_path)]
+    assert sorted(ids, key=str) == ["7", None]  # a string, as the format's; null stays null
+
     missing = invoke("export", str(tmp_path / "nothing"), "--output", str(tmp_path / "r.jsonl"))
     assert missing.exit_code == 2 and "no part files" in missing.stderr
     assert len(missing.stderr.splitlines()) == 1

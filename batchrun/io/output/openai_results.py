@@ -136,6 +136,8 @@ def result_line(samples: Sequence[dict[str, Any]], model: str, created: int) -> 
     first = samples[0]
     row_index = first["row_index"]
     custom_id = first.get(ID_COLUMN, f"row-{row_index}")
+    if custom_id is not None and not isinstance(custom_id, str):
+        custom_id = str(custom_id)  # the format's custom_id is a string (a Parquet id: any type)
     line: dict[str, Any] = {"id": f"batchrun-{row_index}", "custom_id": custom_id}
     if all(sample["finish_reason"] == "error" for sample in samples):
         return {**line, "response": None, "error": {"code": ERROR_CODE, "message": first["error"]}}
