@@ -237,6 +237,17 @@ def test_a_job_on_s3_writes_every_row_once_and_a_second_run_adds_nothing(
     summary = invoke("stats", f"s3://{bucket}/out")
     assert summary.exit_code == 0, summary.output
     assert f"rows: {len(PROMPTS)} (" in summary.stdout and "complete)" in summary.stdout
+    exported: dict[str, list[str]] = {}
+    for name, out_dir in (("s3", f"s3://{bucket}/out"), ("local", str(tmp_path / "o"))):
+        results = tmp_path / f"{name}.jsonl"
+        ran = invoke("export", out_dir, "--output", str(results))
+        assert ran.exit_code == 0 and f"{len(PROMPTS)} results" in ran.stdout, ran.output
+        lines = [json.loads(line) for line in results.read_text().splitlines()]
+        for line in lines:
+            if line["response"] is not None:
+                line["response"]["body"].pop("created")  # when the part was written
+        exported[name] = sorted(json.dumps(line, sort_keys=True) for line in lines)
+    assert exported["s3"] == exported["local"]  # the same results as the same job's local output
     report = invoke("report", f"s3://{bucket}/out")
     assert report.exit_code == 0, report.output
     assert "report.html" in names(fs, f"{bucket}/out")
