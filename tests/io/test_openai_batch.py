@@ -23,6 +23,7 @@ from batchrun.io.input.openai_batch import (
     body_columns,
     request_row,
 )
+from batchrun.runners.ray import run as ray_run
 from batchrun.sampling.option import Kind
 from tests.job.test_cli import kill_when
 from tests.job.test_preflight import assert_refused_alike
@@ -251,6 +252,28 @@ def test_a_custom_id_twice_is_refused_by_validate_and_run_alike(
     line = assert_refused_alike(flags, "custom_id 'same' is on line 2 of", out, monkeypatch)
     a, b = str(inputs / "a.jsonl"), str(inputs / "b.jsonl")
     assert f"line 2 of {a!r} and line 1 of {b!r}" in line
+
+
+def test_ray_refuses_a_batch_file_in_one_line_before_it_starts(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_ray() -> None:
+        raise AssertionError("Ray was imported for a job --ray refuses")
+
+    monkeypatch.setattr(ray_run, "import_ray", no_ray)
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "requests.jsonl").write_text(chat("a", "hi") + "\n")
+    for spec in (inputs / "requests.jsonl", inputs / "*"):
+        out = tmp_path / "out"
+        refused = invoke("run", "--input", str(spec), "--output", str(out),
+                         "--target", str(tiny_model), "--ray")  # fmt: skip
+        assert refused.exit_code == 2 and len(refused.stderr.splitlines()) == 1, refused.output
+        assert (
+            "--ray reads Parquet inputs only" in refused.stderr
+            and "requests.jsonl" in refused.stderr
+        )
+        assert not out.exists()
 
 
 # -- the body's fields -------------------------------------------------------------------------
