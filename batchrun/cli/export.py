@@ -10,7 +10,7 @@ FORMATS = ("openai-batch",)
 
 
 @click.command()
-@click.argument("output_dir", type=click.Path(path_type=Path))
+@click.argument("output_dir")  # a local path or an s3:// or gs:// URI: not a click.Path
 @click.option(
     "--format",
     "format_name",
@@ -26,8 +26,8 @@ FORMATS = ("openai-batch",)
     required=True,
     help="File to write, e.g. results.jsonl.",
 )
-def export(output_dir: Path, format_name: str, destination: Path) -> None:
-    """Write the rows of OUTPUT_DIR (finished or running) in another format."""
+def export(output_dir: str, format_name: str, destination: Path) -> None:
+    """Write the rows of OUTPUT_DIR (finished or running; local or s3://...) in another format."""
     from batchrun.io.output.openai_results import write_results
 
     written = write_results(output_dir, destination)

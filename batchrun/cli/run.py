@@ -13,8 +13,7 @@ from typing import Any
 import click
 
 from batchrun.cli.options import job_flags, job_of
-from batchrun.errors import EXIT_STOPPED, JobError, JobStopped
-from batchrun.io.store import is_uri
+from batchrun.errors import EXIT_STOPPED, JobStopped
 from batchrun.runners.local import run_job, summary_line
 from batchrun.runners.workers.run import check_workers, run_workers
 
@@ -68,8 +67,6 @@ def run(job_file: Path | None, ray_address: str | None, replicas: int | None, **
 
         if job.run.tp > 1:
             raise click.UsageError("--tp runs under torchrun, not with --ray")
-        if is_uri(job.input.path) or is_uri(job.output.directory):
-            raise JobError("--ray reads and writes local or shared paths, not object storage")
         stats = run_job_ray(job, ray_address or None, replicas)
     elif replicas is not None:
         raise click.UsageError("--replicas needs --ray")

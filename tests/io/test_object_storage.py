@@ -192,10 +192,18 @@ def test_one_listing_names_the_same_files_in_either_store(
     below = ["data/0.parquet", "data/_hidden/0.parquet", "data/deeper/0.parquet"]
     assert listed("data/**/0.parquet", exclude="data/out") == [below, below]
     assert listed("data/old/part-000000.parquet") == [["data/old/part-000000.parquet"]] * 2
-    for spec, message in (("data/out/0.parquet", "inside the output"), ("data/*.csv", "no files")):
+    refused = {
+        ("data/out/0.parquet", "data/out"): "input file .* is inside the output directory",
+        ("data/*.csv", "data/out"): "matches no files",
+        ("data/out", "data/out"): "input directory .* is the output directory",
+        ("data/out/", "data/out"): "input directory .* is the output directory",
+        ("data/deeper", "data"): "input directory .* is inside the output directory",
+        ("data/out/*.parquet", "data/out"): "matches only files inside the output directory",
+    }
+    for (spec, exclude), message in refused.items():
         for _, _, root in trees:
             with pytest.raises(JobError, match=message):
-                resolve_input_paths(f"{root}/{spec}", f"{root}/data/out")
+                resolve_input_paths(f"{root}/{spec}", f"{root}/{exclude}")
 
 
 def test_a_job_on_s3_writes_every_row_once_and_a_second_run_adds_nothing(
@@ -237,6 +245,17 @@ def test_a_job_on_s3_writes_every_row_once_and_a_second_run_adds_nothing(
     summary = invoke("stats", f"s3://{bucket}/out")
     assert summary.exit_code == 0, summary.output
     assert f"rows: {len(PROMPTS)} (" in summary.stdout and "complete)" in summary.stdout
+    exported: dict[str, list[str]] = {}
+    for name, out_dir in (("s3", f"s3://{bucket}/out"), ("local", str(tmp_path / "o"))):
+        results = tmp_path / f"{name}.jsonl"
+        ran = invoke("export", out_dir, "--output", str(results))
+        assert ran.exit_code == 0 and f"{len(PROMPTS)} results" in ran.stdout, ran.output
+        lines = [json.loads(line) for line in results.read_text().splitlines()]
+        for line in lines:
+            if line["response"] is not None:
+                line["response"]["body"].pop("created")  # when the part was written
+        exported[name] = sorted(json.dumps(line, sort_keys=True) for line in lines)
+    assert exported["s3"] == exported["local"]  # the same results as the same job's local output
     report = invoke("report", f"s3://{bucket}/out")
     assert report.exit_code == 0, report.output
     assert "report.html" in names(fs, f"{bucket}/out")

@@ -23,8 +23,10 @@ from batchrun.io.input.openai_batch import (
     body_columns,
     request_row,
 )
+from batchrun.runners.ray import run as ray_run
 from batchrun.sampling.option import Kind
 from tests.job.test_cli import kill_when
+from tests.job.test_preflight import assert_refused_alike
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
@@ -213,6 +215,14 @@ def test_export_of_a_parquet_job_and_one_line_errors(tmp_path: Path, tiny_model:
     assert sorted(line["custom_id"] for line in results) == ["row-0", "row-1"]
     assert all(line["response"]["body"]["object"] == "text_completion" for line in results)
 
+    numbered = tmp_path / "numbered.parquet"
+    pq.write_table(pa.table({"prompt": ["def f(", "import "], "custom_id": [7, None]}), numbered)
+    ran = invoke("run", "--input", str(numbered), "--output", str(tmp_path / "out_n"),
+                 "--target", str(tiny_model), "--max-tokens", "3", "--quiet")  # fmt: skip
+    assert ran.exit_code == 0, ran.output
+    ids = [line["custom_id"] for line in export(tmp_path / "out_n", tmp_path)]
+    assert sorted(ids, key=str) == ["7", None]  # a string, as the format's; null stays null
+
     missing = invoke("export", str(tmp_path / "nothing"), "--output", str(tmp_path / "r.jsonl"))
     assert missing.exit_code == 2 and "no part files" in missing.stderr
     assert len(missing.stderr.splitlines()) == 1
@@ -222,6 +232,48 @@ def test_export_of_a_parquet_job_and_one_line_errors(tmp_path: Path, tiny_model:
     flagged = invoke("validate", "--input", str(requests), "--output", str(tmp_path / "o2"),
                      "--target", str(tiny_model), "--prompt-column", "prompt")  # fmt: skip
     assert flagged.exit_code == 2 and "does not apply to OpenAI Batch requests" in flagged.stderr
+
+
+def test_a_custom_id_twice_is_refused_by_validate_and_run_alike(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    one = tmp_path / "one.jsonl"
+    one.write_text("\n".join([chat("dup", "hi"), "{not json", "", chat("dup", "again")]) + "\n")
+    flags = ["--input", str(one), "--output", str(out), "--target", str(tiny_model)]
+    line = assert_refused_alike(flags, "custom_id 'dup' is on lines 1 and 4 of", out, monkeypatch)
+    assert str(one) in line
+
+    inputs = tmp_path / "two"
+    inputs.mkdir()
+    (inputs / "a.jsonl").write_text(chat("a", "hi") + "\n" + completion("same", "x") + "\n")
+    (inputs / "b.jsonl").write_text(chat("same", "hi") + "\n")
+    flags = ["--input", str(inputs / "*.jsonl"), "--output", str(out), "--target", str(tiny_model)]
+    line = assert_refused_alike(flags, "custom_id 'same' is on line 2 of", out, monkeypatch)
+    a, b = str(inputs / "a.jsonl"), str(inputs / "b.jsonl")
+    assert f"line 2 of {a!r} and line 1 of {b!r}" in line
+
+
+def test_ray_refuses_a_batch_file_in_one_line_before_it_starts(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_ray() -> None:
+        raise AssertionError("Ray was imported for a job --ray refuses")
+
+    monkeypatch.setattr(ray_run, "import_ray", no_ray)
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "requests.jsonl").write_text(chat("a", "hi") + "\n")
+    for spec in (inputs / "requests.jsonl", inputs / "*"):
+        out = tmp_path / "out"
+        refused = invoke("run", "--input", str(spec), "--output", str(out),
+                         "--target", str(tiny_model), "--ray")  # fmt: skip
+        assert refused.exit_code == 2 and len(refused.stderr.splitlines()) == 1, refused.output
+        assert (
+            "--ray reads Parquet inputs only" in refused.stderr
+            and "requests.jsonl" in refused.stderr
+        )
+        assert not out.exists()
 
 
 # -- the body's fields -------------------------------------------------------------------------

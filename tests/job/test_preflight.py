@@ -249,6 +249,16 @@ def assert_refused_alike(
     return refused
 
 
+def test_an_output_that_is_the_input_directory_is_refused_by_name(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_input(tmp_path / "in")
+    flags = ["--input", str(tmp_path / "in"), "--output", str(tmp_path / "in")]
+    flags += ["--target", str(tiny_model)]
+    message = f"input directory {str(tmp_path / 'in')!r} is the output directory"
+    assert_refused_alike(flags, message, tmp_path / "in" / "_progress", monkeypatch)
+
+
 def test_check_batch_budget() -> None:
     from batchrun.engine.config import check_batch_budget
 

@@ -39,10 +39,14 @@ def _list(store: Store, spec: str, exclude: str | PurePath | None) -> list[PureP
         if absent is not None:
             raise JobError(f"input {spec!r}: {absent}")
         kind = store.kind(root)
+        shown = store.shown(excluded) if excluded is not None else ""
+        if kind in ("file", "dir") and inside(root):  # every file it names would be the output's
+            assert excluded is not None
+            what = f"input {'file' if kind == 'file' else 'directory'} {spec!r}"
+            if kind == "dir" and store.under(root)(excluded):
+                raise JobError(f"{what} is the output directory: write the output elsewhere")
+            raise JobError(f"{what} is inside the output directory {shown!r}")
         if kind == "file":
-            if inside(root):
-                shown = store.shown(excluded) if excluded is not None else ""
-                raise JobError(f"input file {spec!r} is inside the output directory {shown!r}")
             return [root]
         if kind == "dir":
             found = [p for p in _parquet_below(store, root) if not inside(p)]
@@ -50,7 +54,12 @@ def _list(store: Store, spec: str, exclude: str | PurePath | None) -> list[PureP
                 raise JobError(f"input directory {spec!r} holds no .parquet files")
             return found
         if glob.has_magic(spec):
-            found = [p for p in store.match(root) if not inside(p)]
+            matched = store.match(root)
+            found = [p for p in matched if not inside(p)]
+            if matched and not found:
+                raise JobError(
+                    f"input glob {spec!r} matches only files inside the output directory {shown!r}"
+                )
             if not found:
                 raise JobError(f"input glob {spec!r} matches no files")
             return found

@@ -9,7 +9,9 @@ row: a bad line never stops the job and is never dropped.
 
 A file is indexed once at open (index_request_file: its sha256 and the byte offset of every group
 of GROUP_ROWS lines, nothing parsed); those groups serve as its row groups, so shards and resume
-read only their own groups, parsing each line once (read_request_rows).
+read only their own groups, parsing each line once (read_request_rows). Before that, open_input
+reads every file's custom_ids once (first_duplicate_id): OpenAI's Batch API refuses a file that
+repeats one, and so does batchrun, across the files of one input too.
 """
 
 from __future__ import annotations
@@ -134,6 +136,34 @@ def index_request_file(path: Path) -> RequestFileIndex:
                 rows[-1] += 1
             offset += len(line)
     return RequestFileIndex(tuple(offsets), tuple(lines), tuple(rows), digest.hexdigest())
+
+
+@dataclass(frozen=True)
+class IdPlace:
+    """Where a custom_id is: the file (as the user names it) and its line (from 1)."""
+
+    file: str
+    line: int
+
+
+def first_duplicate_id(files: Sequence[tuple[str, Path]]) -> tuple[str, IdPlace, IdPlace] | None:
+    """The first custom_id that two lines of these request files (shown name, path) share, with
+    both places. Lines without a string custom_id are skipped: they become error rows anyway."""
+    seen: dict[str, IdPlace] = {}
+    for shown, path in files:
+        with path.open("rb") as file:
+            for number, line in enumerate(file, start=1):
+                try:
+                    custom_id = json.loads(line).get("custom_id") if line.strip() else None
+                except (ValueError, AttributeError):  # not JSON, or not an object
+                    continue
+                if not isinstance(custom_id, str):
+                    continue
+                place = IdPlace(shown, number)
+                if custom_id in seen:
+                    return custom_id, seen[custom_id], place
+                seen[custom_id] = place
+    return None
 
 
 def read_request_rows(

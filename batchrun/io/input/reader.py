@@ -26,6 +26,7 @@ from batchrun.io.input.listing import input_paths
 from batchrun.io.input.openai_batch import (
     REQUEST_SCHEMA,
     RequestFileIndex,
+    first_duplicate_id,
     index_request_file,
     is_request_file,
     read_request_rows,
@@ -147,7 +148,29 @@ def open_input(spec: str, exclude: str | Path | None = None) -> InputSource:
         files.append(InputFile(path, first_row, rows, sha256, metadata, store=store))
         first_row += sum(rows)
     assert schema is not None  # input_paths never returns an empty list
+    _check_request_ids(files)
     return InputSource(files=tuple(files), schema=schema)
+
+
+def _check_request_ids(files: Sequence[InputFile]) -> None:
+    """Refuse request files whose lines repeat a custom_id (results are matched by it)."""
+    requests = [(file.shown, Path(file.path)) for file in files if file.requests is not None]
+    try:
+        duplicate = first_duplicate_id(requests)
+    except OSError as exc:
+        raise JobError(f"cannot read input file: {exc}") from exc
+    if duplicate is None:
+        return
+    custom_id, first, second = duplicate
+    where = (
+        f"lines {first.line} and {second.line} of {first.file!r}"
+        if first.file == second.file
+        else f"line {first.line} of {first.file!r} and line {second.line} of {second.file!r}"
+    )
+    raise JobError(
+        f"custom_id {custom_id!r} is on {where}; each request needs its own custom_id "
+        "(results are matched to requests by it)"
+    )
 
 
 def _open_request_file(path: Path, first_row: int) -> InputFile:

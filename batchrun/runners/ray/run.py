@@ -36,9 +36,12 @@ import pyarrow as pa
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
+from batchrun.io.input.listing import resolve_input_paths
+from batchrun.io.input.openai_batch import is_request_file
 from batchrun.io.input.prompts import PromptColumn, find_prompt_column
 from batchrun.io.input.reader import open_input
 from batchrun.io.output.stats import RunClock
+from batchrun.io.store import is_uri
 from batchrun.runners.engine_feed import QUEUE_FACTOR
 from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.ray.committer import commit_outputs
@@ -59,17 +62,34 @@ def import_ray() -> Any:
     return ray
 
 
+def check_ray_job(job: JobSpec) -> None:
+    """What --ray does not run, each refused in one line before Ray is imported or started."""
+    if job.run.shard is not None:
+        raise JobError("--ray runs every row of the job; leave out shard")
+    if job.run.metrics_port is not None or job.run.metrics_file is not None:
+        raise JobError("metrics_port and metrics_file are a local run's; Ray exports its own")
+    if is_uri(job.input.path) or is_uri(job.output.directory):
+        raise JobError("--ray reads and writes local or shared paths, not object storage")
+    batch_files = [
+        path
+        for path in resolve_input_paths(job.input.path, job.output.directory)
+        if is_request_file(Path(path.name))
+    ]
+    if batch_files:  # the read stage reads Parquet row groups (read_row_groups)
+        raise JobError(
+            f"--ray reads Parquet inputs only, and {str(batch_files[0])!r} is an OpenAI Batch "
+            "file: run it without --ray (--workers runs several engines on this node)"
+        )
+
+
 def run_job_ray(
     job: JobSpec, address: str | None = None, replicas: int | None = None
 ) -> dict[str, Any]:
     """Run the job on the Ray cluster at `address` (None: the one this machine or RAY_ADDRESS
     names, else a new local one) with `replicas` engine actors (None: one per GPU, or 1 without
     GPUs); returns its stats.json content. Raises JobError."""
+    check_ray_job(job)
     ray = import_ray()
-    if job.run.shard is not None:
-        raise JobError("--ray runs every row of the job; leave out shard")
-    if job.run.metrics_port is not None or job.run.metrics_file is not None:
-        raise JobError("metrics_port and metrics_file are a local run's; Ray exports its own")
     if replicas is not None and replicas < 1:
         raise JobError(f"--replicas must be at least 1, got {replicas}")
     clock = RunClock()
