@@ -78,13 +78,22 @@ for stage in ${STAGES:-nodraft}; do
         jobs jobs-j1-drafts j1 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
     drafts-b)
         jobs jobs-w3-w4-drafts w3,w4 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
+    hybrid)  # the hybrid qwen3.5-9b: decode steps at batch 1, 32, 128 against the roofline
+        # (state counted), then W2 (batch 32) with no draft and the oracle at tau 3 and 6.5
+        budget=$(left)
+        echo "== steps-qwen3.5-9b ($budget s left)" | tee -a "$LOG"
+        timeout "$budget" python3 -m batchrun.cli bench --shape qwen3.5-9b --batch-sizes 1,32,128 \
+            --contexts 1024 --steps 16 --tau 3,6.5 --no-hf-eager --hf-compiled-batches '' \
+            --out "$OUT/steps-qwen3.5-9b.json" 2>&1 | grep -v -i warning | tee -a "$LOG"
+        jobs jobs-qwen3.5-9b-w2-drafts w2 --shape qwen3.5-9b --tau 3,6.5 --widths auto \
+            --scratch /tmp/bh ;;
     gpu-tests)  # at most GPU_TESTS_BUDGET seconds (default: what is left)
         budget=$(left)
         budget=$((budget < ${GPU_TESTS_BUDGET:-$budget} ? budget : ${GPU_TESTS_BUDGET:-$budget}))
         # the files with GPU tests (the rest import packages the image lacks: polars, moto)
         timeout "$budget" python3 -m pytest -q -p no:cacheprovider -m gpu \
-            $(grep -rl "mark.gpu" tests | sort) 2>&1 \
-            | grep -v '^$' | tail -n 60 | tee "$OUT/gpu-tests.log" ;;
+            ${GPU_TEST_FILES:-$(grep -rl "mark.gpu" tests | sort)} 2>&1 \
+            | grep -v '^$' | tail -n 60 | tee "$OUT/gpu-tests${GPU_TESTS_TAG:-}.log" ;;
     *) echo "unknown stage $stage" | tee -a "$LOG" ;;
     esac
 done
