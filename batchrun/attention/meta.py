@@ -26,10 +26,12 @@ class AttentionMeta:
     causal: bool = True  # False: every row sees all kv_lens[r] cached positions (DFlash draft)
     # A sliding window: a row at position q sees only positions > q - window (None: all).
     window: int | None = None
-    # A mixed step: requests [0, decoding) decode, at most decode_q rows each, and prefill
-    # chunks follow. A backend may attend the two parts with tiles of their own (0: one part).
+    # A mixed step: requests [0, decoding) decode, at most decode_q rows each and decode_rows
+    # in all (cu_q[decoding], known on the host), and prefill chunks follow. A backend may
+    # attend the two parts with tiles of their own (0: one part).
     decoding: int = 0
     decode_q: int = 0
+    decode_rows: int = 0
 
     @property
     def num_requests(self) -> int:
@@ -42,6 +44,24 @@ def kv_indices(
     """The cache index of position positions[t] of request req[t] (int64)."""
     pages = page_table[req, torch.div(positions, page_size, rounding_mode="floor")].long()
     return pages * page_size + positions % page_size
+
+
+def row_starts(lengths: torch.Tensor) -> torch.Tensor:
+    """The first packed row of each request, its rows after those of the requests before it."""
+    return torch.cumsum(lengths, 0) - lengths
+
+
+def padded_rows(
+    start: torch.Tensor, length: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Requests whose rows are packed by offsets (request r's: start[r] .. start[r] +
+    length[r] - 1, each length at most `width`) seen as a [R, width] grid: the packed row of
+    each cell (clamped to the request's last row, or its start when it has none) and whether
+    the cell is one of its rows. With no host sync (captured in CUDA graphs)."""
+    j = torch.arange(width, device=start.device)[None, :]
+    valid = j < length[:, None]
+    last = (length - 1).clamp(min=0)[:, None]
+    return start[:, None] + torch.minimum(j, last), valid
 
 
 def allocate_kv(

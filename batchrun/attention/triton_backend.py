@@ -85,7 +85,7 @@ class TritonAttention:
         # splits), then the chunks with prefill tiles. In one launch every decode row took a
         # chunk's tile of BLOCK_Q tokens and the grid a block per max_q / BLOCK_Q for every
         # request. Both write their own rows of one output.
-        rows = d * meta.decode_q  # each decoding request has decode_q rows
+        rows = meta.decode_rows  # each decoding request has at most decode_q of them
         out = torch.empty_like(q)
         self._attend(q[:rows], caches, scale, slice(0, d), meta.decode_q, out[:rows])
         return self._attend(q, caches, scale, slice(d, None), meta.max_q, out, 1)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from batchrun.attention.meta import padded_rows, row_starts
 from batchrun.device import put
 from batchrun.engine.core.step import Scheduled
 from batchrun.sampling.slot_tables import SAMPLING_SLOT_BYTES, SlotTables
@@ -69,12 +70,13 @@ class DeviceState:
     def commit(
         self,
         slots: torch.Tensor,  # [R] the step's requests: D decoding first, then prefill chunks
-        q_lens: torch.Tensor,  # [R]
+        q_lens: torch.Tensor,  # [R] their rows, packed in order
         sampled: torch.Tensor,  # [R] rows sampled per request (a verify: all; a chunk: 0 or 1)
         tokens: torch.Tensor,  # [N] the sampled tokens, in request order
         accepted: torch.Tensor,  # [D] drafts accepted per decoding request
         num_decoding: int,
-        width: int,
+        decode_rows: int,  # the decoding requests' rows in all (their tokens lead `tokens`)
+        max_width: int,  # the widest decoding request's rows
     ) -> None:
         """A decoding request commits its anchor and accepted drafts (KV) and the tokens
         after them; a prefill chunk commits its rows, and a completing one its first token."""
@@ -85,13 +87,15 @@ class DeviceState:
         new_tokens = sampled.clone()
         new_tokens[:d] = keep
         last = self.last_token[slots]
-        post = tokens[: d * width].view(d, width)
+        # Each decoding request's tokens as a [D, max_width] grid, by its rows' offsets.
+        grid, _ = padded_rows(row_starts(q_lens[:d]), q_lens[:d], max_width)
+        post = tokens[grid] if d else tokens.new_zeros(0, max_width)
         if d:
             last[:d] = post.gather(1, accepted.view(-1, 1)).view(-1)
-        # A completing chunk's token: the j-th sampled chunk samples tokens[d * width + j].
+        # A completing chunk's token: the j-th sampled chunk samples tokens[decode_rows + j].
         chunk_sampled = sampled > 0
         chunk_sampled[:d] = False
-        index = (d * width + chunk_sampled.cumsum(0) - 1).clamp(0, max(tokens.shape[0] - 1, 0))
+        index = (decode_rows + chunk_sampled.cumsum(0) - 1).clamp(0, max(tokens.shape[0] - 1, 0))
         chunk_token = tokens[index] if tokens.shape[0] else last
         last = torch.where(chunk_sampled, chunk_token, last)
         self.sampling.controls.commit(slots, post, accepted, chunk_token, chunk_sampled)

@@ -81,21 +81,31 @@ class LinearSlots:
         assert next(left, None) is None, "one K/V pool per full-attention layer"
 
     def meta(self, plan: StepPlan, args: StepArgs) -> LinearStepMeta:
-        """The step's rows by slot: its decoding requests (W rows each), then its chunks."""
+        """The step's rows by slot: its decoding requests (each its own rows), then its
+        chunks."""
+        d = plan.num_decoding
         return LinearStepMeta(
             slots=args.slot,
-            decoding=plan.num_decoding,
-            width=plan.width,
+            decoding=d,
+            q_lens=args.q_len[:d],
+            max_q=plan.max_width,
+            decode_rows=plan.decode_rows,
             prefill_lens=plan.chunk_lens,
             prefill_fresh=plan.chunk_fresh,
         )
 
-    def graph_meta(self, slots: torch.Tensor, width: int) -> LinearStepMeta:
+    def graph_meta(
+        self, slots: torch.Tensor, q_lens: torch.Tensor, max_q: int, rows: int
+    ) -> LinearStepMeta:
         """A CUDA graph's step: every one of its requests decodes (slots [size], the padding
-        ones the scratch slot's), its scratch rows [:size] filled for the commit, which reads
-        the live ones (`meta`'s), the first of them."""
+        ones the scratch slot's, with no rows), `rows` in all, at most max_q each; its scratch
+        rows [:size] filled for the commit, which reads the live ones (`meta`'s), the first of
+        them."""
         assert slots.shape[0] <= self.max_decoding, "the verify scratch holds every graph row"
-        return LinearStepMeta(slots=slots, decoding=slots.shape[0], width=width)
+        size = slots.shape[0]
+        return LinearStepMeta(
+            slots=slots, decoding=size, q_lens=q_lens, max_q=max_q, decode_rows=rows
+        )
 
     def forward(
         self,

@@ -4,10 +4,14 @@ target's CUDA graphs, and runs the target's forward of a step over the per-slot 
 
 A step arrives as one packed host array (its layout: engine/step_inputs.py), copied once into a
 persistent device buffer; everything else is built on the device from it and the slots' state.
-A step in which every request decodes (W rows each: its anchor, then W - 1 drafts) replays a CUDA
-graph captured for its width and the smallest batch size that holds it, input building included
-(a hybrid target's linear layers too: their slots by the step's, padding in the scratch slot);
-any other step (prefill chunks mixed in) runs the same code eagerly. What drafting needs happens
+A step in which every request decodes (each its own W_r rows: its anchor, then W_r - 1 drafts)
+replays a CUDA graph, input building included (a hybrid target's linear layers too: their slots
+by the step's, padding in the scratch slot); any other step (prefill chunks mixed in) runs the
+same code eagerly. The graphs are keyed by requests and total rows, not by a width: a set per
+verify width w holds size * w rows for each ladder size, and any request may have up to the
+job's widest width of them (`graph_shape`). So a step whose rows verify at different widths
+pays for the rows it has (rounded up to the next w), not for its widest row times its
+requests, which a graph captured at the widest width per request would. What drafting needs happens
 in the speculator the runner builds (spec_decode/), handing it a view of the target; the forward
 hands it the features of rows it commits.
 """
@@ -31,6 +35,7 @@ from batchrun.engine.device_state import DeviceState
 from batchrun.engine.linear_slots import LinearSlots
 from batchrun.engine.step_inputs import (
     IN_FLIGHT_STEPS,
+    MixedDecoding,
     StepArgs,
     StepPlan,
     TargetInputs,
@@ -134,7 +139,8 @@ class ModelRunner:
             max_batched_tokens=self.max_batched_tokens,
         )
         self.replays = self.graph_host.replays  # (graph set, batch size) -> replays
-        self.target_graphs: dict[int, GraphSet] = {}  # verify width -> its graphs
+        self.target_graphs: dict[int, GraphSet] = {}  # w -> graphs of size * w rows
+        self.graph_max_q = 1  # the most rows a request may have in a drafting graph
         # Width 1 capturing no features: steps while the speculator writes no context.
         self.quiet_graphs: GraphSet | None = None
         self.graph_logits: torch.Tensor | None = None  # every target graph's logits, [rows, V]
@@ -160,6 +166,7 @@ class ModelRunner:
         rows = graph_rows(max_batch_size, widths, self.max_batched_tokens)
         vocab = self.model.lm_head.weight.shape[0]  # a tensor-parallel rank's: its slice
         self.graph_logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
+        self.graph_max_q = max(widths)
         for width in sorted(widths, reverse=True):
             self.target_graphs[width] = self.graph_host.capture(
                 f"target{width}",
@@ -178,10 +185,21 @@ class ModelRunner:
             )
         self.speculator.capture_graphs(max_batch_size, pool)
 
-    def graph_size(self, num_requests: int, width: int) -> int | None:
-        """The graph size a step of num_requests decoding requests replays at (None: eager)."""
-        graphs = self.target_graphs.get(width)
-        return graphs.bucket(num_requests) if graphs is not None else None
+    def graph_shape(self, widths: list[int]) -> tuple[int, int] | None:
+        """The requests and rows of the graph that a step of decoding requests with these
+        rows each replays (None: eager): a step that verifies no draft replays the width-1
+        graphs; one that does, the set of the fewest rows that hold its own (its requests'
+        ladder size times w), as long as no request has more rows than a graph's may."""
+        n, rows, widest = len(widths), sum(widths), max(widths, default=1)
+        sets = [1] if widest == 1 else [w for w in sorted(self.target_graphs) if w > 1]
+        if widest > self.graph_max_q:
+            return None
+        for w in sets:
+            graphs = self.target_graphs.get(w)
+            size = graphs.bucket(n) if graphs is not None else None
+            if size is not None and size * w >= rows:
+                return size, size * w
+        return None
 
     # -- a step -------------------------------------------------------------------------------
 
@@ -199,19 +217,22 @@ class ModelRunner:
     ) -> TargetOutput:
         """The target over the step's rows: the logits of the rows to sample, and the features
         the speculator reads."""
-        width = plan.width
-        chunks = plan.num_rows > plan.num_decoding * width
+        drafting = plan.drafting
+        chunks = not plan.uniform
         # A dormant drafter's decode steps (width 1, no context written): no features to capture
         # either. Prompts' context is written still: a probe then sees every row's prompt.
         speculator = self.speculator
         quiet = (
-            width == 1
+            not drafting
             and not chunks
             and bool(speculator.capture_layers)
             and not speculator.writes_context
         )
+        shape = self.graph_shape(list(plan.widths)) if plan.uniform else None
+        padded = shape == (plan.num_requests, plan.num_rows)
+        width = plan.num_rows // max(plan.num_requests, 1)  # a graph's w
         graphs = self.quiet_graphs if quiet else self.target_graphs.get(width)
-        if graphs is not None and self.graph_host.replayable(graphs, plan):
+        if padded and graphs is not None and self.graph_host.replayable(graphs, plan):
             size = plan.num_requests
             metas = partial(self._graph_target_metas, size, width)
             replayed = self.graph_host.replay(graphs, size, [self.backend], metas)
@@ -220,18 +241,21 @@ class ModelRunner:
             linear = self.linear.meta(plan, args) if self.linear is not None else None
             features = captured[0] if captured else None
             return TargetOutput(logits, row_slot, row_step, features, linear=linear)
+        mixed = None
+        if chunks and plan.num_decoding:
+            mixed = MixedDecoding(plan.num_decoding, plan.decode_rows, plan.max_width)
         inputs = target_inputs(
             args,
             self.state,
             drafts,
             num_rows=plan.num_rows,
-            width=width,
+            drafting=drafting,
             page_size=self.page_size,
             max_q=plan.max_q,
             max_kv=plan.max_kv,
-            mixed_decoding=plan.num_decoding if chunks else 0,
+            mixed=mixed,
         )
-        store = chunks or width == 1
+        store = chunks or not drafting
         linear = None
         if self.linear is not None:  # reused prefixes' states in, stored boundaries' out
             linear = self.linear.meta(plan, args)
@@ -259,9 +283,10 @@ class ModelRunner:
         capture: bool = True,
         linear: LinearStepMeta | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """store_context: the rows the step commits as it runs (prefill chunks; at width 1,
-        every row) go to the speculator's context now; capture: the speculator's features are
-        taken at all; linear: a hybrid target's step meta (its linear layers' slots)."""
+        """store_context: the rows the step commits as it runs (prefill chunks; in a step that
+        verifies no draft, every row) go to the speculator's context now; capture: the
+        speculator's features are taken at all; linear: a hybrid target's step meta (its linear
+        layers' slots)."""
         self.backend.plan(inputs.meta)
         layers = self.speculator.capture_layers if capture else ()
         ids, positions = inputs.ids, inputs.meta.positions
@@ -274,15 +299,19 @@ class ModelRunner:
             self.speculator.store_context(features, inputs)
         return hidden, features
 
+    def _graph_max_q(self, width: int) -> int:
+        """The most rows a request has in the graphs of w = width (1: no draft verified)."""
+        return 1 if width == 1 else self.graph_max_q
+
     def _graph_target_inputs(self, size: int, width: int) -> TargetInputs:
         return target_inputs(
             graph_step_args(self.step_in, size),
             self.state,
-            self.speculator.graph_drafts(size),
+            self.speculator.graph_drafts(size) if width > 1 else None,
             num_rows=size * width,
-            width=width,
+            drafting=width > 1,
             page_size=self.page_size,
-            max_q=width,
+            max_q=self._graph_max_q(width),
             max_kv=self.max_kv,
         )
 
@@ -295,7 +324,9 @@ class ModelRunner:
         inputs = self._graph_target_inputs(size, width)
         linear = None
         if self.linear is not None:  # padding requests' rows run in the scratch slot's state
-            linear = self.linear.graph_meta(graph_step_args(self.step_in, size).slot, width)
+            args = graph_step_args(self.step_in, size)
+            max_q = self._graph_max_q(width)
+            linear = self.linear.graph_meta(args.slot, args.q_len, max_q, size * width)
         hidden, features = self._forward(
             inputs, store_context=width == 1, capture=capture, linear=linear
         )

@@ -3,17 +3,19 @@ entries, the prompt tokens of prefill chunks) and what the device builds from it
 per-slot state (engine/device_state.py): input ids, positions, cache indices, the attention
 metadata and each row's sampling slot and counter.
 
-The step's requests come in scheduler order, decoding ones first: request r < D feeds rows
-r*W .. r*W + W-1 (its anchor, then W-1 drafts; W is the step's verify width, 1 for plain
-decoding) and samples all of them; prefill chunks follow and sample only the row that completes
-a fresh prompt. The host packs everything into one int64 array, copied to the device in one
-transfer:
+The step's requests come in scheduler order, decoding ones first, each request's rows after
+those of the requests before it (cumulative query lengths, as attention's cu_q): decoding
+request r feeds W_r rows (its anchor, then W_r - 1 drafts; W_r is its own verify width, 1 for
+plain decoding) and samples all of them; prefill chunks follow and sample only the row that
+completes a fresh prompt. The host packs everything into one int64 array, copied to the device
+in one transfer:
 
     [slot R | q_len R | sampled R | decoding R | page updates 3 x U | chunk ids T | logit rows N]
 
-For a CUDA-graph step R is the graph's padded size: padding requests sit in the scratch slot,
-feed no rows and write nothing. A graph reads only the request fields (`graph_step_args`), as
-every step it replays is uniform: no chunk ids, and every row sampled.
+For a CUDA-graph step R is the graph's padded size and T its rows: padding requests sit in the
+scratch slot, feed no rows and write nothing, and rows past the live ones are padding. A graph
+reads only the request fields (`graph_step_args`), as every step it replays is uniform: no
+chunk ids, and every row sampled.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class StepPlan:
     """The host's side of a step, built per request (never per token in Python)."""
 
     packed: np.ndarray  # int64, the layout above
-    width: int  # W
+    widths: tuple[int, ...]  # W_r of each decoding request, in step order
     num_requests: int  # R, padded for a graph step
     num_live: int  # requests actually scheduled
     num_decoding: int  # D
@@ -61,6 +63,21 @@ class StepPlan:
     stores: tuple[tuple[int, int], ...] = ()
 
     @property
+    def max_width(self) -> int:
+        """The widest decoding request's rows (1 without any: nothing is verified)."""
+        return max(self.widths, default=1)
+
+    @property
+    def decode_rows(self) -> int:
+        """The decoding requests' rows, which lead the step."""
+        return sum(self.widths)
+
+    @property
+    def drafting(self) -> bool:
+        """Some decoding request verifies drafts (every decoding request is drafted for)."""
+        return self.max_width > 1
+
+    @property
     def uniform(self) -> bool:
         """Every live request decodes (the shape CUDA graphs are captured for)."""
         return self.num_decoding == self.num_live > 0
@@ -73,15 +90,14 @@ class StepPlan:
 
 def plan_step(
     batch: list[Scheduled],
-    width: int,
     scratch_slot: int,
-    pad_to: int | None = None,
+    pad_to: tuple[int, int] | None = None,
 ) -> StepPlan:
     """Packs the step from the scheduler's snapshots (core/step.py), with the page-table
-    entries each request gained since its last step. pad_to: the graph size to pad a uniform
-    step to."""
+    entries each request gained since its last step. pad_to: the graph's requests and rows to
+    pad a uniform step to."""
     live = len(batch)
-    num_req = pad_to if pad_to is not None else live
+    num_req = pad_to[0] if pad_to is not None else live
     head = np.zeros((REQUEST_FIELDS, num_req), dtype=np.int64)
     head[0] = scratch_slot
     updates: list[np.ndarray] = []
@@ -90,14 +106,15 @@ def plan_step(
     restores: list[tuple[int, int]] = []
     stores: list[tuple[int, int]] = []
     logit_rows: list[np.ndarray] = []
-    row = max_kv = num_dec = 0
+    widths: list[int] = []
+    row = max_kv = 0
     for r, it in enumerate(batch):
         k = it.num_sampled
         head[:, r] = (it.slot, it.num_new, k, it.decoding)
         updates.append(_new_pages(it))
         max_kv = max(max_kv, it.start + it.num_new)
         if it.decoding:
-            num_dec += 1
+            widths.append(it.num_new)
         else:
             chunks.append(it.chunk_ids)
             fresh.append(it.start == 0)
@@ -108,9 +125,9 @@ def plan_step(
         logit_rows.append(np.arange(row + it.num_new - k, row + it.num_new))
         row += it.num_new
     update = np.concatenate(updates, axis=1) if updates else np.zeros((3, 0), np.int64)
-    num_rows = num_req * width if pad_to is not None else row
+    num_rows = pad_to[1] if pad_to is not None else row
     parts = [head.reshape(-1), update.reshape(-1)]
-    ids = np.zeros(row - num_dec * width, dtype=np.int64)
+    ids = np.zeros(row - sum(widths), dtype=np.int64)
     if chunks:
         ids[:] = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])
     parts.append(ids)
@@ -120,10 +137,10 @@ def plan_step(
         parts.append(sampled_rows)
     return StepPlan(
         packed=np.concatenate(parts),
-        width=width,
+        widths=tuple(widths),
         num_requests=num_req,
         num_live=live,
-        num_decoding=num_dec,
+        num_decoding=len(widths),
         num_updates=update.shape[1],
         num_rows=num_rows,
         num_logit_rows=0 if all_rows else len(sampled_rows),
@@ -153,7 +170,7 @@ class StepArgs:
     sampled: torch.Tensor  # [R]
     decoding: torch.Tensor  # [R] 0/1
     updates: torch.Tensor  # [3, U]
-    chunk_ids: torch.Tensor  # [T - D*W]
+    chunk_ids: torch.Tensor  # [T - the decoding requests' rows]
     logit_rows: torch.Tensor | None  # [N], None: every row
 
 
@@ -161,7 +178,7 @@ def step_args(packed: torch.Tensor, plan: StepPlan) -> StepArgs:
     r, u = plan.num_requests, plan.num_updates
     head = packed[: REQUEST_FIELDS * r].view(REQUEST_FIELDS, r)
     at = REQUEST_FIELDS * r + 3 * u
-    chunk = plan.num_rows - plan.num_decoding * plan.width if not plan.uniform else 0
+    chunk = plan.num_rows - plan.decode_rows if not plan.uniform else 0
     logit = packed[at + chunk : at + chunk + plan.num_logit_rows] if plan.num_logit_rows else None
     return StepArgs(
         slot=head[0],
@@ -196,24 +213,35 @@ class TargetInputs:
     row_step: torch.Tensor  # [T] the output-token index each row would sample
     row_req: torch.Tensor  # [T] the request each row belongs to
     # [T] the cache index of each row whose draft context the step stores at once (prefill-chunk
-    # rows; at width 1, every row: all are committed), -1 elsewhere
+    # rows; in a step that drafts nothing, every row: all are committed), -1 elsewhere
     context_kv_index: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MixedDecoding:
+    """The decoding part of a step that also has prefill chunks, known on the host."""
+
+    requests: int  # D
+    rows: int  # their rows in all
+    max_q: int  # the widest one's
 
 
 def target_inputs(
     args: StepArgs,
     state: DeviceState,
-    drafts: torch.Tensor | None,  # [>= D, W-1] this step's drafts
+    drafts: torch.Tensor | None,  # [>= D, >= W_r - 1] this step's drafts (None: none)
     num_rows: int,
-    width: int,
+    drafting: bool,
     page_size: int,
     max_q: int,
     max_kv: int,
-    mixed_decoding: int = 0,
+    mixed: MixedDecoding | None = None,
 ) -> TargetInputs:
     """Built on the device from the step's args and the slots' state, with no host sync:
-    captured inside the CUDA graphs of decode/verify steps. mixed_decoding: the decoding
-    requests of a step that also has prefill chunks (0 otherwise)."""
+    captured inside the CUDA graphs of decode/verify steps. Each request's rows start at its
+    cumulative offset (cu_q), whatever their count. drafting: some request verifies drafts (the
+    decoding rows' context then waits for acceptance); mixed: the decoding part of a step that
+    also has prefill chunks (None otherwise)."""
     device = args.slot.device
     num_req = args.slot.shape[0]
     cu_q = torch.zeros(num_req + 1, dtype=torch.int64, device=device)
@@ -232,8 +260,9 @@ def target_inputs(
     # Chunk rows come last: the chunk ids padded in front to the step's rows.
     ids = torch.nn.functional.pad(args.chunk_ids, (num_rows - args.chunk_ids.shape[0], 0))
     decoded = torch.where(offset == 0, anchor, 0)
-    if drafts is not None and width > 1:
-        draft = drafts[req.clamp(max=drafts.shape[0] - 1), (offset - 1).clamp(0, width - 2)]
+    if drafts is not None and drafts.shape[1]:
+        last = drafts.shape[1] - 1
+        draft = drafts[req.clamp(max=drafts.shape[0] - 1), (offset - 1).clamp(0, last)]
         decoded = torch.where(offset == 0, anchor, draft)
     ids = torch.where(decoding, decoded, ids)
     row_slot = args.slot[req]
@@ -247,8 +276,9 @@ def target_inputs(
         page_size=page_size,
         max_q=max_q,
         max_kv=max_kv,
-        decoding=mixed_decoding,
-        decode_q=width if mixed_decoding else 0,
+        decoding=mixed.requests if mixed is not None else 0,
+        decode_q=mixed.max_q if mixed is not None else 0,
+        decode_rows=mixed.rows if mixed is not None else 0,
     )
-    committed = live if width == 1 else chunk_rows
+    committed = chunk_rows if drafting else live
     return TargetInputs(ids, meta, row_slot, row_step, req, torch.where(committed, kv_index, -1))

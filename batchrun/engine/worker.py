@@ -38,6 +38,7 @@ from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.sampling.grammar import Grammars
 from batchrun.sampling.grammar_masks import build_masks
 from batchrun.sampling.logprobs import ReadLogprobs, prompt_rows
+from batchrun.sampling.penalties import VerifyRows
 from batchrun.sampling.step_sampling import (
     SampledRows,
     processed_logits,
@@ -104,15 +105,15 @@ class Worker:
     def launch_forward(self, step: ScheduledStep) -> Forward:
         """Launch the step's drafts and target forward."""
         runner, speculator = self.runner, self.speculator
-        batch, width = step.items, step.width
+        batch = step.items
         started = time.perf_counter()
         sampled = SampledRows([it.req.params for it in batch], [it.num_sampled for it in batch])
         decoding = all(it.decoding for it in batch)
-        pad_to = runner.graph_size(len(batch), width) if decoding else None
+        pad_to = runner.graph_shape([it.num_new for it in batch]) if decoding else None
         if step.admitted:  # new slots' state, sent once
             slots = self.state.admit(step.admitted)
             speculator.admit([it.req for it in step.admitted], slots)
-        plan = plan_step(batch, width, self.state.num_slots, pad_to)
+        plan = plan_step(batch, self.state.num_slots, pad_to)
         self.step_kinds[plan.kind] += 1
         k = self.prompt_logprobs
         prompt = prompt_rows(batch, k) if k is not None else None
@@ -145,25 +146,29 @@ class Worker:
         of its results."""
         speculator = self.speculator
         plan, args, out, drafts = forward.plan, forward.args, forward.out, forward.drafts
-        sampled, prompt, width = forward.sampled, forward.prompt, plan.width
+        sampled, prompt = forward.sampled, forward.prompt
         masks = None
         if forward.constrained:
             assert grammars is not None, "a constrained step samples under its grammars"
             masks = build_masks(grammars, forward.constrained_rows(), self.device)
         tables, d = self.state.sampling, plan.num_decoding
-        logits = processed_logits(self.model, tables, out, sampled, drafts, d, masks)
+        widths = args.q_len[:d]  # each decoding request's rows, on the device
+        verify = VerifyRows(drafts[:d], widths, plan.decode_rows) if drafts is not None else None
+        logits = processed_logits(self.model, tables, out, sampled, verify, masks)
         tokens = sample_tokens(self.model, tables, out, sampled, logits)
         scores = None
         if self.logprobs is not None or (prompt is not None and prompt.rows):
             k = self.logprobs
             scores = score_tokens(self.model, tables, out, sampled, tokens, k, prompt, logits)
-        accepted = speculator.accept(drafts, tokens, plan)
+        accepted = speculator.accept(drafts, tokens, plan, widths)
         self.runner.commit_linear(out, accepted)  # a hybrid target's verify: rejected rows undone
         live = plan.num_live
         slots = args.slot[:live]
         q_lens, counts = args.q_len[:live], args.sampled[:live]
-        self.state.commit(slots, q_lens, counts, tokens, accepted, d, width)
-        speculator.commit(slots[:d], accepted, plan)
+        self.state.commit(
+            slots, q_lens, counts, tokens, accepted, d, plan.decode_rows, plan.max_width
+        )
+        speculator.commit(slots[:d], accepted, plan, widths)
         self.instruments.timer.mark()
         # The step's one device-to-host copy: sampled tokens, accepted counts (drafts if traced).
         parts = [tokens[: sampled.total], accepted]
@@ -178,7 +183,7 @@ class Worker:
             sampled=sampled,
             host=host,
             ready=ready,
-            num_drafts=width - 1 if traced else 0,
+            num_drafts=drafts.shape[1] if traced and drafts is not None else 0,
             seconds=seconds,
             logprobs=scores,
         )
@@ -199,7 +204,6 @@ class Worker:
             accepted=accepted,
             drafts=drafts,
             num_drafts=launched.num_drafts,
-            width=launched.plan.width,
             scores=ReadLogprobs(launched.logprobs) if launched.logprobs is not None else None,
         )
 

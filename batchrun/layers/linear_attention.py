@@ -1,11 +1,13 @@
 """A Gated DeltaNet layer (the linear-attention layers of Qwen3.5 and Qwen3-Next) over a packed
 step of many requests, each request's state in a slot of the layer's LinearLayerState.
 
-A step packs decode/verify rows first: requests [0, decoding), `width` rows each (W; 1 is plain
-decoding), then prefill chunks. Prefill chunks and plain decode rows update their slots in
-place. Verify rows (W > 1) read their slots and write nothing there: the layer keeps, per verify
-row, what a replay needs (the pre-conv qkv row, g, beta) in the state's scratch, and `commit`,
-once acceptance is known, replays the kept rows from the slot's state and writes the result.
+A step packs decode/verify rows first: requests [0, decoding), each its own W_r rows (1 is plain
+decoding) after those of the requests before it, then prefill chunks. Prefill chunks and plain
+decode rows update their slots in place. In a verify step (some W_r > 1) every decoding
+request's rows, laid out on a [decoding, max_q] grid, read their slots and write nothing there:
+the layer keeps, per verify row, what a replay needs (the pre-conv qkv row, g, beta) in the
+state's scratch, and `commit`, once acceptance is known, replays the kept rows from the slot's
+state and writes the result.
 A rejected draft so leaves no trace, and verification costs O(W) per-token rows per request,
 no copy of the state.
 """
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.attention.meta import padded_rows, row_starts
 from batchrun.layers.norm import GatedRMSNorm
 from batchrun.layers.ops import TORCH_OPS
 
@@ -30,14 +33,16 @@ class LinearStepMeta:
     read by no state and given zeros)."""
 
     slots: torch.Tensor  # [R] int64 on the device: each request's state slot
-    decoding: int  # requests [0, decoding) decode or verify, `width` rows each
-    width: int  # W: rows per decoding request; > 1 is a verify step (see commit)
+    decoding: int  # requests [0, decoding) decode or verify, q_lens[r] rows each
+    q_lens: torch.Tensor  # [decoding] int64 on the device: each decoding request's rows
+    max_q: int  # host: the most rows a decoding request has; > 1 is a verify step (see commit)
+    decode_rows: int  # host: the rows the decoding requests lead the step with (a graph's padded)
     prefill_lens: tuple[int, ...] = ()  # host: the rows of each prefill chunk, in step order
     prefill_fresh: tuple[bool, ...] = ()  # host: chunk starts its request (zero state)
 
     @property
     def verify(self) -> bool:
-        return self.width > 1 and self.decoding > 0
+        return self.max_q > 1 and self.decoding > 0
 
     # Built once a step on the device, for every linear layer (cached on the frozen instance).
     @cached_property
@@ -118,7 +123,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         shape = (x.shape[0], self.num_v_heads, self.head_v_dim)
         core = torch.zeros(shape, dtype=x.dtype, device=x.device)
-        rows = meta.decoding * meta.width
+        rows = meta.decode_rows
         if meta.decoding:
             core[:rows] = self._decode(qkv[:rows], g[:rows], beta[:rows], state, meta)
         if meta.prefill_lens:
@@ -136,16 +141,30 @@ class GatedDeltaNet(nn.Module):
         state: LinearLayerState,
         meta: LinearStepMeta,
     ) -> torch.Tensor:
-        d, w = meta.decoding, meta.width
-        qkv, g, beta = qkv.view(d, w, -1), g.view(d, w, -1), beta.view(d, w, -1)
-        # A verify step's slots wait for commit; a decode step's take every row now.
-        keep = None if meta.verify else torch.full((d,), w, device=qkv.device)
-        out = self._rows(qkv, g, beta, state, meta.slots[:d], keep)
-        if meta.verify:
-            state.scratch_qkv[:d, :w] = qkv
-            state.scratch_g[:d, :w] = g
-            state.scratch_beta[:d, :w] = beta
-        return out.reshape(d * w, self.num_v_heads, self.head_v_dim)
+        d, w = meta.decoding, meta.max_q
+        if not meta.verify:  # plain decoding: one row each, the slots take it now
+            qkv, g, beta = qkv.view(d, 1, -1), g.view(d, 1, -1), beta.view(d, 1, -1)
+            keep = torch.ones(d, dtype=torch.int64, device=qkv.device)
+            out = self._rows(qkv, g, beta, state, meta.slots[:d], keep)
+            return out.reshape(d, self.num_v_heads, self.head_v_dim)
+        # A verify step: each request's rows on a [D, max_q] grid (cells past its rows repeat
+        # its last one: every row is causal, so they change none of its own), its slot read
+        # only, the grid kept for commit.
+        starts = row_starts(meta.q_lens)
+        grid, _ = padded_rows(starts, meta.q_lens, w)
+        qkv, g, beta = qkv[grid], g[grid], beta[grid]
+        out = self._rows(qkv, g, beta, state, meta.slots[:d], None)
+        state.scratch_qkv[:d, :w] = qkv
+        state.scratch_g[:d, :w] = g
+        state.scratch_beta[:d, :w] = beta
+        # Back to the packed rows: row t is request r's row t - starts[r]; rows past the
+        # requests' (a graph's padding) get zeros.
+        t = torch.arange(meta.decode_rows, device=grid.device)
+        ends = starts + meta.q_lens
+        req = torch.searchsorted(ends, t, right=True).clamp_(max=max(d - 1, 0))
+        col = (t - starts[req]).clamp_(0, w - 1)
+        packed = out[req, col] * (t < ends[-1])[:, None, None].to(out.dtype)
+        return packed.reshape(meta.decode_rows, self.num_v_heads, self.head_v_dim)
 
     def _rows(
         self,
@@ -196,7 +215,7 @@ class GatedDeltaNet(nn.Module):
         slots in the forward)."""
         if not meta.verify:
             return
-        d, w = meta.decoding, meta.width
+        d, w = meta.decoding, meta.max_q
         qkv, g, beta = (
             state.scratch_qkv[:d, :w],
             state.scratch_g[:d, :w],

@@ -8,7 +8,8 @@ prompt's tokens, the bias, the ids min_tokens masks; the tables a job needs no c
 None and cost nothing. A speculative verify row j of a decoding request samples output position
 out_len + j, so its counts are the committed ones plus drafts d1 .. dj: the tables hold the
 committed counts, and the logits at the draft ids are then recomputed from their raw values with
-each id's count in that row (`_fix_drafts`, a few values per row).
+each id's count in that row (`_fix_drafts`, a few values per row). Each request verifies at
+its own width, its rows packed after those of the requests before it (`VerifyRows`).
 
 On CUDA, when triton imports, one Triton pass does every row (sampling/triton_penalties.py); the
 torch code here is the reference and the CPU path.
@@ -18,22 +19,43 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from batchrun.attention.meta import row_starts
 from batchrun.sampling.control_state import LogitControls
 
 
+@dataclass(frozen=True)
+class VerifyRows:
+    """The verify rows that lead a step: D decoding requests' drafts [D, B-1] and, on the
+    device, each request's rows [D] (its anchor and its first W_r - 1 drafts), packed by
+    offsets; `num_rows` of them in all (known on the host)."""
+
+    drafts: torch.Tensor
+    widths: torch.Tensor
+    num_rows: int
+
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each verify row's request and its place j in the request's rows."""
+        d = self.widths.shape[0]
+        req = torch.arange(d, device=self.widths.device)
+        req = req.repeat_interleave(self.widths, output_size=self.num_rows)
+        return req, torch.arange(self.num_rows, device=req.device) - row_starts(self.widths)[req]
+
+
 def apply_controls(
-    logits: torch.Tensor, c: LogitControls, drafts: torch.Tensor | None = None
+    logits: torch.Tensor, c: LogitControls, verify: VerifyRows | None = None
 ) -> torch.Tensor:
-    """Applies the controls to float32 logits [N, V] in place and returns them. drafts [D, W-1]:
-    rows 0 .. D*W-1 are the verify rows of D decoding requests (row r*W + j samples after
-    drafts d1 .. dj of request r)."""
-    ids = raw = None
-    if drafts is not None and drafts.shape[1] and c.counts is not None:
-        ids = _draft_ids(drafts)
-        raw = logits[: ids.shape[0]].gather(1, ids)  # before any control
+    """Applies the controls to float32 logits [N, V] in place and returns them. verify: the
+    rows that lead the step are verify rows (row j of request r samples after its drafts
+    d1 .. dj)."""
+    fix = None
+    if verify is not None and verify.drafts.shape[1] and c.counts is not None:
+        req, j = verify.layout()
+        ids = verify.drafts[req]  # every verify row of request r looks at all of r's drafts
+        fix = (req, j, ids, logits[: ids.shape[0]].gather(1, ids))  # raw: before any control
     kernel = _kernel(logits)
     if kernel is not None:
         kernel(logits, c)
@@ -41,8 +63,8 @@ def apply_controls(
         vocab = torch.arange(logits.shape[1], device=logits.device)[None, :]
         counts = c.counts[c.slot] if c.counts is not None else None
         logits.copy_(_controlled(logits, c, c.slot, c.step, vocab, counts))
-    if ids is not None and raw is not None and drafts is not None:
-        _fix_drafts(logits, c, drafts, ids, raw)
+    if fix is not None and verify is not None:
+        _fix_drafts(logits, c, verify.drafts, *fix)
     return logits
 
 
@@ -74,31 +96,26 @@ def _controlled(
     return values
 
 
-def _draft_ids(drafts: torch.Tensor) -> torch.Tensor:
-    """[D*W, W-1]: every verify row of request r looks at all of r's drafts."""
-    d, w = drafts.shape[0], drafts.shape[1] + 1
-    return drafts[:, None, :].expand(d, w, w - 1).reshape(d * w, w - 1)
-
-
 def _fix_drafts(
     logits: torch.Tensor,
     c: LogitControls,
     drafts: torch.Tensor,
+    req: torch.Tensor,
+    j: torch.Tensor,
     ids: torch.Tensor,
     raw: torch.Tensor,
 ) -> None:
-    """Recompute the verify rows' logits at the draft ids with each id's count in the row: the
-    committed count plus its occurrences among d1 .. dj (row j). Every occurrence of an id in
-    a row gets the same count, so duplicate writes agree."""
+    """Recompute the verify rows' logits at the draft ids (ids [n, B-1]: row t's request's
+    drafts) with each id's count in the row: the committed count plus its occurrences among
+    d1 .. dj (row j of request req). Every occurrence of an id in a row gets the same count,
+    so duplicate writes agree."""
     assert c.counts is not None
-    d, w = drafts.shape[0], drafts.shape[1] + 1
-    n = d * w
+    n, b = ids.shape
     same = drafts[:, :, None] == drafts[:, None, :]  # [D, i', i]: d_{i'+1} == d_{i+1}
-    position = torch.arange(w, device=drafts.device)
-    before = position[None, :-1] < position[:, None]  # [j, i']: d_{i'+1} is among d1 .. dj
-    extra = (before[None, :, :, None] & same[:, None, :, :]).sum(2)  # [D, W(j), W-1(i)]
+    before = torch.arange(b, device=drafts.device)[None, :] < j[:, None]  # [n, i']: i' < j
+    extra = (before[:, :, None] & same[req]).sum(1)  # [n, B-1(i)]
     slot = c.slot[:n]
-    counts = c.counts[slot[:, None], ids] + extra.reshape(n, w - 1).to(torch.int32)
+    counts = c.counts[slot[:, None], ids] + extra.to(torch.int32)
     fixed = _controlled(raw, c, slot, c.step[:n], ids, counts)
     logits[:n].scatter_(1, ids, fixed)
 

@@ -15,7 +15,7 @@ from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.sampling.grammar_masks import StepMasks
 from batchrun.sampling.logprobs import PromptRows, StepLogprobs, score_step
 from batchrun.sampling.params import SamplingParams
-from batchrun.sampling.penalties import apply_controls
+from batchrun.sampling.penalties import VerifyRows, apply_controls
 from batchrun.sampling.sampler import draws_filtered, sample
 from batchrun.sampling.slot_tables import SlotTables
 
@@ -59,20 +59,18 @@ def processed_logits(
     tables: SlotTables,
     out: TargetRows,
     rows: SampledRows,
-    drafts: torch.Tensor | None,
-    num_decoding: int,
+    verify: VerifyRows | None,
     masks: StepMasks | None,
 ) -> torch.Tensor | None:
     """The step's whole-vocabulary logits with the logit controls and then the grammar masks
-    applied (in place), or None when no sampled row has either. drafts: the step's [>= D,
-    W-1], for the verify rows."""
+    applied (in place), or None when no sampled row has either. verify: the step's drafts
+    and its verify rows (None: it verifies no draft)."""
     controls = tables.controls.rows(out.row_slot, out.row_step)
     controlled = controls is not None and any(p.controlled for p in rows.params())
     if not controlled and masks is None:
         return None
     logits = model.full_logits(out.logits)
     if controls is not None and controlled:
-        verify = drafts[:num_decoding] if drafts is not None else None
         logits = apply_controls(logits, controls, verify)
     if masks is not None:
         masks.apply(logits)

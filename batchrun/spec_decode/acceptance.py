@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchrun.attention.meta import padded_rows
+
 
 @dataclass(frozen=True)
 class RoundTrace:
@@ -24,8 +26,13 @@ class RoundTrace:
     committed: list[int]  # tokens kept after stop / max_tokens cuts
 
 
-def accepted_lengths(drafts: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
-    """On the device: drafts [R, B-1], post [R, B] -> accepted drafts per request [R] (the
-    length of the leading run of d_j == post[j-1])."""
-    matches = (drafts == post[:, :-1]).to(torch.int32)
+def accepted_lengths(
+    drafts: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, widths: torch.Tensor
+) -> torch.Tensor:
+    """On the device: drafts [R, B-1]; tokens: the target's, request r's W_r = widths[r] of
+    them from starts[r] (its verify rows, packed by offsets) -> accepted drafts per request
+    [R]: the length of the leading run of d_j == post[j-1] among its W_r - 1 verified drafts."""
+    grid, _ = padded_rows(starts, widths, drafts.shape[1])
+    verified = torch.arange(drafts.shape[1], device=drafts.device)[None, :] < widths[:, None] - 1
+    matches = ((drafts == tokens[grid]) & verified).to(torch.int32)
     return matches.cumprod(dim=1).sum(dim=1)

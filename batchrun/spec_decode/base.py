@@ -44,7 +44,9 @@ class StepShape(Protocol):
     """What a speculator reads of a step's plan (engine/step_inputs.py's StepPlan)."""
 
     @property
-    def width(self) -> int: ...  # W
+    def widths(self) -> tuple[int, ...]: ...  # each decoding request's verify width W_r
+    @property
+    def max_width(self) -> int: ...  # the widest (1: the step verifies no draft)
     @property
     def num_requests(self) -> int: ...  # R, padded for a graph step
     @property
@@ -191,8 +193,9 @@ class Speculator:
         """Requests that just took their slots (`slots`: theirs, on the device)."""
 
     def propose(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor | None:
-        """The step's drafts [D, W-1] for its D decoding requests (None: it verifies none);
-        slots: the step's request slots [R], decoding ones first."""
+        """The step's drafts [D, B-1] for its D decoding requests, of which request r verifies
+        its first W_r - 1 (None: it verifies none); slots: the step's request slots [R],
+        decoding ones first."""
         return None
 
     def graph_drafts(self, size: int) -> torch.Tensor | None:
@@ -201,19 +204,28 @@ class Speculator:
 
     def store_context(self, features: torch.Tensor, rows: ContextRows) -> None:
         """Inside the target forward: features of the rows it already commits (prefill chunks;
-        at width 1 every row), for the draft's context."""
+        in a step that verifies no draft every row), for the draft's context."""
 
     def observe(self, features: torch.Tensor | None) -> None:
         """The target forward's features (its rows at capture_layers), the next draft's context."""
 
     def accept(
-        self, drafts: torch.Tensor | None, tokens: torch.Tensor, step: StepShape
+        self,
+        drafts: torch.Tensor | None,
+        tokens: torch.Tensor,
+        step: StepShape,
+        widths: torch.Tensor,
     ) -> torch.Tensor:
-        """On the device: the drafts each decoding request accepts, given the target's tokens."""
+        """On the device: the drafts each decoding request accepts, given the target's tokens
+        (request r's W_r = widths[r] of them after the requests before it; widths [D] is the
+        step's own, on the device)."""
         return tokens.new_zeros(step.num_decoding)
 
-    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, step: StepShape) -> None:
-        """After the step's commit into the device state: `slots` [D] decoding requests'."""
+    def commit(
+        self, slots: torch.Tensor, accepted: torch.Tensor, step: StepShape, widths: torch.Tensor
+    ) -> None:
+        """After the step's commit into the device state: `slots` [D] decoding requests',
+        `widths` [D] their rows."""
 
     def learn(self, step: StepShape, accepted: list[int], seconds: float) -> None:
         """A step read back: its acceptance and, on a GPU, its period."""

@@ -36,7 +36,7 @@ def test_page_entries_go_to_the_device_once() -> None:
     pool.grow(req.state.pages, 9)
 
     def planned(num_new: int) -> StepPlan:  # as the engine does: then the pages are sent
-        plan = plan_step([Scheduled.of(req, num_new, decoding=False)], WIDTH, SLOTS)
+        plan = plan_step([Scheduled.of(req, num_new, decoding=False)], SLOTS)
         req.state.pages_on_device = len(req.state.pages)
         return plan
 
@@ -55,15 +55,16 @@ def test_page_entries_go_to_the_device_once() -> None:
 
 
 def test_device_rows_equal_a_host_loop() -> None:
-    """A mixed step (two verifying requests, a prefill chunk completing its prompt, a chunk in
-    the middle of one), then the same decoding requests padded to a graph size."""
+    """A mixed step (two requests verifying at widths of their own, a prefill chunk completing
+    its prompt, a chunk in the middle of one), then the same decoding requests padded to a
+    graph's requests and rows: each request's rows start where the one before it ends."""
     pool = PagePool(64, PAGE)
     state = DeviceState(SLOTS, 8, 1000, CPU)
     dec_a = make_request(0, prompt=5, outputs=3, num_cached=7, pool=pool)
     dec_b = make_request(3, prompt=2, outputs=1, num_cached=2, pool=pool)
     last = make_request(1, prompt=6, outputs=0, num_cached=4, pool=pool)
     mid = make_request(4, prompt=9, outputs=0, num_cached=0, pool=pool)
-    parts = [(dec_a, WIDTH, True), (dec_b, WIDTH, True), (last, 2, False), (mid, 5, False)]
+    parts = [(dec_a, WIDTH, True), (dec_b, 2, True), (last, 2, False), (mid, 5, False)]
     for req, num_new, _ in parts:  # the scheduler's pages, then its snapshots
         pool.grow(req.state.pages, req.state.num_cached + num_new)
     batch = [Scheduled.of(req, num_new, decoding=decoding) for req, num_new, decoding in parts]
@@ -72,11 +73,12 @@ def test_device_rows_equal_a_host_loop() -> None:
         state.seq_len[it.req.state.slot] = it.req.state.num_cached
     drafts = torch.tensor([[11, 12], [21, 22]])
     samples = [it.num_sampled for it in batch]
-    assert samples == [WIDTH, WIDTH, 1, 0]
-    plan = plan_step(batch, WIDTH, SLOTS)
+    assert samples == [WIDTH, 2, 1, 0]
+    plan = plan_step(batch, SLOTS)
+    assert (plan.widths, plan.decode_rows) == ((WIDTH, 2), WIDTH + 2)
     args = step_args(torch.from_numpy(plan.packed), plan)
     state.add_pages(args.updates)
-    got = target_inputs(args, state, drafts, plan.num_rows, WIDTH, PAGE, plan.max_q, plan.max_kv)
+    got = target_inputs(args, state, drafts, plan.num_rows, True, PAGE, plan.max_q, plan.max_kv)
 
     ids, positions, slots, steps = [], [], [], []
     for r, it in enumerate(batch):
@@ -93,23 +95,24 @@ def test_device_rows_equal_a_host_loop() -> None:
     assert got.ids.tolist() == ids
     assert got.meta.positions.tolist() == positions
     assert got.meta.kv_index.tolist() == slots
-    assert got.meta.cu_q.tolist() == [0, 3, 6, 8, 13]
-    assert got.meta.kv_lens.tolist() == [10, 5, 6, 5]
-    assert args.logit_rows is not None and args.logit_rows.tolist() == [0, 1, 2, 3, 4, 5, 7]
+    assert got.meta.cu_q.tolist() == [0, 3, 5, 7, 12]
+    assert got.meta.kv_lens.tolist() == [10, 4, 6, 5]
+    assert args.logit_rows is not None and args.logit_rows.tolist() == [0, 1, 2, 3, 4, 6]
     rows = args.logit_rows
     assert got.row_step[rows].tolist() == [steps[i] for i in rows.tolist()]
-    assert got.row_slot[rows].tolist() == [0, 0, 0, 3, 3, 3, 1]
-    assert got.context_kv_index.tolist() == [-1] * 6 + slots[6:]
+    assert got.row_slot[rows].tolist() == [0, 0, 0, 3, 3, 1]
+    assert got.context_kv_index.tolist() == [-1] * 5 + slots[5:]
 
-    # The decoding pair alone, padded to a graph of 4: padding rows write nothing.
-    pad = plan_step(batch[:2], WIDTH, SLOTS, pad_to=4)
+    # The decoding pair alone, padded to a graph of 4 requests and 8 rows: padding rows write
+    # nothing.
+    pad = plan_step(batch[:2], SLOTS, pad_to=(4, 8))
     args = step_args(torch.from_numpy(pad.packed), pad)
-    padded = target_inputs(args, state, drafts, pad.num_rows, WIDTH, PAGE, WIDTH, 64)
-    assert pad.uniform and pad.num_rows == 12
-    assert padded.ids[:6].tolist() == ids[:6]
-    assert padded.meta.kv_index.tolist() == slots[:6] + [-1] * 6
-    assert padded.meta.cu_q.tolist() == [0, 3, 6, 6, 6]
-    assert padded.row_slot[6:].tolist() == [SLOTS] * 6
+    padded = target_inputs(args, state, drafts, pad.num_rows, True, PAGE, WIDTH, 64)
+    assert pad.uniform and pad.num_rows == 8
+    assert padded.ids[:5].tolist() == ids[:5]
+    assert padded.meta.kv_index.tolist() == slots[:5] + [-1] * 3
+    assert padded.meta.cu_q.tolist() == [0, 3, 5, 5, 5]
+    assert padded.row_slot[5:].tolist() == [SLOTS] * 3
 
 
 def test_commit_moves_the_state_like_the_host() -> None:
@@ -117,12 +120,13 @@ def test_commit_moves_the_state_like_the_host() -> None:
     state.seq_len[torch.tensor([5, 2, 0])] = torch.tensor([20, 9, 4])
     state.out_len[torch.tensor([5, 2, 0])] = torch.tensor([7, 3, 0])
     state.last_token[0] = 99
-    slots = torch.tensor([5, 2, 0])  # two verifying requests, then a chunk completing a prompt
-    q_lens = torch.tensor([WIDTH, WIDTH, 4])
-    sampled = torch.tensor([WIDTH, WIDTH, 1])
-    tokens = torch.tensor([31, 32, 33, 41, 42, 43, 51])
+    # Two requests verifying at widths of their own, then a chunk completing a prompt.
+    slots = torch.tensor([5, 2, 0])
+    q_lens = torch.tensor([WIDTH, 2, 4])
+    sampled = torch.tensor([WIDTH, 2, 1])
+    tokens = torch.tensor([31, 32, 33, 41, 42, 51])
     accepted = torch.tensor([2, 0])
-    state.commit(slots, q_lens, sampled, tokens, accepted, num_decoding=2, width=WIDTH)
+    state.commit(slots, q_lens, sampled, tokens, accepted, 2, decode_rows=5, max_width=WIDTH)
     assert state.seq_len[slots].tolist() == [23, 10, 8]
     assert state.out_len[slots].tolist() == [10, 4, 1]
     assert state.last_token[slots].tolist() == [33, 41, 51]
@@ -131,11 +135,11 @@ def test_commit_moves_the_state_like_the_host() -> None:
 def test_a_verify_leaves_its_kept_rows_for_the_draft_context() -> None:
     context = DraftContext.zeros(SLOTS + 1, CPU)
     slots = torch.tensor([5, 2])  # two verifying requests: 2 drafts accepted, then none
-    context.commit(slots, torch.tensor([2, 0]), WIDTH)
+    context.commit(slots, torch.tensor([2, 0]), torch.tensor([WIDTH, 2]), drafted=True)
     assert context.rows[slots].tolist() == [3, 1] and context.rows[0].item() == 0
     assert context.row0[slots].tolist() == [0, WIDTH]
     # A later step that leaves slot 5 out: its context rows are no longer pending.
-    context.commit(slots[1:2], torch.tensor([0]), WIDTH)
+    context.commit(slots[1:2], torch.tensor([0]), torch.tensor([2]), drafted=True)
     assert context.rows[5].item() == 0
     context.admit(torch.tensor([2]))  # a slot taken afresh: nothing of it waits
     assert context.rows[2].item() == 0

@@ -34,13 +34,13 @@ def test_a_scheduled_step_is_a_snapshot_taken_before_its_launch() -> None:
     assert (chunk.first_new_page, chunk.new_pages) == (0, req.state.pages)
     # Launched as it was scheduled: the state moved on, the snapshot did not.
     assert req.state.num_cached == 10 and req.state.pages_on_device == len(req.state.pages)
-    plan = plan_step(step.items, 4, SLOTS)
+    plan = plan_step(step.items, SLOTS)
     req.state.num_cached, req.state.slot, req.state.pages = 99, 3, []
-    assert np.array_equal(plan_step(step.items, 4, SLOTS).packed, plan.packed)
+    assert np.array_equal(plan_step(step.items, SLOTS).packed, plan.packed)
     req.state.num_cached, req.state.slot, req.state.pages = 10, 0, chunk.new_pages
 
     stopper = Stopper(None, set(), 1 << 30)
-    output = StepOutput(step.items, tokens=[7], accepted=[], drafts=[], num_drafts=0, width=4)
+    output = StepOutput(step.items, tokens=[7], accepted=[], drafts=[], num_drafts=0)
     scheduler.update_from_output(output, stopper=stopper)
     [verify] = scheduler.schedule(4).items  # 10 + 4 rows: a fourth page
     assert (verify.decoding, verify.start, verify.num_sampled) == (True, 10, 4)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchrun.attention.meta import row_starts
 from batchrun.engine.core.requests import Request
 from batchrun.errors import JobError
 from batchrun.models.loader import read_config
@@ -47,21 +48,24 @@ class BigramSpeculator(Speculator):
 
     def propose(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor | None:
         d = step.num_decoding
-        if not d or step.width == 1:
+        if not d or step.max_width == 1:
             return None
         token, drafts = self.state.last_token[slots[:d]].long(), []
-        for _ in range(step.width - 1):
+        for _ in range(step.max_width - 1):
             token = self.next_token[token]
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 
     def accept(
-        self, drafts: torch.Tensor | None, tokens: torch.Tensor, step: StepShape
+        self,
+        drafts: torch.Tensor | None,
+        tokens: torch.Tensor,
+        step: StepShape,
+        widths: torch.Tensor,
     ) -> torch.Tensor:
-        d = step.num_decoding
         if drafts is None:
-            return tokens.new_zeros(d)
-        return accepted_lengths(drafts, tokens[: d * step.width].view(d, step.width))
+            return tokens.new_zeros(step.num_decoding)
+        return accepted_lengths(drafts, tokens, row_starts(widths), widths)
 
 
 class Bigram:

@@ -131,7 +131,9 @@ class Stepper:
         linear = LinearStepMeta(
             slots=slot,
             decoding=len(decode),
-            width=len(decode[0][1]) if decode else 1,
+            q_lens=torch.tensor([len(tokens) for _, tokens, _ in decode], dtype=torch.int64),
+            max_q=max((len(tokens) for _, tokens, _ in decode), default=1),
+            decode_rows=sum(len(tokens) for _, tokens, _ in decode),
             prefill_lens=tuple(len(tokens) for _, tokens, _ in prefill),
             prefill_fresh=tuple(p == 0 for _, _, p in prefill),
         )

@@ -24,7 +24,7 @@ from batchrun.bench.oracle import AcceptanceOracle
 from batchrun.engine.core.requests import Request, RequestOutput
 from batchrun.sampling.control_state import ControlState
 from batchrun.sampling.params import SamplingParams
-from batchrun.sampling.penalties import apply_controls
+from batchrun.sampling.penalties import VerifyRows, apply_controls
 from batchrun.sampling.sampler import SamplingBatch, filter_candidates, sample
 from tests.helpers.dflash_train import trained_draft_beside, training_prompts
 from tests.helpers.engine_runs import cpu_engine, requests_of, run_to_end
@@ -137,7 +137,8 @@ def test_verify_rows_count_the_drafts_before_them() -> None:
     steps = torch.tensor([len(r.output.token_ids) + j for r in reqs for j in range(width)])
     controls = state.rows(row_slot, steps)
     assert controls is not None
-    got = apply_controls(logits.clone(), controls, drafts)
+    verify = VerifyRows(drafts, torch.tensor([width, width]), 2 * width)
+    got = apply_controls(logits.clone(), controls, verify)
     for r, req in enumerate(reqs):
         for j in range(width):
             grown_ids = req.output.token_ids + drafts[r, :j].tolist()

@@ -61,18 +61,18 @@ class H200Costs:
     mask_ms_per_row: float = 0.004
 
     def draft(self, step: ReplayStep) -> float:
-        if step.width == 1:
+        if not step.drafting:
             return 0.0
         return self.draft_ms_per_row * step.num_decoding * BLOCK + self.draft_weights_ms
 
     def step(self, step: ReplayStep) -> float:
-        d, w = step.num_decoding, step.width
+        d = step.num_decoding
         memory = self.weights_ms + self.kv_ms_per_token * step.context
         ms = max(memory, self.ms_per_row * step.num_rows) + self.draft(step)
         if step.writes_context:  # prompts' context is written always
-            ms += self.context_ms_per_request * d * (w == 1)
+            ms += self.context_ms_per_request * d * (not step.drafting)
         ms += self.ms_per_row * self.context_share_of_prefill * step.prefill_rows
-        return ms + self.mask_ms_per_row * d * w * step.constrained
+        return ms + self.mask_ms_per_row * step.decode_rows * step.constrained
 
 
 @dataclass(frozen=True)
@@ -93,17 +93,17 @@ class DemoCpuCosts:
     prefill_ms_per_row: float = 0.075
 
     def draft(self, step: ReplayStep) -> float:
-        if step.width == 1:
+        if not step.drafting:
             return 0.0
         d = step.num_decoding
         return self.draft_ms_per_request * d + self.draft_ms_per_context_token * step.context
 
     def step(self, step: ReplayStep) -> float:
         d = step.num_decoding
-        ms = self.fixed_ms + self.ms_per_row * d * step.width
+        ms = self.fixed_ms + self.ms_per_row * step.decode_rows
         ms += self.ms_per_context_token * step.context + self.draft(step)
         ms += self.prefill_ms_per_row * step.prefill_rows
-        if step.writes_context and step.width == 1:
+        if step.writes_context and not step.drafting:
             ms += self.context_ms_per_request * d
         return ms
 
@@ -113,9 +113,8 @@ class ReplayStep:
     """A step as the speculator reads it (spec_decode/base.py's StepShape) and the cost model
     prices it."""
 
-    width: int
+    widths: tuple[int, ...]  # each decoding request's verify width
     num_live: int
-    num_decoding: int
     prefill_rows: int
     context: int  # tokens of K/V the decoding requests read
     writes_context: bool
@@ -126,8 +125,24 @@ class ReplayStep:
         return self.num_live
 
     @property
+    def num_decoding(self) -> int:
+        return len(self.widths)
+
+    @property
+    def max_width(self) -> int:
+        return max(self.widths, default=1)
+
+    @property
+    def drafting(self) -> bool:
+        return self.max_width > 1
+
+    @property
+    def decode_rows(self) -> int:
+        return sum(self.widths)
+
+    @property
     def num_rows(self) -> int:
-        return self.num_decoding * self.width + self.prefill_rows
+        return self.decode_rows + self.prefill_rows
 
     @property
     def uniform(self) -> bool:
@@ -172,7 +187,7 @@ class CostClock:
         self.costs = costs
 
     def take_ms(self, step: ReplayStep) -> float | None:
-        return self.costs.draft(step) if step.width > 1 else None
+        return self.costs.draft(step) if step.drafting else None
 
     def clear(self) -> None:
         pass
@@ -223,18 +238,18 @@ def replay(
                 spec.admit(
                     scheduled.admitted, torch.zeros(len(scheduled.admitted), dtype=torch.long)
                 )
-            step = _shape(scheduled, step_width, spec.writes_context, job.constrained)
+            step = _shape(scheduled, spec.writes_context, job.constrained)
             items = scheduled.items
             new = Launched(
                 scheduled,
                 step,
-                accepted=[_drawn(it.req, step_width, accept, draws) for it in items if it.decoding],
+                accepted=[_drawn(it.req, it.num_new, accept, draws) for it in items if it.decoding],
                 ms=costs.step(step),
             )
             result.seconds += new.ms / 1e3
             if step.num_decoding:
-                result.widths[step_width] += 1
-                result.trace.append(step_width)
+                result.widths[step.max_width] += 1
+                result.trace.append(step.max_width)
         if launched is not None:
             _read_back(scheduler, spec, stopper, launched)
         launched = new
@@ -242,13 +257,12 @@ def replay(
     return result
 
 
-def _shape(scheduled: ScheduledStep, width: int, writes: bool, constrained: bool) -> ReplayStep:
+def _shape(scheduled: ScheduledStep, writes: bool, constrained: bool) -> ReplayStep:
     items = scheduled.items
     decoding = [it for it in items if it.decoding]
     return ReplayStep(
-        width=width,
+        widths=tuple(it.num_new for it in decoding),
         num_live=len(items),
-        num_decoding=len(decoding),
         prefill_rows=sum(it.num_new for it in items if not it.decoding),
         context=sum(it.req.state.num_cached for it in decoding),
         writes_context=writes or any(not it.decoding for it in items),  # as the runner does
@@ -309,6 +323,5 @@ def _read_back(
         accepted=launched.accepted,
         drafts=[],
         num_drafts=0,
-        width=launched.step.width,
     )
     scheduler.update_from_output(output, stopper=stopper)

@@ -39,7 +39,9 @@ def speculator(batch: int) -> Speculator:
 
 def decode_step(width: int, batch: int, writes_context: bool = True) -> ReplayStep:
     """A step in which every request decodes, as the speculator reads it."""
-    return ReplayStep(width, batch, batch, 0, batch * CONTEXT, writes_context, constrained=False)
+    return ReplayStep(
+        (width,) * batch, batch, 0, batch * CONTEXT, writes_context, constrained=False
+    )
 
 
 ROW_STEPS = 256  # steps a row decodes (the jobs replay's rows): batch / ROW_STEPS replaced a step

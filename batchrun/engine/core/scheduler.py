@@ -35,6 +35,7 @@ draft writes (its K/V rows are read back within the step).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -138,21 +139,22 @@ class Scheduler:
             return True
         return any(req.state.num_cached < prefill_len(req) for req in self.running)
 
-    def schedule(self, width: int | None = None) -> ScheduledStep:
-        """The next step, marked launched; decoding requests feed `width` rows each (default:
-        the full block); the caller keeps width * len(running) within the token budget."""
+    def schedule(self, widths: Mapping[int, int] | int | None = None) -> ScheduledStep:
+        """The next step, marked launched; each decoding request feeds its verify width's rows
+        (widths: by slot, or one for all; default and slots left out: the full block); the
+        caller keeps the widths' sum within the token budget."""
         self._planned, self._preempted = set(), set()
-        width = width or self.decode_width
         batch: list[_Planned] = []
         admitted: list[Request] = []  # requests given a slot in this pass
-        # A step that drafts writes the draft's whole block at the anchor, whatever it verifies.
-        rows = self.decode_width if width > 1 else 1
-        for req in list(self.running):  # oldest first; preempting the newest if pages run out
-            state = req.state
-            decoding = state.status is Status.RUNNING and state.num_cached == prefill_len(req)
-            if decoding and self._grow_or_preempt(req, state.in_flight + rows):
-                batch.append(self._plan(req, width, decoding=True))
-        budget = self.max_batched_tokens - width * len(batch)
+        decoding = [req for req in self.running if self._decoding(req)]
+        width = {req: self._width(req, widths) for req in decoding}
+        # A step that drafts writes the draft's whole block at every decoding request's anchor,
+        # whatever each verifies.
+        rows = self.decode_width if any(w > 1 for w in width.values()) else 1
+        for req in decoding:  # oldest first; preempting the newest if pages run out
+            if self._decoding(req) and self._grow_or_preempt(req, req.state.in_flight + rows):
+                batch.append(self._plan(req, width[req], decoding=True))
+        budget = self.max_batched_tokens - sum(n for _, n, _ in batch)
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -198,7 +200,19 @@ class Scheduler:
             self._launch(it)
         given = set(admitted)
         new = [it for it in items if it.req in given]
-        return ScheduledStep(items=items, admitted=new, width=width)
+        return ScheduledStep(items=items, admitted=new)
+
+    def _decoding(self, req: Request) -> bool:
+        """Running and past its prompt (a preemption earlier in the pass stops it)."""
+        state = req.state
+        return state.status is Status.RUNNING and state.num_cached == prefill_len(req)
+
+    def _width(self, req: Request, widths: Mapping[int, int] | int | None) -> int:
+        if widths is None:
+            return self.decode_width
+        if isinstance(widths, int):
+            return widths
+        return widths.get(req.state.slot, self.decode_width)
 
     def _items(self, batch: list[_Planned], admitted: list[Request]) -> list[Scheduled]:
         """The step's snapshots; on a hybrid target with the state snapshots its chunks restore
@@ -273,9 +287,9 @@ class Scheduler:
             before = len(out.token_ids)
             if it.decoding:
                 req.state.in_flight -= it.num_new  # read back: no longer in flight
-                drafted = output.drafts[(dec - 1) * d : dec * d]
+                drafted = output.drafts[(dec - 1) * d : (dec - 1) * d + min(d, it.num_new - 1)]
                 accepted = output.accepted[dec - 1]
-                self._commit_round(req, post, accepted, drafted, output.width, stopper, rounds)
+                self._commit_round(req, post, accepted, drafted, it.num_new, stopper, rounds)
             elif post:  # the first token, sampled from the prompt's last row
                 stopper.commit(req, post)
             if scores is not None:  # the rows of the tokens kept (stop rules cut the rest)

@@ -21,7 +21,7 @@ class Scheduled:
     to it); the worker reads of it only what was asked (its params) and its output."""
 
     req: Request
-    num_new: int  # rows this request feeds to the target in this forward
+    num_new: int  # rows this request feeds to the target in this forward (a verify: its width)
     decoding: bool  # True: a decode/verify step; False: a prefill chunk
     slot: int  # its row in the device state
     # The position of its first row as the host knows it: a chunk's exactly; a decoding item's
@@ -65,24 +65,24 @@ class Scheduled:
 class ScheduledStep:
     """One step, as the scheduler returns it (already marked launched). Decoding items come
     first (oldest first), then prefill chunks; `admitted` are the items of the requests given a
-    slot in this step (their device state is sent once); the decoding items feed `width` rows
-    each."""
+    slot in this step (their device state is sent once). Each decoding item verifies at its
+    own width (its num_new rows: 1 is plain decoding), its rows packed after the items before
+    it."""
 
     items: list[Scheduled]
     admitted: list[Scheduled]
-    width: int
 
 
 @dataclass(frozen=True)
 class StepOutput:
     """A launched step's results as the host read them. Invariants: tokens holds each item's
     num_sampled tokens, item after item; accepted holds one count per decoding item, drafts
-    num_drafts ids per decoding item (0: not traced)."""
+    num_drafts ids per decoding item (0: not traced), of which an item verified its first
+    num_new - 1."""
 
     items: list[Scheduled]
     tokens: list[int]
     accepted: list[int]
     drafts: list[int]
     num_drafts: int
-    width: int  # the step's verify width (1: plain decoding)
     scores: ReadLogprobs | None = None  # the rows' log-probabilities, when the job asks

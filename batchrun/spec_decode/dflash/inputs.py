@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.attention.meta import AttentionMeta, kv_indices
+from batchrun.attention.meta import AttentionMeta, kv_indices, row_starts
 from batchrun.models.block_attention import BlockAttention
 from batchrun.spec_decode.base import SlotState
 from batchrun.spec_decode.dflash.rings import DraftRing
@@ -38,16 +38,18 @@ class DraftContext:
         """Slots that just took a request: nothing of theirs waits."""
         self.rows[slots] = 0
 
-    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, width: int) -> bool:
+    def commit(
+        self, slots: torch.Tensor, accepted: torch.Tensor, widths: torch.Tensor, drafted: bool
+    ) -> bool:
         """After a step: only its verify rows wait, `accepted + 1` for each decoding request in
-        `slots`, starting at the request's first row of the step (request i's: i * width).
-        Returns whether any row waits (known on the host)."""
+        `slots`, starting at the request's first row of the step (its rows packed after those
+        of the requests before it, widths [D] each), when the step drafted (else its rows were
+        stored as it ran). Returns whether any row waits (known on the host)."""
         self.rows.zero_()
-        waiting = slots.shape[0] > 0 and width > 1
+        waiting = slots.shape[0] > 0 and drafted
         if waiting:
             self.rows.index_copy_(0, slots, accepted + 1)
-            first = torch.arange(slots.shape[0], device=slots.device) * width
-            self.row0.index_copy_(0, slots, first)
+            self.row0.index_copy_(0, slots, row_starts(widths))
         return waiting
 
 

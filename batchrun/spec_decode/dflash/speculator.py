@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from batchrun.attention.base import AttentionBackend
-from batchrun.attention.meta import AttentionMeta, allocate_kv
+from batchrun.attention.meta import AttentionMeta, allocate_kv, row_starts
 from batchrun.models.dflash import DFlashDraft
 from batchrun.parallel.group import TensorParallel
 from batchrun.spec_decode.acceptance import accepted_lengths
@@ -130,7 +130,7 @@ class DFlashSpeculator(Speculator):
         when every request decoded (a step with prefill chunks says little about a width's
         cost) and the width was the last step's too (a switch costs the pipeline more than the
         width does; the draft's time, on the device's clock, is its own either way)."""
-        width, first = step.width, self._last_width == 0
+        width, first = step.max_width, self._last_width == 0
         switched = not first and width != self._last_width
         self._last_width = width
         if step.num_decoding:
@@ -139,8 +139,9 @@ class DFlashSpeculator(Speculator):
         policy = self.policy
         if policy is None:
             return
-        for a in accepted if width > 1 else ():
-            policy.record_round(width, a)
+        for w, a in zip(step.widths, accepted, strict=True):
+            if w > 1:
+                policy.record_round(w, a)
         bucket = self.target.graphs.bucket(step.num_live, self.max_batch_size)
         if draft_ms is not None and step.uniform:
             policy.record_draft(bucket, draft_ms)
@@ -168,10 +169,10 @@ class DFlashSpeculator(Speculator):
     def propose(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor | None:
         """Drafts one block per decoding request, after storing the context K/V of the rows
         their last verify committed; at width 1 it only stores those."""
-        d, width = step.num_decoding, step.width
+        d = step.num_decoding
         if not d:
             return None
-        if width == 1:
+        if step.max_width == 1:
             if self._verified_unstored and self.writes_context:
                 self._store_verified(slots[:d])
             self._verified_unstored = False  # dormant: dropped, a hole in the context
@@ -179,7 +180,7 @@ class DFlashSpeculator(Speculator):
         drafts = self.clock.time(step, lambda: self._draft_step(step, slots))
         # In place: a graph's target reads them there.
         self.hooks.rewrite(drafts, slots[:d], self.target.state.out_len)
-        return drafts[:, : width - 1]
+        return drafts
 
     def graph_drafts(self, size: int) -> torch.Tensor:
         return self.drafts[:size]
@@ -203,15 +204,21 @@ class DFlashSpeculator(Speculator):
         self.features = features
 
     def accept(
-        self, drafts: torch.Tensor | None, tokens: torch.Tensor, step: StepShape
+        self,
+        drafts: torch.Tensor | None,
+        tokens: torch.Tensor,
+        step: StepShape,
+        widths: torch.Tensor,
     ) -> torch.Tensor:
-        d = step.num_decoding
         if drafts is None:
-            return tokens.new_zeros(d)
-        return accepted_lengths(drafts, tokens[: d * step.width].view(d, step.width))
+            return tokens.new_zeros(step.num_decoding)
+        return accepted_lengths(drafts, tokens, row_starts(widths), widths)
 
-    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, step: StepShape) -> None:
-        self._verified_unstored = self.context.commit(slots, accepted, step.width)
+    def commit(
+        self, slots: torch.Tensor, accepted: torch.Tensor, step: StepShape, widths: torch.Tensor
+    ) -> None:
+        drafted = step.max_width > 1
+        self._verified_unstored = self.context.commit(slots, accepted, widths, drafted)
 
     def _draft_step(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor:
         d = step.num_decoding
@@ -224,7 +231,7 @@ class DFlashSpeculator(Speculator):
             assert graphs is not None
             return graphs.replay(step.num_requests, context, slots)[:d]
         # Eager: the blocks end by the step's longest context, with a block, not the graphs'.
-        return self._draft(slots, context, step.max_kv - step.width + self.block_size)
+        return self._draft(slots, context, step.max_kv - min(step.widths) + self.block_size)
 
     def _store_verified(self, slots: torch.Tensor) -> None:
         """The draft context of the last verify's committed rows, without drafting."""
