@@ -3,9 +3,10 @@
 A step, as `step` reads: the scheduler decides it as one `ScheduledStep` (core/step.py: a
 snapshot of each request's part, prefill chunks, decode rows, verify blocks) and marks it
 launched; the worker (worker.py) launches it on the device: the speculator's drafts for the
-decoding requests (none at width 1: plain decoding is a verify round that drafts nothing, so both
-share one commit rule), the target over every row, the sampled tokens, the drafts they accept and
-the commit into the per-slot device state; one small copy per step brings back what was
+decoding requests (each verifying at its own width; none when every one is at width 1: plain
+decoding is a verify round that drafts nothing, so both share one commit rule), the target over
+every row, the sampled tokens, the drafts they accept and the commit into the per-slot device
+state; one small copy per step brings back what was
 committed, which the scheduler applies in one place (`Scheduler.update_from_output`: stop rules,
 token progress, statistics).
 
@@ -224,8 +225,9 @@ class Engine:
         """Launch the next step, then apply the one before; returns the requests it finished."""
         failed = self._admit_compiled()
         scheduler, worker = self.scheduler, self.worker
-        width = worker.next_width(len(scheduler.running), scheduler.prefill_pending)
-        scheduled, previous, self._launched = scheduler.schedule(width), self._launched, None
+        slots = [req.state.slot for req in scheduler.running]
+        widths = worker.next_widths(slots, scheduler.prefill_pending)
+        scheduled, previous, self._launched = scheduler.schedule(widths), self._launched, None
         if not scheduled.items:
             if previous is None and self.compiling:  # nothing runs but compiles: wait a bit
                 self.compiling.wait(self.grammars)

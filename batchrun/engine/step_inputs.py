@@ -47,6 +47,7 @@ class StepPlan:
 
     packed: np.ndarray  # int64, the layout above
     widths: tuple[int, ...]  # W_r of each decoding request, in step order
+    decode_slots: tuple[int, ...]  # the slot of each decoding request
     num_requests: int  # R, padded for a graph step
     num_live: int  # requests actually scheduled
     num_decoding: int  # D
@@ -107,6 +108,7 @@ def plan_step(
     stores: list[tuple[int, int]] = []
     logit_rows: list[np.ndarray] = []
     widths: list[int] = []
+    decode_slots: list[int] = []
     row = max_kv = 0
     for r, it in enumerate(batch):
         k = it.num_sampled
@@ -115,6 +117,7 @@ def plan_step(
         max_kv = max(max_kv, it.start + it.num_new)
         if it.decoding:
             widths.append(it.num_new)
+            decode_slots.append(it.slot)
         else:
             chunks.append(it.chunk_ids)
             fresh.append(it.start == 0)
@@ -138,6 +141,7 @@ def plan_step(
     return StepPlan(
         packed=np.concatenate(parts),
         widths=tuple(widths),
+        decode_slots=tuple(decode_slots),
         num_requests=num_req,
         num_live=live,
         num_decoding=len(widths),

@@ -97,9 +97,10 @@ class Worker:
             "cuda_graphs": bool(runner.target_graphs),
         } | self.speculator.info()
 
-    def next_width(self, num_running: int, prefill_pending: bool) -> int:
-        """The verify width of the next step (1 without a draft)."""
-        return self.speculator.next_width(num_running, prefill_pending)
+    def next_widths(self, slots: list[int], prefill_pending: bool) -> dict[int, int]:
+        """The verify width of each running request (by slot) in the next step (1 without a
+        draft)."""
+        return self.speculator.next_widths(slots, prefill_pending)
 
     @torch.inference_mode()
     def launch_forward(self, step: ScheduledStep) -> Forward:

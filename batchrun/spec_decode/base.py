@@ -1,8 +1,8 @@
 """The interface between the engine and speculative decoding. Each step the engine asks its
-speculator for the verify width, then for drafts (`propose`), runs the target over them, hands
-it the target's features (`observe`) and asks how many drafts the target's tokens accept
-(`accept`); inside the target forward, graphs included, the runner passes it the features of
-rows already committed (`store_context`).
+speculator for each row's verify width (`next_widths`), then for drafts (`propose`), runs the
+target over them, hands it the target's features (`observe`) and asks how many drafts the
+target's tokens accept (`accept`); inside the target forward, graphs included, the runner passes
+it the features of rows already committed (`store_context`).
 
 The runner builds its speculator once, handing it a `TargetView`: the target's model, the
 per-slot state and the graph machinery it may use, and nothing else of the runner. The
@@ -47,6 +47,8 @@ class StepShape(Protocol):
     def widths(self) -> tuple[int, ...]: ...  # each decoding request's verify width W_r
     @property
     def max_width(self) -> int: ...  # the widest (1: the step verifies no draft)
+    @property
+    def decode_slots(self) -> tuple[int, ...]: ...  # each decoding request's slot
     @property
     def num_requests(self) -> int: ...  # R, padded for a graph step
     @property
@@ -185,9 +187,9 @@ class Speculator:
     def start_job(self, max_batch_size: int, max_batched_tokens: int) -> None:
         """A new job: what it learnt about widths is forgotten."""
 
-    def next_width(self, running: int, prefill_pending: bool) -> int:
-        """The verify width of the next step over `running` requests."""
-        return 1
+    def next_widths(self, slots: Sequence[int], prefill_pending: bool) -> dict[int, int]:
+        """The verify width of each running request (by slot) in the next step."""
+        return dict.fromkeys(slots, 1)
 
     def admit(self, requests: Sequence[Admitted], slots: torch.Tensor) -> None:
         """Requests that just took their slots (`slots`: theirs, on the device)."""

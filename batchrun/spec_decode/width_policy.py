@@ -207,6 +207,14 @@ class WidthPolicy:
         times = self.samples.get((width, bucket), ())
         return min(times) if len(times) >= MIN_SAMPLES else None
 
+    def row_costs(self, bucket: int, width: int) -> dict[int, float]:
+        """The measured step costs in `bucket` of the widths up to `width`, less the draft's
+        forward at the drafting ones: what a row's width changes in a step that drafts
+        (row_widths.py)."""
+        draft = self._draft_least(bucket)
+        known = {w: c for w in self.widths if w <= width and (c := self.cost(w, bucket))}
+        return {w: max(c - draft, c / 2) if w > 1 else c for w, c in known.items()}
+
     def _least(self, width: int, bucket: int) -> float:
         """The least step time seen at `width` in `bucket`, however few (0.0: none)."""
         return min(self.samples.get((width, bucket)) or [0.0])

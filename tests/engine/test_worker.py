@@ -70,8 +70,9 @@ def test_the_worker_stepped_alone_samples_what_the_overlapped_engine_does(
     for req in alone:
         scheduler.add(req)
     while scheduler.num_unfinished:
-        width = worker.next_width(len(scheduler.running), scheduler.prefill_pending)
-        forward = worker.launch_forward(scheduler.schedule(width))
+        slots = [req.state.slot for req in scheduler.running]
+        widths = worker.next_widths(slots, scheduler.prefill_pending)
+        forward = worker.launch_forward(scheduler.schedule(widths))
         output = worker.read(worker.launch_sampling(forward, None))
         scheduler.update_from_output(output, stopper=engine.stopper)
     assert [r.output.token_ids for r in alone] == [r.output.token_ids for r in overlapped]

@@ -43,8 +43,8 @@ class BigramSpeculator(Speculator):
         self.state, self.next_token = target.state, draft.next_token
         self.drafting, self.block_size, self.widths = True, draft.block_size, widths
 
-    def next_width(self, running: int, prefill_pending: bool) -> int:
-        return self.widths[-1]
+    def next_widths(self, slots: Sequence[int], prefill_pending: bool) -> dict[int, int]:
+        return dict.fromkeys(slots, self.widths[-1])
 
     def propose(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor | None:
         d = step.num_decoding

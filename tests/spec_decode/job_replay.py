@@ -1,5 +1,5 @@
 """Whole jobs replayed on the CPU through the engine's own width logic: the real Scheduler
-(schedule, update_from_output) and the real DFlashSpeculator (next_width, admit,
+(schedule, update_from_output) and the real DFlashSpeculator (next_widths, admit,
 learn, writes_context, over its WidthPolicy), stepped in the engine's order (the next step is
 chosen and launched before the last one is read back). No model runs: each step's time comes from
 a cost model that charges the drafter's work (its forward at a drafting width, timed on its own
@@ -114,6 +114,7 @@ class ReplayStep:
     prices it."""
 
     widths: tuple[int, ...]  # each decoding request's verify width
+    decode_slots: tuple[int, ...]  # and its slot
     num_live: int
     prefill_rows: int
     context: int  # tokens of K/V the decoding requests read
@@ -230,14 +231,13 @@ def replay(
     stopper, draws, result = Stopper(None, set(), 1 << 30), Draws(seed), Replay()
     launched: Launched | None = None
     while scheduler.num_unfinished or launched is not None:
-        step_width = spec.next_width(len(scheduler.running), scheduler.prefill_pending)
-        scheduled = scheduler.schedule(step_width)
+        slots = [req.state.slot for req in scheduler.running]
+        scheduled = scheduler.schedule(spec.next_widths(slots, scheduler.prefill_pending))
         new = None
         if scheduled.items:
             if scheduled.admitted:
-                spec.admit(
-                    scheduled.admitted, torch.zeros(len(scheduled.admitted), dtype=torch.long)
-                )
+                admitted = torch.tensor([it.slot for it in scheduled.admitted])
+                spec.admit(scheduled.admitted, admitted)
             step = _shape(scheduled, spec.writes_context, job.constrained)
             items = scheduled.items
             new = Launched(
@@ -262,6 +262,7 @@ def _shape(scheduled: ScheduledStep, writes: bool, constrained: bool) -> ReplayS
     decoding = [it for it in items if it.decoding]
     return ReplayStep(
         widths=tuple(it.num_new for it in decoding),
+        decode_slots=tuple(it.slot for it in decoding),
         num_live=len(items),
         prefill_rows=sum(it.num_new for it in items if not it.decoding),
         context=sum(it.req.state.num_cached for it in decoding),

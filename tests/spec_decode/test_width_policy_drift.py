@@ -1,5 +1,5 @@
 """The verify-width policy when the drafter's acceptance changes during a job, on the CPU: the
-speculator's own width choice and learning (DFlashSpeculator.next_width and .learn, over the
+speculator's own width choice and learning (DFlashSpeculator.next_widths and .learn, over the
 real WidthPolicy) stepped over decode steps whose time comes from a cost model that charges the
 drafter's work at every width, width 1 included."""
 
@@ -37,11 +37,12 @@ def speculator(batch: int) -> Speculator:
     return model_free_speculator(WIDTHS, Job(rows=batch, prompt_len=1, max_tokens=1, batch=batch))
 
 
-def decode_step(width: int, batch: int, writes_context: bool = True) -> ReplayStep:
-    """A step in which every request decodes, as the speculator reads it."""
-    return ReplayStep(
-        (width,) * batch, batch, 0, batch * CONTEXT, writes_context, constrained=False
-    )
+def decode_step(width: int | list[int], batch: int, writes_context: bool = True) -> ReplayStep:
+    """A step in which every request decodes (in slots 0 .. batch-1, at `width` or each at its
+    own), as the speculator reads it."""
+    widths = tuple(width) if isinstance(width, list) else (width,) * batch
+    slots = tuple(range(batch))
+    return ReplayStep(widths, slots, batch, 0, batch * CONTEXT, writes_context, constrained=False)
 
 
 ROW_STEPS = 256  # steps a row decodes (the jobs replay's rows): batch / ROW_STEPS replaced a step
@@ -55,22 +56,23 @@ def run(
     spec, rng = speculator(batch), random.Random(seed)
     out, replaced = [], 0.0
     for t in range(steps):
-        width = spec.next_width(batch, prefill_pending=False)
+        chosen = spec.next_widths(list(range(batch)), prefill_pending=False)
+        widths = [chosen[slot] for slot in range(batch)]
         replaced += batch / ROW_STEPS
         if replaced >= 1:  # the rows that finished give their slots to new ones
             new = [SimpleNamespace(row_index=t)] * int(replaced)
             spec.admit(new, torch.zeros(len(new), dtype=torch.long))
             replaced -= len(new)
         p, accepted = accept(t), []
-        for _ in range(batch):
+        for width in widths:
             a = 0
             while a < width - 1 and rng.random() < p:
                 a += 1
             accepted.append(a)
-        step = decode_step(width, batch, spec.writes_context)
+        step = decode_step(widths, batch, spec.writes_context)
         ms = COSTS.step(step)
         spec.learn(step, accepted, ms / 1e3)
-        out.append((width, ms, batch + sum(accepted)))
+        out.append((max(widths), ms, batch + sum(accepted)))
     return out
 
 

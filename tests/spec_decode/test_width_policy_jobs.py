@@ -14,6 +14,7 @@ from functools import cache
 import pytest
 
 import batchrun.spec_decode.dflash.speculator as speculator_module
+import batchrun.spec_decode.row_widths as row_widths
 import batchrun.spec_decode.width_policy as width_policy
 from batchrun.bench.oracle import SCENARIOS as CHANGING_ACCEPTANCE
 from batchrun.spec_decode.width_policy import expected_tokens
@@ -138,11 +139,16 @@ RULES: list[tuple[str, Job, str, Costs, Callable[[pytest.MonkeyPatch], None]]] =
         lambda mp: mp.setattr(speculator_module, "step_width", _prefill_steps_measured),
     ),
     (
-        "acceptance is forgotten (HALF_LIFE)",
+        # The batch's (HALF_LIFE) and each row's (ROW_HALF_LIFE): either alone follows a
+        # collapse at W1, the rows' widths from their own rounds, the step's from the batch's.
+        "acceptance is forgotten (HALF_LIFE, ROW_HALF_LIFE)",
         W1,
         "collapse",
         H200,
-        lambda mp: mp.setattr(width_policy, "HALF_LIFE", 10**9),
+        lambda mp: (
+            mp.setattr(width_policy, "HALF_LIFE", 10**9),
+            mp.setattr(row_widths, "ROW_HALF_LIFE", 10**9),
+        ),
     ),
     (
         "a drafter held at width 1 is probed again (PROBE_EVERY)",

@@ -36,6 +36,7 @@ from batchrun.spec_decode.dflash.inputs import (
 )
 from batchrun.spec_decode.dflash.rings import DraftRing
 from batchrun.spec_decode.method import DraftBackends
+from batchrun.spec_decode.row_widths import RowAcceptance
 from batchrun.spec_decode.width_policy import WidthPolicy, step_width
 
 
@@ -84,6 +85,7 @@ class DFlashSpeculator(Speculator):
         # stores them, by drafting or, at width 1, on their own.
         self._verified_unstored = False
         self.policy: WidthPolicy | None = None
+        self.rows: RowAcceptance | None = None  # each row's acceptance, under `auto`
         self.width_steps: Counter[int] = Counter()  # verify width -> steps decoding at it
         self._last_width = 0  # the width of the step read back before
         self.clock = DraftClock(device)
@@ -94,6 +96,7 @@ class DFlashSpeculator(Speculator):
         self.max_batch_size, self.max_batched_tokens = max_batch_size, max_batched_tokens
         many = len(self.widths) > 1
         self.policy = WidthPolicy(self.block_size, self.widths) if many else None
+        self.rows = RowAcceptance(max_batch_size + 1, self.block_size) if many else None
         self.width_steps = Counter()
         self._last_width = 0
         self.clock.clear()
@@ -109,20 +112,30 @@ class DFlashSpeculator(Speculator):
             return True
         return policy.writes_context
 
-    def next_width(self, running: int, prefill_pending: bool) -> int:
+    def next_widths(self, slots: Sequence[int], prefill_pending: bool) -> dict[int, int]:
+        """A pinned or fixed width for every row; else the policy's step width, and each row's
+        own under it (row_widths.py). Under tensor parallelism every row verifies at the step
+        width, rank 0's: the rows' widths follow each rank's step times."""
         pinned = self.hooks.pinned_width
         if pinned is not None or self.policy is None:
-            return pinned or self.widths[-1]
+            return dict.fromkeys(slots, pinned or self.widths[-1])
+        if self.rows is not None:
+            self.rows.follow(slots)
+        running = len(slots)
+        bucket = self.target.graphs.bucket(running, self.max_batch_size)
         width = step_width(
             self.policy,
-            bucket=self.target.graphs.bucket(running, self.max_batch_size),
+            bucket=bucket,
             running=running,
             prefill_pending=prefill_pending,
             max_batched_tokens=self.max_batched_tokens,
         )
         if self.tp is not None:  # chosen from this rank's step times: rank 0's wins
-            width = self.tp.first_int(width)
-        return width
+            return dict.fromkeys(slots, self.tp.first_int(width))
+        if width == 1 or self.rows is None:
+            return dict.fromkeys(slots, width)
+        costs = self.policy.row_costs(bucket, width)
+        return self.rows.widths(slots, width, self.policy.accept(), costs)
 
     def learn(self, step: StepShape, accepted: list[int], seconds: float) -> None:
         """Feeds the policy: the rounds' acceptance, the draft's own time, every step's time,
@@ -139,9 +152,11 @@ class DFlashSpeculator(Speculator):
         policy = self.policy
         if policy is None:
             return
-        for w, a in zip(step.widths, accepted, strict=True):
+        for slot, w, a in zip(step.decode_slots, step.widths, accepted, strict=True):
             if w > 1:
                 policy.record_round(w, a)
+                if self.rows is not None:
+                    self.rows.record(slot, w, a)
         bucket = self.target.graphs.bucket(step.num_live, self.max_batch_size)
         if draft_ms is not None and step.uniform:
             policy.record_draft(bucket, draft_ms)
