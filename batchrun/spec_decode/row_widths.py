@@ -1,27 +1,32 @@
 """Each decoding row's verify width within a step (issue 46): the step's width W comes from the
 batch (width_policy.py: measured step costs, the batch's acceptance, probes, dormancy), and each
-row then verifies at the width its own acceptance earns, at most W. A row the drafter knows
-verifies W rows while one it does not decodes at width 1, in the same step, which then costs
-the rows it has (the runner's graphs are keyed by requests and rows).
+row then verifies at W, or at width 1 when its own acceptance says its drafts earn under
+ROW_MIN_GAIN of what the batch's do at W. A row the drafter knows verifies W rows while one it
+does not decodes, in the same step, which then costs the rows it has (the runner's graphs are
+keyed by requests and rows); the batch's acceptance is then learnt from the rows that verify, and
+the costs W is chosen by are those of such steps.
 
-A row's acceptance per draft position is its own rounds' (halved every ROW_HALF_LIFE of them,
-as the batch's are every HALF_LIFE), with the batch's estimate as a prior worth
-ROW_PRIOR_WEIGHT rounds: a row not yet verified takes the batch's width. Its width is the one
-with the most expected tokens per millisecond at the bucket's measured step costs, as if every
-row were like it, less the draft's forward at the drafting widths (a step that drafts runs it
-for every decoding row, whatever each verifies). A row held at width 1 for ROW_PROBE_EVERY
-drafting steps verifies the narrowest drafting width once (one row more: a drafter that turned
-good for it is taken up), its old rounds halved first. All of it on arrays over the slots: a
-step at batch 256 costs the host some microseconds.
+A row's acceptance per draft position is its own rounds' (halved every ROW_HALF_LIFE of them, as
+the batch's are every HALF_LIFE), with the batch's estimate as a prior worth ROW_PRIOR_WEIGHT
+rounds: a row not yet verified takes W, and one the drafter never gets right drops to width 1
+after a few rounds. A row held at width 1 for ROW_PROBE_EVERY drafting steps verifies the
+narrowest drafting width once (one row more in a step that drafts anyway: a drafter that turned
+good for it is taken up), its old rounds halved first; every row's rounds are forgotten when the
+batch's are (WidthPolicy.relearn). The speculator trims no row while the batch probes an unknown
+drafter (the probe would never end) nor a row running alone (it is the batch). All of it on
+arrays over the slots: a step at batch 256 costs the host some microseconds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-ROW_PRIOR_WEIGHT = 2.0  # rounds the batch's acceptance is worth in a row's estimate
+ROW_PRIOR_WEIGHT = 1.0  # rounds the batch's acceptance is worth in a row's estimate
+# A row whose expected accepted drafts at W fall under this share of the batch's decodes: after
+# 4 misses in a row (prior weight 1) a row is under a fifth of the batch's.
+ROW_MIN_GAIN = 0.25
 # A row's rounds are halved every ROW_HALF_LIFE of them: its estimate rests on its last 16-32,
 # enough to tell a row that is never right (a few misses) from one right half the time.
 ROW_HALF_LIFE = 16
@@ -39,11 +44,18 @@ class RowAcceptance:
         self.rounds = np.zeros(num_slots, dtype=np.int64)  # since the last halving
         self.held = np.zeros(num_slots, dtype=np.int64)  # drafting steps at width 1 in a row
         self._running: set[int] = set()
+        self._relearned = 0  # the batch policy's relearn count these rounds were kept under
 
-    def follow(self, slots: Sequence[int]) -> None:
+    def follow(self, slots: Sequence[int], relearned: int) -> None:
         """The slots running now: one that was not at the last call took a new request
         (a freed slot is absent from at least one call), of which nothing is known. Kept on
-        the host, from the scheduler's slots: no device read."""
+        the host, from the scheduler's slots: no device read. relearned: how often the batch's
+        acceptance was forgotten (width_policy.py's relearn: a probe, rows turned over); each
+        row's is forgotten with it, so a row held at width 1 is probed with the batch."""
+        if relearned != self._relearned:
+            self._relearned = relearned
+            self.hits[:] = self.trials[:] = 0
+            self.rounds[:] = self.held[:] = 0
         new = [s for s in slots if s not in self._running]
         self._running = set(slots)
         if new:
@@ -74,27 +86,21 @@ class RowAcceptance:
         slots: Sequence[int],
         step_width: int,
         batch_accept: Sequence[float],
-        costs: Mapping[int, float],
+        probe_width: int,
     ) -> dict[int, int]:
-        """Each slot's width in a step of `step_width` (> 1): the best of `costs` (width -> ms
-        of a step, the draft's forward left out; the widths measured in the bucket, none over
-        step_width) for its own acceptance, or step_width where step_width has no cost yet."""
+        """Each slot's width in a step of `step_width` (> 1): step_width, or 1 for a row whose
+        drafts earn under ROW_MIN_GAIN of what the batch's do there (a row held at 1 for
+        ROW_PROBE_EVERY drafting steps verifies `probe_width` once)."""
         index = np.asarray(slots, dtype=np.int64)
-        if step_width not in costs:
-            return dict.fromkeys(slots, step_width)
-        candidates = sorted(costs)
-        accept = self.accept(index, batch_accept)
-        # expected_tokens(accept_r, w) for every row and candidate: 1 + sum_{j<w} p_1 .. p_j
-        runs = np.cumprod(accept, axis=1)
-        totals = np.concatenate([np.ones((len(index), 1)), 1 + np.cumsum(runs, axis=1)], axis=1)
-        tokens = totals[:, [w - 1 for w in candidates]]
-        rates = tokens / np.asarray([costs[w] for w in candidates])[None, :]
-        chosen = np.asarray(candidates)[np.argmax(rates, axis=1)]  # ties: the narrower
-        probe = (chosen == 1) & (self.held[index] + 1 >= ROW_PROBE_EVERY)
-        self.held[index] = np.where(chosen == 1, self.held[index] + 1, 0)
+        accept = self.accept(index, batch_accept)[:, : step_width - 1]
+        gains = np.cumprod(accept, axis=1).sum(axis=1)  # expected_tokens(row, W) - 1
+        batch_gain = float(np.cumprod(np.asarray(batch_accept)[: step_width - 1]).sum())
+        kept = gains >= ROW_MIN_GAIN * batch_gain
+        chosen = np.where(kept, step_width, 1)
+        probe = ~kept & (self.held[index] + 1 >= ROW_PROBE_EVERY)
+        self.held[index] = np.where(kept, 0, self.held[index] + 1)
         if probe.any():  # verify the narrowest drafting width once, the old rounds halved
-            drafting = min((w for w in candidates if w > 1), default=step_width)
-            chosen = np.where(probe, drafting, chosen)
+            chosen = np.where(probe, min(probe_width, step_width), chosen)
             probed = index[probe]
             self.hits[probed] /= 2
             self.trials[probed] /= 2

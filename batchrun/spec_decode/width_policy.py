@@ -86,8 +86,19 @@ def expected_tokens(accept: Sequence[float], width: int) -> float:
     return total
 
 
+def step_tokens(accept: Sequence[float], width: int, share: float = 1.0) -> float:
+    """Tokens a step of `width` commits per request when `share` of its rows verify at that
+    width and the rest decode (row_widths.py): the drafts only the share's rows earn."""
+    if width == 1:
+        return 1.0
+    return 1.0 + share * (expected_tokens(accept, width) - 1.0)
+
+
 def best_width(
-    accept: Sequence[float], costs: Mapping[int, float], current: int | None = None
+    accept: Sequence[float],
+    costs: Mapping[int, float],
+    current: int | None = None,
+    share: float = 1.0,
 ) -> int:
     """The width with the most expected tokens per millisecond; costs: width -> ms of a step
     (draft included) at the current batch size. Ties go to the narrower width; the `current`
@@ -95,7 +106,7 @@ def best_width(
     flapping between widths costs context writes)."""
 
     def rate(w: int) -> float:
-        return expected_tokens(accept, w) / costs[w]
+        return step_tokens(accept, w, share) / costs[w]
 
     best = max(sorted(costs), key=lambda w: (rate(w), -w))
     if (
@@ -173,6 +184,11 @@ class WidthPolicy:
         self._probing = 0  # rounds launched to probe the drafter, not yet recorded
         self._probed_at = 0  # the step that launched the newest of them
         self._fresh = 0  # requests admitted since the newest round
+        # The share of the decoding rows that verify at the step's width when it drafts (the
+        # rest decode: row_widths.py), as the last drafting step had it: a width is judged by
+        # the tokens the step commits, not those of a row that verifies.
+        self.row_share = 1.0
+        self.relearned = 0  # times relearn ran: each row's own acceptance is forgotten with it
 
     @property
     def dormant(self) -> bool:
@@ -184,12 +200,20 @@ class WidthPolicy:
         """Whether the draft's context is written (width-1 steps capture features for it)."""
         return not self.dormant
 
+    @property
+    def probing(self) -> bool:
+        """The drafter is unknown (fewer than PROBE_ROUNDS rounds, none accepted): a drafting
+        step probes it, every row at its width (row_widths.py trims none)."""
+        return self.trials[0] < PROBE_ROUNDS and not self.hits[0]
+
     def relearn(self) -> None:
         """Forget the acceptance and the choices made from it: the narrowest drafting width
-        probes the drafter again (as at the start)."""
+        probes the drafter again (as at the start), every row at it (row_widths.py)."""
         self.hits = [0] * len(self.hits)
         self.trials = [0] * len(self.trials)
         self._rounds = 0
+        self.relearned += 1
+        self.row_share = 1.0
         self._chosen.clear()
         self._ones = 0
         self._probing = 0
@@ -206,14 +230,6 @@ class WidthPolicy:
         replay) only ever add time."""
         times = self.samples.get((width, bucket), ())
         return min(times) if len(times) >= MIN_SAMPLES else None
-
-    def row_costs(self, bucket: int, width: int) -> dict[int, float]:
-        """The measured step costs in `bucket` of the widths up to `width`, less the draft's
-        forward at the drafting ones: what a row's width changes in a step that drafts
-        (row_widths.py)."""
-        draft = self._draft_least(bucket)
-        known = {w: c for w in self.widths if w <= width and (c := self.cost(w, bucket))}
-        return {w: max(c - draft, c / 2) if w > 1 else c for w, c in known.items()}
 
     def _least(self, width: int, bucket: int) -> float:
         """The least step time seen at `width` in `bucket`, however few (0.0: none)."""
@@ -251,7 +267,7 @@ class WidthPolicy:
         width = self._to_measure(widths, known, accept, bucket, requests or bucket)
         if width is None:
             current = self._chosen.get(bucket, (None, 0.0))[0]
-            width = best_width(accept, known, current)
+            width = best_width(accept, known, current, self.row_share)
             self._chosen[bucket] = (width, block_tokens)
         held = width == 1 and any(self.trials) and bucket >= DORMANT_MIN_BATCH
         self._ones = self._ones + 1 if held else 0
@@ -286,7 +302,7 @@ class WidthPolicy:
         if widths[0] not in known and widths[0] == 1:
             return 1
         drafting = [w for w in widths if w > 1]
-        if drafting and self.trials[0] < PROBE_ROUNDS and not self.hits[0]:
+        if drafting and self.probing:
             # The drafter is unknown: learn its acceptance cheaply (the cheapest width while
             # the rounds in flight will do).
             if self._probe_in_flight():
@@ -294,14 +310,15 @@ class WidthPolicy:
             self._probing += requests
             self._probed_at = self._step
             return drafting[0]
-        best_rate = max((expected_tokens(accept, w) / c for w, c in known.items()), default=0.0)
+        share = self.row_share
+        best_rate = max((step_tokens(accept, w, share) / c for w, c in known.items()), default=0.0)
         for w in reversed(widths):
             if w in known:
                 continue
             # Its own first samples, if any: a hiccup only adds time, so no more than halves a
             # step; a width that loses even at half its least sample is not run again.
             floor = max(self._floor(w, bucket, requests), self._least(w, bucket) / 2)
-            if not floor or expected_tokens(accept, w) / floor > best_rate * (1 + SWITCH_MARGIN):
+            if not floor or step_tokens(accept, w, share) / floor > best_rate * (1 + SWITCH_MARGIN):
                 return w
         return None
 

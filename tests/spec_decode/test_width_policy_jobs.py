@@ -8,7 +8,7 @@ by a scenario that breaks that contract without it."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import pytest
@@ -130,6 +130,13 @@ def _prefill_steps_measured(policy: object, **kw: object) -> int:
 
 
 # Each rule, the scenario that needs it, and how the rule is taken out.
+def _step_width_for_every_row(
+    rows: row_widths.RowAcceptance, slots: Sequence[int], width: int, *_: object
+) -> dict[int, int]:
+    """Per-row widths off: every row at the step's width."""
+    return dict.fromkeys(slots, width)
+
+
 RULES: list[tuple[str, Job, str, Costs, Callable[[pytest.MonkeyPatch], None]]] = [
     (
         "steps with prefill chunks decode at width 1",
@@ -165,11 +172,16 @@ RULES: list[tuple[str, Job, str, Costs, Callable[[pytest.MonkeyPatch], None]]] =
         lambda mp: mp.setattr(width_policy.WidthPolicy, "dormant", property(lambda _: False)),
     ),
     (
+        # Each row's own acceptance, which a row taking a slot starts afresh (row_widths.py),
+        # answers the same turnover: both off, a row the drafter does not know keeps verifying.
         "rows admitted since the newest round as many as are running: probed again",
         at_batch(1),
         "mixed rows",
         H200,
-        lambda mp: mp.setattr(width_policy.WidthPolicy, "record_admitted", lambda *_: None),
+        lambda mp: (
+            mp.setattr(width_policy.WidthPolicy, "record_admitted", lambda *_: None),
+            mp.setattr(row_widths.RowAcceptance, "widths", _step_width_for_every_row),
+        ),
     ),
     (
         "a probe takes PROBE_ROUNDS rounds",
@@ -179,11 +191,16 @@ RULES: list[tuple[str, Job, str, Costs, Callable[[pytest.MonkeyPatch], None]]] =
         lambda mp: mp.setattr(width_policy, "PROBE_ROUNDS", 1),
     ),
     (
+        # Per-row widths alone also hold this job (the rows the drafter knows verify while the
+        # others decode), so the rule is pinned with every row at the step's width.
         "another bucket's choice bounds only under the same acceptance (CHOICE_DRIFT)",
         DECODE_HEAVY,
         "improve",
         H200,
-        lambda mp: mp.setattr(width_policy, "CHOICE_DRIFT", math.inf),
+        lambda mp: (
+            mp.setattr(width_policy, "CHOICE_DRIFT", math.inf),
+            mp.setattr(row_widths.RowAcceptance, "widths", _step_width_for_every_row),
+        ),
     ),
     (
         "the draft's own time bounds a drafting width's cost (record_draft)",

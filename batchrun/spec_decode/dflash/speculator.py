@@ -119,8 +119,6 @@ class DFlashSpeculator(Speculator):
         pinned = self.hooks.pinned_width
         if pinned is not None or self.policy is None:
             return dict.fromkeys(slots, pinned or self.widths[-1])
-        if self.rows is not None:
-            self.rows.follow(slots)
         running = len(slots)
         bucket = self.target.graphs.bucket(running, self.max_batch_size)
         width = step_width(
@@ -132,10 +130,16 @@ class DFlashSpeculator(Speculator):
         )
         if self.tp is not None:  # chosen from this rank's step times: rank 0's wins
             return dict.fromkeys(slots, self.tp.first_int(width))
-        if width == 1 or self.rows is None:
+        if self.rows is not None:  # after the choice: it may have forgotten the acceptance
+            self.rows.follow(slots, self.policy.relearned)
+        # A row alone is the batch: the step's width is already its own.
+        if width == 1 or self.rows is None or self.policy.probing or running == 1:
             return dict.fromkeys(slots, width)
-        costs = self.policy.row_costs(bucket, width)
-        return self.rows.widths(slots, width, self.policy.accept(), costs)
+        probe = min(w for w in self.widths if w > 1)
+        widths = self.rows.widths(slots, width, self.policy.accept(), probe)
+        if widths:
+            self.policy.row_share = sum(w == width for w in widths.values()) / len(widths)
+        return widths
 
     def learn(self, step: StepShape, accepted: list[int], seconds: float) -> None:
         """Feeds the policy: the rounds' acceptance, the draft's own time, every step's time,
