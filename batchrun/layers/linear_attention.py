@@ -152,6 +152,8 @@ class GatedDeltaNet(nn.Module):
         # only, the grid kept for commit.
         starts = row_starts(meta.q_lens)
         grid, _ = padded_rows(starts, meta.q_lens, w)
+        # A graph's padding requests (no rows) start where the live rows end: in range.
+        grid = grid.clamp_(max=max(qkv.shape[0] - 1, 0))
         qkv, g, beta = qkv[grid], g[grid], beta[grid]
         out = self._rows(qkv, g, beta, state, meta.slots[:d], None)
         state.scratch_qkv[:d, :w] = qkv

@@ -134,3 +134,35 @@ def test_a_plain_decode_step_writes_its_slots_and_commit_does_nothing(
     stepper.model.commit_linear(stepper.caches, meta, torch.tensor([0, 0]))
     for (c0, s0), (c1, s1) in zip(after, linear_states(stepper), strict=True):
         assert torch.equal(c0, c1) and torch.equal(s0, s1)
+
+
+@torch.no_grad()
+def test_a_verify_of_rows_at_widths_of_their_own_keeps_each_rows_accepted(
+    checkpoint: tuple[Path, nn.Module],
+) -> None:
+    """Rows verifying 1, 3 and 4 rows in one step, packed by offsets: each row's logits are its
+    full sequence's, and the commit leaves each slot as the accepted rows alone would."""
+    path, reference = checkpoint
+    model = loaded(path)
+    widths = (1, 3, 4)
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 6, 13)]
+    drafts = [torch.randint(0, VOCAB, (w,), generator=gen).tolist() for w in widths]
+    accepted = torch.tensor([0, 2, 1])
+
+    verify = Stepper(model, slots=3, max_width=max(widths))
+    verify.step([], [(r, seq, 0) for r, seq in enumerate(seqs)])
+    logits, meta = verify.step([(r, drafts[r], len(seq)) for r, seq in enumerate(seqs)], [])
+    start = 0
+    for r, seq in enumerate(seqs):
+        want = reference_logits(reference, seq + drafts[r])[len(seq) :]
+        got = logits[start : start + widths[r]]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        start += widths[r]
+    verify.model.commit_linear(verify.caches, meta, accepted)
+
+    kept = Stepper(model, slots=3, max_width=max(widths))
+    kept.step([], [(r, seq + drafts[r][: int(accepted[r]) + 1], 0) for r, seq in enumerate(seqs)])
+    for (c0, s0), (c1, s1) in zip(linear_states(verify), linear_states(kept), strict=True):
+        torch.testing.assert_close(c0, c1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s0, s1, atol=1e-5, rtol=1e-5)
