@@ -18,7 +18,9 @@ S3 is configured as the AWS tools are: AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3)
 S3-compatible server, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or a profile
 (AWS_PROFILE, ~/.aws/credentials and ~/.aws/config), AWS_REGION or AWS_DEFAULT_REGION. pyarrow
 reads AWS_ENDPOINT_URL itself only in recent versions, so the endpoint and region are passed to it
-explicitly. gs:// uses pyarrow's GCS filesystem and Google's default credentials.
+explicitly (s3_endpoint_url, s3_region: also for boto3, which keeps an s3:// output's claims in
+its bucket, batchrun.io.output.bucket_claims). gs:// uses pyarrow's GCS filesystem and Google's
+default credentials.
 """
 
 from __future__ import annotations

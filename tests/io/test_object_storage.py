@@ -342,6 +342,7 @@ def _free_port() -> int:
         ("no credentials", "no AWS credentials found"),
         ("no input bucket", "bucket 'no-such-bucket-here' does not exist"),
         ("no output bucket", "bucket 'no-such-bucket-here' does not exist"),
+        ("no boto3", "through boto3, which is not installed: pip install 'batchrun[s3]'"),
     ],
 )
 def test_bad_object_storage_is_one_line(
@@ -363,8 +364,10 @@ def test_bad_object_storage_is_one_line(
         monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     elif case == "no input bucket":
         flags = ["--input", "s3://no-such-bucket-here/in/*.parquet"]
-    else:
+    elif case == "no output bucket":
         flags = ["--output", "s3://no-such-bucket-here/out"]
+    else:
+        monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
     assert_one_line_error(invoke("run", str(job), *flags), message)
     assert_one_line_error(invoke("validate", str(job), *flags), message)
 

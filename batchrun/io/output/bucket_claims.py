@@ -8,26 +8,38 @@ same body with `If-Match: <its ETag>` (a claim deleted as stale answers NoSuchKe
 an unconditional put would bring it back beside its taker's). A heartbeat is the object's
 LastModified. S3 lists and reads after a write consistently, as the protocol needs.
 
-boto3 is imported only when a job's output is in S3 and keeps its claims there. It reaches the
-store configured as pyarrow's S3 filesystem is (batchrun.io.store: AWS_ENDPOINT_URL, the region,
-the AWS credential chain).
+boto3 (the `s3` extra) is imported only when a job's output is in S3 and keeps its claims there.
+It reaches the store configured as pyarrow's S3 filesystem is (batchrun.io.store:
+AWS_ENDPOINT_URL, the region, the AWS credential chain).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import threading
 from collections.abc import Iterator
 from pathlib import PurePosixPath
 from typing import Any
 
+from batchrun.errors import JobError
 from batchrun.io.output.claim_space import CLAIM_SUFFIX, ClaimEntry, ClaimSpace
 from batchrun.io.store import ObjectLocation, s3_endpoint_url, s3_region, storage_reason
 
 CLAIMS_IN_BUCKET = ("s3",)  # the schemes whose outputs keep their claims in the bucket
 _TAKEN = ("PreconditionFailed", "ConditionalRequestConflict")  # a conditional put lost a race
 _GONE = ("NoSuchKey", "404")
+
+
+def require_boto3() -> None:
+    """JobError (one line) unless boto3 is installed (checked without importing it)."""
+    if importlib.util.find_spec("boto3") is None:
+        raise JobError(
+            "an s3:// output keeps its claims in its bucket through boto3, which is not "
+            "installed: pip install 'batchrun[s3]' (or set claims_dir, --claims-dir, to a local "
+            "or shared directory)"
+        )
 
 
 @functools.cache

@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchrun.errors import JobError
-from batchrun.io.output.bucket_claims import CLAIMS_IN_BUCKET, BucketClaims
+from batchrun.io.output.bucket_claims import CLAIMS_IN_BUCKET, BucketClaims, require_boto3
 from batchrun.io.output.claim import CLAIMS_DIR, Claim, acquire
 from batchrun.io.output.claim_space import ClaimSpace, DirectoryClaims
 from batchrun.io.output.fingerprint import first_difference, job_hash
@@ -290,7 +290,9 @@ class OutputDir:
                 raise JobError(f"output {self.shown!r} exists and is not a directory")
         except OSError as exc:
             raise JobError(f"output {self.shown!r}: {_reason(exc)}") from None
-        if self.claims_dir is None and not self._claims_in_bucket:
+        if self.claims_dir is None and self._claims_in_bucket:
+            require_boto3()
+        elif self.claims_dir is None:
             raise JobError(
                 f"output {self.shown!r}: claims are kept in the bucket only on s3:// (through "
                 "its conditional writes); set claims_dir (--claims-dir) to a local or shared "
