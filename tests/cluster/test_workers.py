@@ -319,3 +319,36 @@ def test_workers_share_an_s3_output(
     local_claims = tmp_path / "claims"
     assert local_claims.exists() == (claims == "in claims_dir")  # where the claims lived
     assert not list(local_claims.rglob("*" + CLAIM_SUFFIX))
+
+
+def test_a_killed_worker_s_chunks_in_the_bucket_are_taken_over(
+    tmp_path: Path, tiny_model: Path, endpoint: str, bucket: str
+) -> None:
+    """kill -9 of a worker mid-job, its chunk claims in the bucket: the other worker takes its
+    rows over, each row is written once, and no claim is left."""
+    fs = object_storage.s3(endpoint)
+    prompts = [f"def handler_{i}(event):" for i in range(ROWS)]
+    object_storage.put_prompts(fs, f"{bucket}/in", prompts)
+    job = object_storage.write_job(
+        tmp_path, tiny_model, bucket, max_tokens=24, max_batch_size=2, rows_per_part=2
+    )
+    process = start(job, "--workers", "2", "--device", "cpu")
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr or ()), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    pid = None
+    written = lambda: object_storage.names(fs, f"{bucket}/out")  # noqa: E731
+    while pid is None or not any(n.startswith("part-00001-of-00002") for n in written()):
+        assert process.poll() is None and time.monotonic() < deadline, lines
+        found = [m for m in map(WORKER_LINE.search, list(lines)) if m and m.group(1) == "1"]
+        pid = int(found[0].group(3)) if found else None
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)  # mid-job: it holds chunk claims on rows it has not committed
+    process.wait(timeout=300)
+    reader.join(timeout=10)
+    assert process.returncode == 0, "".join(lines)
+    assert any("worker 1" in line and "killed by SIGKILL" in line for line in lines), lines
+    output = object_storage.read_parts(fs, f"{bucket}/out")
+    assert output.column("row_index").to_pylist() == list(range(ROWS))  # each row once
+    assert "_SUCCESS" in written() and not object_storage.claims_in(fs, f"{bucket}/out")

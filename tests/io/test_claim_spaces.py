@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 from batchrun.errors import JobError
-from batchrun.io.output import claim
+from batchrun.io.output import bucket_claims, claim
 from batchrun.io.output.bucket_claims import BucketClaims
 from batchrun.io.output.claim_space import CLAIM_SUFFIX, ClaimSpace, DirectoryClaims
 from tests.io import test_object_storage as object_storage
@@ -91,8 +91,9 @@ def test_a_create_never_replaces_and_losing_is_a_clean_false(space: ClaimSpace) 
     assert space.create("a.claim", "first")
     assert not space.create("a.claim", "second")
     assert space.read("a.claim") == "first"
+    assert space.create("a.claim", "first")  # a retried create finds its own: still True
     # Creates racing for one name (S3: conditional puts): exactly one wins, the rest are False.
-    won = at_once(6, lambda: space.create("b.claim", "racer"))
+    won = at_once(6, lambda: space.create("b.claim", f"racer {threading.get_ident()}"))
     assert sorted(won, key=str) == [False] * 5 + [True]
 
 
@@ -189,6 +190,24 @@ def test_a_holder_whose_claim_was_taken_stops_and_brings_nothing_back(
         holder.verify()
     assert names(in_bucket) == [f"taker{CLAIM_SUFFIX}"]
     holder.release()
+
+
+def test_a_heartbeat_in_the_bucket_is_read_on_this_node_s_clock(
+    in_bucket: BucketClaims, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node whose clock runs an hour ahead of the store's sees a fresh heartbeat as fresh (on
+    the store's clock it would look an hour old: stale, and taken over)."""
+    assert in_bucket.create(f"fresh{CLAIM_SUFFIX}", claim_text(token="fresh"))
+    ahead = time.time() + 3600
+
+    class Clock:
+        @staticmethod
+        def time() -> float:
+            return ahead
+
+    monkeypatch.setattr(bucket_claims, "time", Clock)
+    [entry] = in_bucket.entries()
+    assert abs(entry.mtime - ahead) < 5
 
 
 def test_a_chunk_held_in_the_bucket_is_taken_until_released(in_bucket: BucketClaims) -> None:

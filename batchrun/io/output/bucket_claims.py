@@ -6,7 +6,9 @@ A claim file is created with PutObject `If-None-Match: *` (it never replaces an 
 to one of that name is PreconditionFailed, a clean False) and its heartbeat is a PutObject of the
 same body with `If-Match: <its ETag>` (a claim deleted as stale answers NoSuchKey and stays gone;
 an unconditional put would bring it back beside its taker's). A heartbeat is the object's
-LastModified. S3 lists and reads after a write consistently, as the protocol needs.
+LastModified, read on this node's clock (by the response's Date), so a node whose clock is off
+judges another's heartbeat as one with the right clock does. S3 lists and reads after a write
+consistently, as the protocol needs.
 
 boto3 (the `s3` extra) is imported only when a job's output is in S3 and keeps its claims there.
 It reaches the store configured as pyarrow's S3 filesystem is (batchrun.io.store:
@@ -19,7 +21,9 @@ import contextlib
 import functools
 import importlib.util
 import threading
+import time
 from collections.abc import Iterator
+from email.utils import parsedate_to_datetime
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -42,13 +46,17 @@ def require_boto3() -> None:
         )
 
 
+_CLIENT_LOCK = threading.Lock()  # boto3's default session makes clients one thread at a time
+
+
 @functools.cache
 def _client(endpoint: str | None, region: str | None) -> Any:
     import boto3
     from botocore.config import Config
 
     config = Config(retries={"mode": "standard"})
-    return boto3.client("s3", endpoint_url=endpoint, region_name=region, config=config)
+    with _CLIENT_LOCK:
+        return boto3.client("s3", endpoint_url=endpoint, region_name=region, config=config)
 
 
 class _Taken(OSError):
@@ -60,6 +68,17 @@ def _code(exc: BaseException) -> str | None:
     """The S3 error code of a boto3 ClientError (None for any other error)."""
     response = getattr(exc, "response", None)
     return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
+def _local_time(stamp: float, response: dict[str, Any]) -> float:
+    """A time of the store's clock (LastModified) on this node's, by the response's Date: how
+    long ago a heartbeat was is then right also where the two clocks differ."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        store_now = parsedate_to_datetime(date).timestamp()
+    except (TypeError, ValueError):
+        return stamp  # no Date: the clocks are taken to agree
+    return stamp + time.time() - store_now
 
 
 class BucketClaims(ClaimSpace):
@@ -108,7 +127,12 @@ class BucketClaims(ClaimSpace):
                     Bucket=self.bucket, Key=self._key(name), Body=body, IfNoneMatch="*"
                 )
         except _Taken:
-            return False
+            # A put retried after its first try went through (its answer lost) finds its own
+            # object: still this run's claim. Another body is another run's: taken.
+            with self._one_line():
+                put = self._s3.get_object(Bucket=self.bucket, Key=self._key(name))
+                if put["Body"].read() != body:
+                    return False
         with self._lock:
             self._held[name] = (body, put["ETag"])
         return True
@@ -135,7 +159,7 @@ class BucketClaims(ClaimSpace):
                     text = got["Body"].read().decode(errors="replace")
             except FileNotFoundError:
                 continue  # released or taken over meanwhile
-            yield ClaimEntry(name, got["LastModified"].timestamp(), text)
+            yield ClaimEntry(name, _local_time(got["LastModified"].timestamp(), got), text)
 
     def read(self, name: str) -> str:
         with self._one_line():

@@ -3,8 +3,8 @@
 or an object-store output's claims_dir: DirectoryClaims, here) or a bucket prefix (an s3://
 output's _claims: batchrun.io.output.bucket_claims, through S3's conditional writes).
 
-Of a space the protocol needs only: create a claim file exclusively (losing to one of that name
-is a clean False), list the claim files with their heartbeat times, read one, refresh one's
+Of a space the protocol needs only: create a claim file exclusively (losing to another's of that
+name is a clean False), list the claim files with their heartbeat times, read one, refresh one's
 heartbeat only while it exists (a claim deleted as stale is never brought back), delete one.
 Store failures are OSErrors of one line.
 """
@@ -49,7 +49,8 @@ class ClaimSpace(ABC):
 
     @abstractmethod
     def create(self, name: str, text: str) -> bool:
-        """Create the file `name` holding text, unless one of that name exists: then False."""
+        """Create the file `name` holding text, unless one of that name exists: then False, or
+        True if it holds this very text (claim texts are unique: a retried create's own)."""
 
     @abstractmethod
     def entries(self) -> Iterator[ClaimEntry]:
@@ -102,7 +103,10 @@ class DirectoryClaims(ClaimSpace):
         try:
             fd = os.open(self.directory / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            return False
+            try:
+                return self.read(name) == text
+            except FileNotFoundError:
+                return False
         try:
             os.write(fd, text.encode())
             os.fsync(fd)
