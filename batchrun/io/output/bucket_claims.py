@@ -129,10 +129,13 @@ class BucketClaims(ClaimSpace):
         except _Taken:
             # A put retried after its first try went through (its answer lost) finds its own
             # object: still this run's claim. Another body is another run's: taken.
-            with self._one_line():
-                put = self._s3.get_object(Bucket=self.bucket, Key=self._key(name))
-                if put["Body"].read() != body:
-                    return False
+            try:
+                with self._one_line():
+                    put = self._s3.get_object(Bucket=self.bucket, Key=self._key(name))
+                    if put["Body"].read() != body:
+                        return False
+            except FileNotFoundError:
+                return False  # the winner's, released since
         with self._lock:
             self._held[name] = (body, put["ETag"])
         return True
