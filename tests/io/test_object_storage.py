@@ -404,6 +404,8 @@ def test_shards_share_an_s3_output(
     fs = s3(endpoint)
     put_prompts(fs, f"{bucket}/in", PROMPTS)
     job = write_job(tmp_path, tiny_model, bucket)
+    checked = invoke("validate", str(job), "--shard", "0/2")  # no claims_dir: nothing missing
+    assert checked.exit_code == 0, checked.output
     shards = [
         subprocess.Popen(
             [sys.executable, "-m", "batchrun.cli", "run", str(job), "--shard", shard],
