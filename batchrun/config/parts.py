@@ -143,20 +143,21 @@ class OutputPart:
         kind=Kind.TEXT,
         schema=_NAME,
         doc="Output directory for part files, progress and stats, or an object-store prefix "
-        f"(s3://bucket/prefix, gs://bucket/prefix; needs claims_dir). {_PATH_NOTE}",
-        help="Output directory, or s3://bucket/prefix (with --claims-dir).",
+        f"(s3://bucket/prefix, gs://bucket/prefix; gs:// needs claims_dir). {_PATH_NOTE}",
+        help="Output directory, or s3://bucket/prefix.",
     )
     claims_dir: str | None = option(
         None,
         kind=Kind.TEXT,
         schema=_NAME,
-        doc="Where the claims of an object-store output live (a local directory, or one shared "
-        "by every node that runs the job): pyarrow has no create-if-absent write to keep them "
-        "in the bucket. Every run of the job must name the same one. A local output keeps its "
-        f"claims in OUTPUT/_claims and ignores this. {_PATH_NOTE}",
+        doc="Where the claims of an object-store output live instead of its bucket (a local "
+        "directory, or one shared by every node that runs the job). An s3:// output keeps them "
+        "in OUTPUT/_claims in the bucket without it (S3's conditional writes, through boto3); a "
+        "gs:// output needs it. Every run of the job must name the same one. A local output "
+        f"keeps its claims in OUTPUT/_claims and ignores this. {_PATH_NOTE}",
         help="Claims directory of an s3:// or gs:// output (local or shared).",
         metavar="DIR",
-        unset="none; an object-store output needs it",
+        unset="none: in the s3:// output's bucket; a gs:// output needs it",
     )
     logprobs: int | None = option(
         None,

@@ -23,7 +23,8 @@ import pytest
 from batchrun.config.job import JobSpec
 from batchrun.errors import EXIT_STOPPED, JobError
 from batchrun.io.input.reader import open_input
-from batchrun.io.output.claim import CLAIM_SUFFIX, ClaimInfo, create_claim_file
+from batchrun.io.output.claim import CLAIM_SUFFIX, ClaimInfo
+from batchrun.io.output.claim_space import DirectoryClaims
 from batchrun.io.output.directory import JOB_KEY, OutputDir
 from batchrun.runners.workers.chunks import ChunkPuller, chunk_rows, plan_chunks
 from batchrun.runners.workers.run import worker_devices
@@ -276,32 +277,36 @@ def test_a_dead_worker_s_chunk_is_taken_over_without_its_committed_rows(tmp_path
     directory.mkdir(parents=True)
     info = ClaimInfo.for_this_process((0, 4), (0, 4))
     stale = directory / f"{info.token}{CLAIM_SUFFIX}"
-    create_claim_file(stale, ClaimInfo(**{**info.__dict__, "pid": int(dead.stdout)}))
+    dead_info = ClaimInfo(**{**info.__dict__, "pid": int(dead.stdout)})
+    assert DirectoryClaims(directory).create(stale.name, dead_info.to_json())
     part = pa.table({"row_index": pa.array([0, 1], pa.int64())})
     pq.write_table(part.replace_schema_metadata({JOB_KEY: b"job"}), out / "part-000000.parquet")
     # A live worker (this process) holds rows 4-7.
     live = directory.parent / "rows-4-8"
     live.mkdir()
-    create_claim_file(live / f"held{CLAIM_SUFFIX}", ClaimInfo.for_this_process((4, 8), (4, 8)))
+    live_info = ClaimInfo.for_this_process((4, 8), (4, 8))
+    assert DirectoryClaims(live).create(f"held{CLAIM_SUFFIX}", live_info.to_json())
 
     taking_over = puller(tmp_path, 1)
     assert pulled_rows([b.row_indices.tolist() for b in taking_over.batches()]) == [2, 3]
     assert not stale.exists() and (live / f"held{CLAIM_SUFFIX}").exists()
 
 
-# -- an object-store output: the chunk claims live in claims_dir ---------------------------------
+# -- an object-store output: the claims live in its bucket, or in claims_dir ---------------------
 
 endpoint = object_storage.endpoint  # a moto S3 server on loopback, for this module
 bucket = object_storage.bucket
 
 
+@pytest.mark.parametrize("claims", ["in the bucket", "in claims_dir"])
 def test_workers_share_an_s3_output(
-    tmp_path: Path, tiny_model: Path, endpoint: str, bucket: str
+    tmp_path: Path, tiny_model: Path, endpoint: str, bucket: str, claims: str
 ) -> None:
     fs = object_storage.s3(endpoint)
     prompts = object_storage.PROMPTS
     object_storage.put_prompts(fs, f"{bucket}/in", prompts)
-    job = object_storage.write_job(tmp_path, tiny_model, bucket)
+    keys = {"claims_dir": "claims"} if claims == "in claims_dir" else {}
+    job = object_storage.write_job(tmp_path, tiny_model, bucket, **keys)
     result = invoke("run", str(job), "--workers", "2", "--device", "cpu")
     assert result.exit_code == 0, result.output
     output = object_storage.read_parts(fs, f"{bucket}/out")
@@ -310,4 +315,40 @@ def test_workers_share_an_s3_output(
     assert "_SUCCESS" in written and not [n for n in written if n.endswith(".tmp")]
     with fs.open_input_stream(f"{bucket}/out/stats.json") as stream:
         assert json.loads(stream.read())["rows"] == len(prompts)
-    assert not list((tmp_path / "claims").rglob("*" + CLAIM_SUFFIX))  # claims lived here
+    assert not object_storage.claims_in(fs, f"{bucket}/out")  # released, the chunks' too
+    local_claims = tmp_path / "claims"
+    assert local_claims.exists() == (claims == "in claims_dir")  # where the claims lived
+    assert not list(local_claims.rglob("*" + CLAIM_SUFFIX))
+
+
+def test_a_killed_worker_s_chunks_in_the_bucket_are_taken_over(
+    tmp_path: Path, tiny_model: Path, endpoint: str, bucket: str
+) -> None:
+    """kill -9 of a worker mid-job, its chunk claims in the bucket: the other worker takes its
+    rows over, each row is written once, and no claim is left."""
+    fs = object_storage.s3(endpoint)
+    prompts = [f"def handler_{i}(event):" for i in range(ROWS)]
+    object_storage.put_prompts(fs, f"{bucket}/in", prompts)
+    job = object_storage.write_job(
+        tmp_path, tiny_model, bucket, max_tokens=24, max_batch_size=2, rows_per_part=2
+    )
+    process = start(job, "--workers", "2", "--device", "cpu")
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr or ()), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    pid = None
+    written = lambda: object_storage.names(fs, f"{bucket}/out")  # noqa: E731
+    while pid is None or not any(n.startswith("part-00001-of-00002") for n in written()):
+        assert process.poll() is None and time.monotonic() < deadline, lines
+        found = [m for m in map(WORKER_LINE.search, list(lines)) if m and m.group(1) == "1"]
+        pid = int(found[0].group(3)) if found else None
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)  # mid-job: it holds chunk claims on rows it has not committed
+    process.wait(timeout=300)
+    reader.join(timeout=10)
+    assert process.returncode == 0, "".join(lines)
+    assert any("worker 1" in line and "killed by SIGKILL" in line for line in lines), lines
+    output = object_storage.read_parts(fs, f"{bucket}/out")
+    assert output.column("row_index").to_pylist() == list(range(ROWS))  # each row once
+    assert "_SUCCESS" in written() and not object_storage.claims_in(fs, f"{bucket}/out")

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -346,4 +345,4 @@ def _clean_up(out: OutputDir) -> None:
                 if is_temp(entry.name):
                     out.store.remove(entry)
     with contextlib.suppress(OSError):
-        shutil.rmtree(out.chunk_claims())
+        out.chunk_claims().remove_all()
