@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchrun.errors import JobError
+from batchrun.io.local_paths import unmakeable
 from batchrun.io.output.claim import CLAIMS_DIR, Claim, acquire
 from batchrun.io.output.fingerprint import first_difference, job_hash
 from batchrun.io.output.stats import Timing
@@ -287,6 +288,9 @@ class OutputDir:
                 "create-if-absent write to keep claims in; set claims_dir (--claims-dir) to a "
                 "local or shared directory that every run of this job reaches"
             )
+        problem = unmakeable(claims_home(self.claims_dir, self.shown))
+        if problem is not None:  # acquire() makes it: refused here, by validate too
+            raise JobError(f"claims_dir {str(self.claims_dir)!r} cannot be made: {problem}")
 
     def _check_layout(self) -> None:
         """JobError unless a run can work here without following a symlink: its directories
