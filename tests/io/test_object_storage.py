@@ -332,6 +332,7 @@ def _free_port() -> int:
         ("no input bucket", "bucket 'no-such-bucket-here' does not exist"),
         ("no output bucket", "bucket 'no-such-bucket-here' does not exist"),
         ("no claims_dir", "set claims_dir (--claims-dir)"),
+        ("claims_dir under a file", "claims_dir"),
     ],
 )
 def test_bad_object_storage_is_one_line(
@@ -355,8 +356,13 @@ def test_bad_object_storage_is_one_line(
         flags = ["--input", "s3://no-such-bucket-here/in/*.parquet"]
     elif case == "no output bucket":
         flags = ["--output", "s3://no-such-bucket-here/out"]
-    else:
+    elif case == "no claims_dir":
         job.write_text(job.read_text().replace('claims_dir = "claims"\n', ""))
+    else:
+        (tmp_path / "a-file").write_text("")
+        flags = ["--claims-dir", str(tmp_path / "a-file" / "claims")]
+        message = f"claims_dir {str(tmp_path / 'a-file' / 'claims')!r} cannot be made: "
+        message += f"{str(tmp_path / 'a-file')!r} is not a directory"
     assert_one_line_error(invoke("run", str(job), *flags), message)
     assert_one_line_error(invoke("validate", str(job), *flags), message)
 
