@@ -41,9 +41,9 @@ def check_start(job: JobSpec) -> StartChecks:
     for plan in node_plans(job):  # every worker's port and textfile, before any starts
         check_plan(plan)
     opened = open_job(job)
-    found = preflight(job, opened.prompt)
-    if job.run.tp > 1:
+    if job.run.tp > 1:  # before preflight: a rank's device is the reason, said as such
         check_tp(job)
+    found = preflight(job, opened.prompt)
     return StartChecks(opened, found, devices)
 
 

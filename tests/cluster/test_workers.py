@@ -198,6 +198,24 @@ def test_ctrl_c_to_the_process_group_stops_the_job_in_one_line(
     assert_stopped(out, stderr, "SIGINT", process)
 
 
+def test_a_worker_s_error_stops_the_job_in_one_line(tmp_path: Path, tiny_model: Path) -> None:
+    """The input turns unreadable once the parent has checked it and started the workers:
+    the workers fail as they open it, and the job ends in the first one's line."""
+    job = job_file(tmp_path, tiny_model)
+    process = start(job, "--workers", "2", "--device", "cpu")
+    assert process.stderr is not None
+    lines = [process.stderr.readline()]  # the first worker's line: started, not yet reading
+    assert WORKER_LINE.search(lines[0]), lines
+    (tmp_path / "in" / "0.parquet").write_bytes(b"not parquet")
+    _, rest = process.communicate(timeout=300)
+    stderr = lines[0] + rest
+    assert process.returncode == 2, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("batchrun: error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
+    assert errors[0].startswith("batchrun: error: worker ") and "0.parquet" in errors[0], errors
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+
+
 def test_a_busy_worker_port_or_file_is_refused_before_any_worker_starts(
     tmp_path: Path, tiny_model: Path
 ) -> None:
