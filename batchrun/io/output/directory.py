@@ -273,7 +273,8 @@ class OutputDir:
 
     def _check_object_store(self) -> None:
         """JobError unless the bucket answers and exists, nothing blocks the prefix, and a
-        claims_dir is set (the store has no create-if-absent write for claims)."""
+        claims_dir is set (the store has no create-if-absent write for claims) that can be
+        made."""
         bucket = self.path.parts[0]
         try:
             if self.store.kind(PurePath(bucket)) != "dir":

@@ -1,7 +1,8 @@
 """`batchrun run --workers N`: N worker processes on this node, one per GPU (or N on the CPU),
 sharing one output.
 
-The parent (this process) checks the job, claims the output and prepares it as a single run does,
+The parent (this process) makes validate's start-up checks (batchrun.runners.startup: every
+worker's metrics port and file too), claims the output and prepares it as a single run does,
 then starts the workers (batchrun.runners.workers.worker). They pull chunks of row groups through
 claims as they need rows (batchrun.runners.workers.chunks): no fixed shards, so a slow worker takes
 less. Each commits parts of its own name (those of shard I of N); the parent draws one progress bar
@@ -10,7 +11,9 @@ from their reports and, once every row is committed, ends the job through the ou
 stale at once on this host (its process is gone): the workers still reading take its chunks over,
 and when all have ended with rows left, the parent starts another round of workers for them (as
 long as a round commits rows). A worker's error stops the others and the job, in one line. SIGTERM
-or SIGINT stop every worker cleanly (what is finished is committed), as for a single run."""
+or SIGINT (to the parent, or to its process group: the workers run in sessions of their own)
+stop every worker once, cleanly (what is finished is committed), and the job ends as a single
+run's does: stats.json for what was committed, one line, EXIT_STOPPED."""
 
 from __future__ import annotations
 
@@ -174,8 +177,8 @@ def _start(
     env = dict(os.environ)  # the node's cores shared among the workers, as torchrun's ranks do
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // count)))
     # In a session of its own, so that a terminal's Ctrl-C (a signal to the process group)
-    # reaches this process only, which passes it on to each worker once (_watch): a worker's
-    # second signal would end it at once (StopSignals).
+    # reaches this process only, which stops each worker once (_watch): a worker's second
+    # signal would end it at once (StopSignals).
     process = subprocess.Popen(
         [sys.executable, "-m", "batchrun.runners.workers.worker", str(theirs.fileno())],
         pass_fds=(theirs.fileno(),),
@@ -191,8 +194,9 @@ def _start(
 
 
 def _watch(state: _Job, workers: list[_Worker], stop: StopSignals) -> None:
-    """Relay the workers' reports until each has ended. On a signal, each is sent the same
-    signal (it commits what it finished); on a worker's error, the others are sent SIGTERM."""
+    """Relay the workers' reports until each has ended. On a signal or a worker's error, each
+    is sent SIGTERM once: it commits what it finished (one still importing ends at once, and
+    silently, which SIGINT's KeyboardInterrupt would not)."""
     signalled = False
     while True:
         open_conns = [w.conn for w in workers if w.conn is not None]
@@ -210,7 +214,7 @@ def _watch(state: _Job, workers: list[_Worker], stop: StopSignals) -> None:
             signalled = True
             for worker in workers:
                 if worker.process.poll() is None:
-                    worker.process.send_signal(stop.signum or signal.SIGTERM)
+                    worker.process.send_signal(signal.SIGTERM)
         if len(ended) == len(workers) and all(w.conn is None for w in workers):
             state.draw(force=True)
             return
