@@ -52,6 +52,7 @@ def run_job(
 ) -> dict[str, Any]:
     """Run the job (or its shard) to the end; returns its stats.json content. Raises JobStopped
     when SIGTERM or SIGINT stopped it first (StopSignals), with what it finished committed.
+    It starts with validate's checks (batchrun.runners.startup), without a given engine.
 
     With tp, every rank of the tensor-parallel group runs this in lockstep on the same input:
     rank 0 alone claims, prepares and writes the output; every rank reads which rows are done
@@ -60,12 +61,12 @@ def run_job(
     opened: OpenedJob | None = None
     with StopSignals(lockstep=tp is not None) as stop:
         try:
-            # Rank 0 speaks for its group here too; a busy port stops the job before it starts.
-            plan = MetricsPlan.of(job) if tp is None or tp.rank == 0 else None
             found = None
             if tp is None and engine is None:  # validate's checks (the launcher made a rank's)
                 checked = check_start(job)
                 opened, found = checked.opened, checked.found
+            # Rank 0 speaks for its group here too; a busy port stops the job before it starts.
+            plan = MetricsPlan.of(job) if tp is None or tp.rank == 0 else None
             with published(plan) as metrics:
                 if opened is None:
                     opened = open_job(job)
