@@ -330,10 +330,11 @@ class RunPart:
         low=1,
         high=65535,
         doc="While the job runs, serve Prometheus metrics (rows, tokens, tokens/s, steps, "
-        "acceptance, KV pages) at http://METRICS_HOST:PORT/metrics; shard I of N serves on "
-        "PORT + I. A port in use stops the job before it starts. Not with --ray.",
+        "acceptance, KV pages) at http://METRICS_HOST:PORT/metrics; shard I of N (or worker "
+        "I of workers) serves on PORT + I. A port in use, any process's, stops the job before "
+        "it starts (validate refuses it too). Not with --ray.",
         help="Serve Prometheus metrics at http://METRICS_HOST:PORT/metrics while the job runs "
-        "(shard I: PORT + I).",
+        "(shard or worker I: PORT + I).",
         metavar="PORT",
         unset="off",
     )
@@ -351,8 +352,9 @@ class RunPart:
         kind=Kind.TEXT,
         schema=_NAME,
         doc="Write the same metrics to this node-exporter textfile (replaced atomically every "
-        "few seconds and at the end); shard I of N writes NAME-I.prom beside it. A path that "
-        f"cannot be written stops the job before it starts. Not with --ray. {_PATH_NOTE}",
+        "few seconds and at the end); shard I of N (or worker I of workers) writes NAME-I.prom "
+        "beside it. A path that cannot be written, any process's, stops the job before it "
+        f"starts (validate refuses it too). Not with --ray. {_PATH_NOTE}",
         help="Write the metrics as a node-exporter textfile, refreshed while the job runs.",
         metavar="PATH",
         unset="off",

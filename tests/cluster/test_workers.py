@@ -27,7 +27,7 @@ from batchrun.io.output.claim import CLAIM_SUFFIX, ClaimInfo
 from batchrun.io.output.claim_space import DirectoryClaims
 from batchrun.io.output.directory import JOB_KEY, OutputDir
 from batchrun.runners.workers.chunks import ChunkPuller, chunk_rows, plan_chunks
-from batchrun.runners.workers.run import worker_devices
+from batchrun.runners.workers.devices import worker_devices
 from tests.io import test_object_storage as object_storage
 from tests.job.test_cli import invoke, write_job, write_prompts
 
@@ -54,6 +54,13 @@ def job_file(tmp_path: Path, model: Path) -> Path:
     return write_job(tmp_path, model, max_tokens=24, max_batch_size=2, rows_per_part=2)
 
 
+def _own_group_with_sigint() -> None:
+    """The job in a process group of its own (what a terminal's Ctrl-C reaches), with SIGINT
+    not ignored (a shell without job control starts background jobs so)."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(job: Path, *flags: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "batchrun.cli", "run", str(job), *flags],
@@ -62,7 +69,43 @@ def start(job: Path, *flags: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_own_group_with_sigint,
     )
+
+
+def metric_sum(files: list[Path], name: str) -> float:
+    """The sum over the files' series of one metric (each file one worker's)."""
+    total = 0.0
+    for file in files:
+        for line in file.read_text().splitlines():
+            if line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def assert_stopped(out: Path, stderr: str, signame: str, process: subprocess.Popen[str]) -> None:
+    """One stop line and nothing else of note; stats.json for what was committed, no _SUCCESS,
+    no worker left running."""
+    assert process.returncode == EXIT_STOPPED, stderr
+    stop = [line for line in stderr.splitlines() if line.startswith("batchrun: stopped by")]
+    assert len(stop) == 1 and stop[0].startswith(f"batchrun: stopped by {signame}:"), stderr
+    assert "run the same command again to resume" in stop[0]
+    assert "Traceback" not in stderr and "killed by" not in stderr, stderr
+    committed = part_rows(out)
+    assert len(committed) == len(set(committed)) and f"{len(committed)} rows committed" in stop[0]
+    stats = json.loads((out / "stats.json").read_text())
+    assert (stats["rows"], stats["workers"]) == (len(committed), 2)
+    assert not (out / "_SUCCESS").exists()
+    for match in filter(None, map(WORKER_LINE.search, stderr.splitlines())):
+        with pytest.raises(ProcessLookupError):  # ended and reaped by the parent
+            os.kill(int(match.group(3)), 0)
+
+
+def wait_for_a_part(out: Path, process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 240
+    while not list(out.glob("part-*.parquet")):  # rows are being committed
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def assert_complete(out: Path) -> None:
@@ -76,11 +119,17 @@ def assert_complete(out: Path) -> None:
 
 def test_two_cpu_workers_share_the_rows(tmp_path: Path, tiny_model: Path) -> None:
     job = job_file(tmp_path, tiny_model)
-    process = start(job, "--workers", "2", "--device", "cpu")
+    metrics = ["--metrics-file", str(tmp_path / "m.prom")]
+    process = start(job, "--workers", "2", "--device", "cpu", *metrics)
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr
     out = tmp_path / "out"
     assert_complete(out)
+    # Each worker reports its share of the input: summed over `worker`, the job's rows.
+    files = [tmp_path / f"m-{i}.prom" for i in range(2)]
+    assert metric_sum(files, "batchrun_input_rows") == ROWS
+    assert metric_sum(files, "batchrun_input_rows_done") == ROWS
+    assert metric_sum(files, "batchrun_rows_total") == ROWS
     started = [WORKER_LINE.search(line) for line in stderr.splitlines()]
     assert sorted(m.group(1) for m in started if m) == ["0", "1"]
     # Each worker starts on its own half of the chunks: both wrote parts.
@@ -125,17 +174,10 @@ def test_sigterm_stops_every_worker_and_the_same_command_resumes(
     job = job_file(tmp_path, tiny_model)
     out = tmp_path / "out"
     process = start(job, "--workers", "2", "--device", "cpu")
-    deadline = time.monotonic() + 240
-    while not list(out.glob("part-*.parquet")):  # rows are being committed
-        assert process.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for_a_part(out, process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
-    assert process.returncode == EXIT_STOPPED, stderr
-    stop = [line for line in stderr.splitlines() if line.startswith("batchrun: stopped by SIGTERM")]
-    assert len(stop) == 1 and "run the same command again to resume" in stop[0], stderr
-    committed = part_rows(out)
-    assert len(committed) == len(set(committed)) and f"{len(committed)} rows committed" in stop[0]
+    assert_stopped(out, stderr, "SIGTERM", process)
 
     again = start(job, "--workers", "2", "--device", "cpu")
     _, stderr = again.communicate(timeout=300)
@@ -143,22 +185,59 @@ def test_sigterm_stops_every_worker_and_the_same_command_resumes(
     assert_complete(out)
 
 
+def test_ctrl_c_to_the_process_group_stops_the_job_in_one_line(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """SIGINT to every process of the job's group, as a terminal sends it: the workers stop
+    once, cleanly; one stop line, no traceback, no worker said to be killed."""
+    job = job_file(tmp_path, tiny_model)
+    out = tmp_path / "out"
+    process = start(job, "--workers", "2", "--device", "cpu")
+    wait_for_a_part(out, process)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=300)
+    assert_stopped(out, stderr, "SIGINT", process)
+
+
 def test_a_worker_s_error_stops_the_job_in_one_line(tmp_path: Path, tiny_model: Path) -> None:
-    """Worker I serves its metrics on port P + I: worker 1's port is taken, so it fails at
-    start, the other is stopped, and the job ends in that worker's line."""
+    """The input turns unreadable once the parent has checked it and started the workers:
+    the workers fail as they open it, and the job ends in the first one's line."""
+    job = job_file(tmp_path, tiny_model)
+    process = start(job, "--workers", "2", "--device", "cpu")
+    assert process.stderr is not None
+    lines = [process.stderr.readline()]  # the first worker's line: started, not yet reading
+    assert WORKER_LINE.search(lines[0]), lines
+    (tmp_path / "in" / "0.parquet").write_bytes(b"not parquet")
+    _, rest = process.communicate(timeout=300)
+    stderr = lines[0] + rest
+    assert process.returncode == 2, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("batchrun: error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
+    assert errors[0].startswith("batchrun: error: worker ") and "0.parquet" in errors[0], errors
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+
+
+def test_a_busy_worker_port_or_file_is_refused_before_any_worker_starts(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """Worker I serves on port P + I and writes NAME-I.prom: worker 1's port taken, or its
+    file a directory, is one line from the parent before any worker starts."""
+    job = job_file(tmp_path, tiny_model)
+    workers = ["--workers", "2", "--device", "cpu"]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        job = job_file(tmp_path, tiny_model)
-        flags = ["--workers", "2", "--device", "cpu", "--metrics-port", str(port - 1)]
-        process = start(job, *flags)
-        _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 2, stderr
-    errors = [line for line in stderr.splitlines() if line.startswith("batchrun: error:")]
-    assert len(errors) == 1 and "Traceback" not in stderr, stderr
-    assert f"worker 1: metrics port {port} on 127.0.0.1" in errors[0], errors
-    assert not (tmp_path / "out" / "_SUCCESS").exists()
+        busy = invoke("run", str(job), *workers, "--metrics-port", str(port - 1))
+    (tmp_path / "m-1.prom").mkdir()
+    directory = invoke("run", str(job), *workers, "--metrics-file", str(tmp_path / "m.prom"))
+    for result, says in (
+        (busy, f"metrics port {port} on 127.0.0.1 is in use"),
+        (directory, f"metrics file '{tmp_path / 'm-1.prom'}' cannot be written: it is a directory"),
+    ):
+        assert result.exit_code == 2, result.output
+        assert result.stderr.splitlines() == [f"batchrun: error: {says}"]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

@@ -343,6 +343,7 @@ def _free_port() -> int:
         ("no input bucket", "bucket 'no-such-bucket-here' does not exist"),
         ("no output bucket", "bucket 'no-such-bucket-here' does not exist"),
         ("no boto3", "through boto3, which is not installed: pip install 'batchrun[s3]'"),
+        ("claims_dir under a file", "claims_dir"),
     ],
 )
 def test_bad_object_storage_is_one_line(
@@ -366,8 +367,13 @@ def test_bad_object_storage_is_one_line(
         flags = ["--input", "s3://no-such-bucket-here/in/*.parquet"]
     elif case == "no output bucket":
         flags = ["--output", "s3://no-such-bucket-here/out"]
-    else:
+    elif case == "no boto3":
         monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
+    else:
+        (tmp_path / "a-file").write_text("")
+        flags = ["--claims-dir", str(tmp_path / "a-file" / "claims")]
+        message = f"claims_dir {str(tmp_path / 'a-file' / 'claims')!r} cannot be made: "
+        message += f"{str(tmp_path / 'a-file')!r} is not a directory"
     assert_one_line_error(invoke("run", str(job), *flags), message)
     assert_one_line_error(invoke("validate", str(job), *flags), message)
 

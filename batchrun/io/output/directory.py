@@ -39,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchrun.errors import JobError
+from batchrun.io.local_paths import unmakeable
 from batchrun.io.output.bucket_claims import CLAIMS_IN_BUCKET, BucketClaims, require_boto3
 from batchrun.io.output.claim import CLAIMS_DIR, Claim, acquire
 from batchrun.io.output.claim_space import ClaimSpace, DirectoryClaims
@@ -281,7 +282,7 @@ class OutputDir:
 
     def _check_object_store(self) -> None:
         """JobError unless the bucket answers and exists, nothing blocks the prefix, and the
-        claims have a place (the bucket of an s3:// output, else claims_dir)."""
+        claims have a place: the bucket of an s3:// output, else a claims_dir that can be made."""
         bucket = self.path.parts[0]
         try:
             if self.store.kind(PurePath(bucket)) != "dir":
@@ -298,6 +299,11 @@ class OutputDir:
                 "its conditional writes); set claims_dir (--claims-dir) to a local or shared "
                 "directory that every run of this job reaches"
             )
+        if self.claims_dir is None:
+            return
+        problem = unmakeable(claims_home(self.claims_dir, self.shown))
+        if problem is not None:  # acquire() makes it: refused here, by validate too
+            raise JobError(f"claims_dir {str(self.claims_dir)!r} cannot be made: {problem}")
 
     def _check_layout(self) -> None:
         """JobError unless a run can work here without following a symlink: its directories

@@ -70,6 +70,17 @@ def plan_chunks(source: InputSource, size: int) -> list[Chunk]:
     return chunks
 
 
+def home_chunks(chunks: int, index: int, count: int) -> range:
+    """Worker `index` of `count`'s own share of the chunks (by number): the index-th count-th."""
+    return range(index * chunks // count, (index + 1) * chunks // count)
+
+
+def home_share(chunks: list[Chunk], index: int, count: int, done: np.ndarray) -> tuple[int, int]:
+    """The rows of worker `index`'s own chunks, and of those the rows `done` marks."""
+    own = [chunks[n] for n in home_chunks(len(chunks), index, count)]
+    return sum(c.stop - c.start for c in own), sum(int(done[c.start : c.stop].sum()) for c in own)
+
+
 class CommittedRows:
     """Which rows have committed output: each part's rows are read once (parts never change)."""
 
@@ -161,8 +172,7 @@ class ChunkPuller:
         self.source, self.chunks, self.done = source, chunks, done
         self.committed = CommittedRows(out, source.total_rows)
         self.space = out.chunk_claims()
-        index, count = worker
-        home = range(index * len(chunks) // count, (index + 1) * len(chunks) // count)
+        home = home_chunks(len(chunks), *worker)
         # Its own share front to back, then the others' from the back: a fast worker takes
         # what their owners would reach last.
         self.order = [*home, *(n for n in reversed(range(len(chunks))) if n not in home)]
