@@ -1,0 +1,87 @@
+"""The engine's DFlash2 path (float32, CPU) against target-only decoding and the plain
+reference (tests/helpers/dflash2_reference.py): greedy output token-identical to the engine
+without a draft, every round drafting exactly the reference's walk and committing what it
+commits, the speculation statistics adding up; seeded sampling unchanged by the draft. Bad
+DFlash2 drafts are refused in one line when the engine starts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchrun.engine.core.requests import Request
+from batchrun.engine.engine import Engine
+from batchrun.errors import JobError
+from batchrun.sampling.params import SamplingParams
+from batchrun.spec_decode.dflash2.speculator import DFlash2Speculator
+from tests.helpers.dflash2_models import make_tiny_dflash2
+from tests.helpers.dflash2_reference import reference_generate2
+from tests.spec_decode.test_dflash_engine import (
+    EOS,
+    MAX_TOKENS,
+    Job,
+    check_same_outputs,
+    check_stats,
+    greedy_jobs,
+    random_prompts,
+    rounds_of,
+    run,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+KINDS: dict[str, dict[str, Any]] = {
+    "random": {"num_layers": 2, "target_layer_ids": [1, 2]},
+    # A wide block, default feature layers, no softcapping or multiplier.
+    "b8-plain-head": {
+        "block_size": 8,
+        "keys": {"final_logit_softcapping": None, "output_multiplier": None},
+    },
+    # Sliding layers over 6 positions, non-causal in the block (the published drafters').
+    "sliding": {"num_layers": 2, "target_layer_ids": [1, 2], "sliding_window": 6},
+    # The selector over all but few candidates, groups of 32 channels.
+    "wide-selector": {"keys": {"selector_top_k": 32, "conv_group_size": 32}, "seed": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def draft_for(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            out = tmp_path_factory.mktemp("dflash2")
+            made[kind] = make_tiny_dflash2(out, target, **{"seed": 1, **KINDS[kind]})
+        return made[kind]
+
+    return make
+
+
+def check_against_reference(
+    target: Path, draft: Path, jobs: list[Job], engine: Engine, finished: list[Request]
+) -> None:
+    assert engine.block_size is not None
+    for i, ((prompt, params), req) in enumerate(zip(jobs, finished, strict=True)):
+        out, ref_rounds = reference_generate2(target, draft, prompt, params.max_tokens, [EOS])
+        got = rounds_of(engine, i)
+        assert req.output.token_ids == out, f"row {i}"
+        for j, (a, b) in enumerate(zip(got, ref_rounds, strict=False)):
+            assert a == b, f"row {i} round {j}: engine {a} != reference {b}"
+        assert len(got) == len(ref_rounds), f"row {i}"
+        check_stats(req, engine.block_size, got)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_greedy_equals_target_only_and_reference(
+    target: Path, draft_for: Callable[[str], Path], kind: str
+) -> None:
+    draft = draft_for(kind)
+    jobs = greedy_jobs(random_prompts(seed=0), MAX_TOKENS)
+    engine, spec = run(target, draft, jobs)
+    assert isinstance(engine.worker.speculator, DFlash2Speculator)
+    _, plain = run(target, None, jobs)
+    check_same_outputs(spec, plain)
+    check_against_reference(target, draft, jobs, engine, spec)
