@@ -17,7 +17,7 @@ What DFlash2 adds, as the section states it:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,25 +60,22 @@ def read_draft2(draft_dir: Path | str) -> Draft2:
 
 
 def conv(x: torch.Tensor, base: torch.Tensor, dyn: torch.Tensor, group: int) -> torch.Tensor:
-    """x [B, H] one block's rows; base [2 taps, H]; dyn [B, 2 taps, H / group]."""
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for tap in range(2):
-            if t - tap < 0:
-                continue  # zero across the block boundary
-            kernel = base[tap] + dyn[t, tap].repeat_interleave(group)
-            out[t] += kernel * x[t - tap]
-    return out
+    """x [..., B, H] a block's rows; base [2 taps, H]; dyn [..., B, 2 taps, H / group]: row t
+    is kernel[t, 0] * x[t] + kernel[t, 1] * x[t - 1], no x[-1] (zero across the boundary)."""
+    kernel = base + dyn.repeat_interleave(group, dim=-1)  # [..., B, 2, H]
+    previous = torch.cat([torch.zeros_like(x[..., :1, :]), x[..., :-1, :]], dim=-2)
+    return kernel[..., 0, :] * x + kernel[..., 1, :] * previous
 
 
 def draft_hidden2(
     draft: Draft2, ctx_features: torch.Tensor, block_embeds: torch.Tensor
 ) -> torch.Tensor:
-    """The final-normed block rows [B, H] of one block (dflash_reference.draft_hidden, with the
-    convolutions): ctx_features [p, n * H] of positions 0 .. p-1, block_embeds [B, H]."""
+    """The final-normed block rows [..., B, H] (dflash_reference.draft_hidden, with the
+    convolutions): ctx_features [..., p, n * H] of positions 0 .. p-1, block_embeds [..., B, H]
+    (leading dims: independent blocks of the same p, for training)."""
     d = draft.base
     w, eps, hd = d.weights, d.rms_norm_eps, d.head_dim
-    p, width = ctx_features.shape[0], block_embeds.shape[0]
+    p, width = ctx_features.shape[-2], block_embeds.shape[-2]
     ctx_pos, blk_pos = torch.arange(p), torch.arange(p, p + width)
     k_pos = torch.cat([ctx_pos, blk_pos])
     ctx = rms_norm(ctx_features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
@@ -90,54 +87,74 @@ def draft_hidden2(
         k = rms_norm(heads(rows, a + "k_proj.weight", d.num_kv_heads), w[a + "k_norm.weight"], eps)
         return rope(k, pos, d.rope_theta), heads(rows, a + "v_proj.weight", d.num_kv_heads)
 
-    def kernels(c: str, h: torch.Tensor) -> torch.Tensor:  # [B, side, tap, groups]
-        return (h @ w[c + "kernel_projection.weight"].T).view(width, 2, 2, -1)
+    def around(c: str, h: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]):
+        """conv.out(sublayer(conv.in(h))), both kernels projected from h."""
+        dyn = (h @ w[c + "kernel_projection.weight"].T).unflatten(-1, (2, 2, -1))
+        base = w[c + "base_kernel"]
+        inner = sublayer(conv(h, base[0], dyn[..., 0, :, :], draft.group))
+        return conv(inner, base[1], dyn[..., 1, :, :], draft.group)
 
     x = block_embeds
     for i in range(d.num_layers):
         a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        ca, cm = f"layers.{i}.attention_conv.", f"layers.{i}.mlp_conv."
+
+        def attend(h: torch.Tensor, a: str = a, i: int = i) -> torch.Tensor:
+            q = rms_norm(heads(h, a + "q_proj.weight", d.num_heads), w[a + "q_norm.weight"], eps)
+            q = rope(q, blk_pos, d.rope_theta)
+            k_ctx, v_ctx = kv(a, ctx, ctx_pos)  # context rows: no conv, layernorm or MLP
+            k_blk, v_blk = kv(a, h, blk_pos)
+            visible = visible_keys(blk_pos, k_pos, d.windows[i], d.causal[i])
+            k, v = torch.cat([k_ctx, k_blk], -3), torch.cat([v_ctx, v_blk], -3)
+            return attention(q, k, v, visible) @ w[a + "o_proj.weight"].T
+
+        def mlp(h: torch.Tensor, m: str = m) -> torch.Tensor:
+            gated = F.silu(h @ w[m + "gate_proj.weight"].T) * (h @ w[m + "up_proj.weight"].T)
+            return gated @ w[m + "down_proj.weight"].T
+
         h = rms_norm(x, w[f"layers.{i}.input_layernorm.weight"], eps)
-        dyn = kernels(ca, h)
-        h = conv(h, w[ca + "base_kernel"][0], dyn[:, 0], draft.group)
-        q = rms_norm(heads(h, a + "q_proj.weight", d.num_heads), w[a + "q_norm.weight"], eps)
-        q = rope(q, blk_pos, d.rope_theta)
-        k_ctx, v_ctx = kv(a, ctx, ctx_pos)
-        k_blk, v_blk = kv(a, h, blk_pos)
-        visible = visible_keys(blk_pos, k_pos, d.windows[i], d.causal[i])
-        o = attention(q, torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk]), visible)
-        x = x + conv(o @ w[a + "o_proj.weight"].T, w[ca + "base_kernel"][1], dyn[:, 1], draft.group)
+        x = x + around(f"layers.{i}.attention_conv.", h, attend)
         h = rms_norm(x, w[f"layers.{i}.post_attention_layernorm.weight"], eps)
-        dyn = kernels(cm, h)
-        h = conv(h, w[cm + "base_kernel"][0], dyn[:, 0], draft.group)
-        gated = F.silu(h @ w[m + "gate_proj.weight"].T) * (h @ w[m + "up_proj.weight"].T)
-        x = x + conv(
-            gated @ w[m + "down_proj.weight"].T, w[cm + "base_kernel"][1], dyn[:, 1], draft.group
-        )
+        x = x + around(f"layers.{i}.mlp_conv.", h, mlp)
     return rms_norm(x, w["norm.weight"], eps)
+
+
+def block_logits(
+    draft: Draft2, target: PreTrainedModel, ctx_features: torch.Tensor, anchors: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softcapped, scaled logits [..., B-1, V], the selector's projection [..., B-1, rank]) of
+    block rows 1 .. B-1 for anchors [...] after ctx_features [..., p, n * H]."""
+    d = draft.base
+    mask = torch.full((*anchors.shape, d.block_size - 1), d.mask_token_id)
+    block = torch.cat([anchors[..., None], mask], dim=-1)
+    rows = draft_hidden2(draft, ctx_features, target.model.embed_tokens.weight[block])[..., 1:, :]
+    logits = (rows @ target.lm_head.weight.T) * draft.multiplier
+    if draft.softcap is not None:
+        logits = torch.tanh(logits / draft.softcap) * draft.softcap
+    proj = rows @ d.weights["candidate_selector.hidden_projection.weight"].T
+    return logits, proj
+
+
+def edges(draft: Draft2, previous: torch.Tensor, proj: torch.Tensor, candidates: torch.Tensor):
+    """<P[previous] * proj, S[c]> for each candidate c: previous [...], proj [..., rank],
+    candidates [..., K] -> [..., K]."""
+    w = draft.base.weights
+    pred = w["candidate_selector.predecessor_codebook"][previous]
+    succ = w["candidate_selector.successor_codebook"][candidates]
+    return (succ * (pred * proj)[..., None, :]).sum(-1)
 
 
 def propose(
     draft: Draft2, target: PreTrainedModel, ctx_features: torch.Tensor, anchor: int
 ) -> list[int]:
     """The greedy walk's drafts d1 .. d_{B-1} after ctx_features [p, n * H]."""
-    d = draft.base
-    block = torch.tensor([anchor] + [d.mask_token_id] * (d.block_size - 1))
     with torch.no_grad():
-        rows = draft_hidden2(draft, ctx_features, target.model.embed_tokens.weight[block])[1:]
-        logits = (rows @ target.lm_head.weight.T) * draft.multiplier
-        if draft.softcap is not None:
-            logits = torch.tanh(logits / draft.softcap) * draft.softcap
+        logits, proj = block_logits(draft, target, ctx_features, torch.tensor(anchor))
         unary, candidates = logits.topk(draft.top_k, dim=-1)
-        w = d.weights
-        proj = rows @ w["candidate_selector.hidden_projection.weight"].T
-        pred = w["candidate_selector.predecessor_codebook"]
-        succ = w["candidate_selector.successor_codebook"]
-        prev, drafts = anchor, []
-        for i in range(d.block_size - 1):
-            scores = unary[i] + (succ[candidates[i]] * (pred[prev] * proj[i])).sum(-1)
-            prev = int(candidates[i, int(scores.argmax())])
-            drafts.append(prev)
+        previous, drafts = torch.tensor(anchor), []
+        for i in range(draft.base.block_size - 1):
+            scores = unary[i] + edges(draft, previous, proj[i], candidates[i])
+            previous = candidates[i, scores.argmax()]  # the first of equal maxima
+            drafts.append(int(previous))
     return drafts
 
 

@@ -6,6 +6,7 @@ DFlash2 drafts are refused in one line when the engine starts."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,12 @@ import pytest
 
 from batchrun.engine.core.requests import Request
 from batchrun.engine.engine import Engine
-from batchrun.errors import JobError
 from batchrun.sampling.params import SamplingParams
 from batchrun.spec_decode.dflash2.speculator import DFlash2Speculator
 from tests.helpers.dflash2_models import make_tiny_dflash2
 from tests.helpers.dflash2_reference import reference_generate2
+from tests.helpers.dflash2_train import trained_dflash2_beside
+from tests.helpers.dflash_train import CONTINUATION, training_prompts
 from tests.spec_decode.test_dflash_engine import (
     EOS,
     MAX_TOKENS,
@@ -44,6 +46,7 @@ KINDS: dict[str, dict[str, Any]] = {
     "sliding": {"num_layers": 2, "target_layer_ids": [1, 2], "sliding_window": 6},
     # The selector over all but few candidates, groups of 32 channels.
     "wide-selector": {"keys": {"selector_top_k": 32, "conv_group_size": 32}, "seed": 4},
+    "trained": {},  # trained_dflash2_beside's
 }
 
 
@@ -52,6 +55,8 @@ def draft_for(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Callabl
     made: dict[str, Path] = {}
 
     def make(kind: str) -> Path:
+        if kind == "trained":
+            return trained_dflash2_beside(target)
         if kind not in made:
             out = tmp_path_factory.mktemp("dflash2")
             made[kind] = make_tiny_dflash2(out, target, **{"seed": 1, **KINDS[kind]})
@@ -79,9 +84,33 @@ def test_greedy_equals_target_only_and_reference(
     target: Path, draft_for: Callable[[str], Path], kind: str
 ) -> None:
     draft = draft_for(kind)
-    jobs = greedy_jobs(random_prompts(seed=0), MAX_TOKENS)
+    if kind == "trained":
+        jobs = greedy_jobs(training_prompts(seed=0), [CONTINUATION, 3, 17, 1, 26, 9, 40, 30])
+    else:
+        jobs = greedy_jobs(random_prompts(seed=0), MAX_TOKENS)
     engine, spec = run(target, draft, jobs)
     assert isinstance(engine.worker.speculator, DFlash2Speculator)
     _, plain = run(target, None, jobs)
     check_same_outputs(spec, plain)
     check_against_reference(target, draft, jobs, engine, spec)
+    if kind == "trained":  # accepted often, not always: the commit paths of every length ran
+        lengths = Counter(len(t.committed) for t in engine.instruments.rounds or [])
+        assert len(lengths) >= 3, lengths
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.5, 1.0])
+def test_seeded_sampling_identical_with_and_without_draft(
+    target: Path, draft_for: Callable[[str], Path], temperature: float
+) -> None:
+    """The walk is greedy at every temperature, a point mass the engine's verify keeps
+    lossless: every seeded sample is the target's own."""
+    jobs = [
+        (p, SamplingParams(max_tokens=20, seed=50 + i, temperature=temperature))
+        for i, p in enumerate(random_prompts(seed=5))
+    ]
+    engine, spec = run(target, draft_for("random"), jobs)
+    _, plain = run(target, None, jobs)
+    check_same_outputs(spec, plain)
+    assert engine.block_size is not None
+    for req in spec:
+        check_stats(req, engine.block_size, rounds_of(engine, req.row_index))
