@@ -12,14 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from batchrun.engine.core.requests import Request
 from batchrun.engine.engine import Engine
 from batchrun.sampling.params import SamplingParams
 from batchrun.spec_decode.dflash2.speculator import DFlash2Speculator
 from tests.helpers.dflash2_models import make_tiny_dflash2
-from tests.helpers.dflash2_reference import reference_generate2
+from tests.helpers.dflash2_reference import block_logits, propose, read_draft2, reference_generate2
 from tests.helpers.dflash2_train import trained_dflash2_beside
+from tests.helpers.dflash_reference import load_target, target_pass
 from tests.helpers.dflash_train import CONTINUATION, training_prompts
 from tests.spec_decode.test_dflash_engine import (
     EOS,
@@ -114,3 +116,20 @@ def test_seeded_sampling_identical_with_and_without_draft(
     assert engine.block_size is not None
     for req in spec:
         check_stats(req, engine.block_size, rounds_of(engine, req.row_index))
+
+
+def test_the_walk_is_no_argmax(target: Path, draft_for: Callable[[str], Path]) -> None:
+    """The random drafters' selector changes the reference's drafts from the head's argmax, so
+    the tests above tell a speculator that walks from one that does not."""
+    sequence = random_prompts(seed=9, lengths=[40])[0]
+    for kind in ("random", "sliding"):
+        draft = read_draft2(draft_for(kind))
+        _, feats = target_pass(load_target(target), sequence, draft.base.target_layer_ids)
+        differ = 0
+        for p in range(5, 35, 3):
+            anchor = torch.tensor(sequence[p])
+            with torch.no_grad():
+                logits, _ = block_logits(draft, load_target(target), feats[:p], anchor)
+            walked = propose(draft, load_target(target), feats[:p], sequence[p])
+            differ += walked != logits.argmax(-1).tolist()
+        assert differ >= 3, kind
