@@ -66,8 +66,10 @@ def verify_tokens(
     """The post token of every verify row: logits [T, V] (the processed logits, before the
     temperature), batch the sampling parameters of the T rows, offsets [N + 1] int64 (request
     n's rows offsets[n] .. offsets[n + 1] - 1), drafts [N, P] int64, q and candidates [N, P, K]
-    (the walk's distribution over each position's candidate token ids). Returns [T] int64.
-    any_filtered=False: no row has top-k, top-p or min-p. No device-to-host sync."""
+    (the walk's distribution over each position's candidate token ids, distinct within a
+    position, as a top-K's are). Returns [T] int64. any_filtered=False: no row has top-k, top-p
+    or min-p, and then nothing syncs with the host (filtering reads the widest top-k back, as
+    the sampler's does)."""
     total, vocab = logits.shape
     if drafts.shape[1] == 0:  # bonus rows only: one unread column keeps the gathers in range
         drafts = drafts.new_zeros(drafts.shape[0], 1)
