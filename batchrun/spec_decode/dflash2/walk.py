@@ -35,7 +35,7 @@ class Walk(NamedTuple):
     q: torch.Tensor  # [N, P, K] float32: the proposal's distribution over its candidates
 
 
-WalkFn = Callable[..., Walk]
+WalkKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def walk(
@@ -51,19 +51,17 @@ def walk(
     """unary f32[N, P, K] (sorted descending), candidates i64[N, P, K], hidden_proj f32[N, P, R],
     anchors i64[N], predecessor and successor [V, R] (any float dtype), temperature f32[N] (0 =
     greedy), uniforms f32[N, P] in (0, 1) -> Walk. The Triton kernel on CUDA, else walk_torch."""
+    args = (unary, candidates, hidden_proj, anchors, predecessor, successor, temperature, uniforms)
     kernel = _kernel(unary)
-    impl = walk_torch if kernel is None else kernel
-    return impl(
-        unary, candidates, hidden_proj, anchors, predecessor, successor, temperature, uniforms
-    )
+    return walk_torch(*args) if kernel is None else Walk(*kernel(*args))
 
 
-def _kernel(unary: torch.Tensor) -> WalkFn | None:
+def _kernel(unary: torch.Tensor) -> WalkKernel | None:
     return _import_kernel() if unary.is_cuda else None
 
 
 @functools.cache
-def _import_kernel() -> WalkFn | None:
+def _import_kernel() -> WalkKernel | None:
     try:
         from batchrun.kernels.triton_dflash2_walk import walk_triton
     except ImportError:
