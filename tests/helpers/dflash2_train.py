@@ -79,6 +79,20 @@ def train_dflash2(target_dir: Path | str, draft_dir: Path | str, *, steps: int, 
     return Path(draft_dir)
 
 
+def _start_as_dflash(draft_dir: Path) -> None:
+    """Identity convolutions (tap 0 one, tap 1 and the dynamic part zero) and a silent selector
+    (successor codebook zero): training starts from DFlash's drafter and the argmax walk, and
+    learns what the two modules add."""
+    file = draft_dir / "model.safetensors"
+    weights = load_file(str(file))
+    for name, tensor in weights.items():
+        if name.endswith("base_kernel"):
+            tensor.zero_()[:, 0] = 1.0
+        elif name.endswith(("kernel_projection.weight", "successor_codebook")):
+            tensor.zero_()
+    save_file(weights, str(file))
+
+
 def trained_dflash2_beside(target_dir: Path | str) -> Path:
     """The tests' trained DFlash2 drafter for target_dir, trained once a session in a sibling
     directory (under a temporary name, then renamed)."""
@@ -95,6 +109,7 @@ def trained_dflash2_beside(target_dir: Path | str) -> Path:
             target_layer_ids=TRAINED_LAYER_IDS,
             seed=TRAIN_SEED,
         )
+        _start_as_dflash(scratch)
         train_dflash2(target, scratch, steps=TRAIN_STEPS, seed=TRAIN_SEED)
         scratch.rename(out)
     return out

@@ -3,9 +3,10 @@ rings, graphs and width policy, all unchanged) with the block's tokens chosen by
 selector's walk (walk.py) instead of an argmax per row. The walk runs on the device inside the
 drafting CUDA graph, over buffers of fixed shape.
 
-It walks greedily at every temperature: its proposals are then a point mass, which the
-engine's verify (a draft is accepted where it equals the target's sampled token) keeps
-lossless; a sampled walk with its q handed to the verify is not wired yet (docs/dflash.md)."""
+A greedy request walks greedily; a sampled one (temperature > 0) draws each draft from the
+walk's softmax with its own Philox uniforms (sampling/draft_verify.py's proposal stream, keyed
+by its seed at the step each draft's verify row samples), and the verify samples its tokens
+against that q (`proposal`), so the output stays the target's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from batchrun.models.dflash2 import DFlash2Draft
 from batchrun.parallel.group import TensorParallel
-from batchrun.spec_decode.base import TargetView
+from batchrun.sampling.draft_verify import proposal_uniforms
+from batchrun.spec_decode.base import StepShape, TargetView
 from batchrun.spec_decode.dflash.inputs import DraftInputs
 from batchrun.spec_decode.dflash.speculator import DFlashSpeculator
 from batchrun.spec_decode.dflash2.walk import walk
@@ -35,14 +37,13 @@ class DFlash2Speculator(DFlashSpeculator):
             target, draft, backends, widths=widths, max_batch_size=max_batch_size, tp=tp
         )
         self.selector_draft = draft
-        # The walk's per-request temperature and noise (a greedy walk: zeros), at every batch
-        # size the graphs replay; +1: a graph's padding slot.
-        rows = max_batch_size + 1
-        device = target.device
-        self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
-        self.uniforms = torch.zeros(rows, self.block_size - 1, dtype=torch.float32, device=device)
+        # The last walk's q and candidate ids per request, where the target's graphs and the
+        # verify read them (+1: a graph's padding slot).
+        shape = (max_batch_size + 1, self.block_size - 1, draft.selector_top_k)
+        self.q = torch.zeros(shape, dtype=torch.float32, device=target.device)
+        self.candidates = torch.zeros(shape, dtype=torch.int64, device=target.device)
 
-    def _block(self, inputs: DraftInputs) -> torch.Tensor:
+    def _block(self, inputs: DraftInputs, slots: torch.Tensor) -> torch.Tensor:
         draft = self.selector_draft
         block = draft.block_candidates(
             self.target.model,
@@ -54,14 +55,27 @@ class DFlash2Speculator(DFlashSpeculator):
         )
         n = block.unary.shape[0]
         anchors = inputs.block_ids.view(n, self.block_size)[:, 0]
+        state = self.target.state
+        tables = state.sampling.tables
+        # Draft j is verified at the row that samples output token out_len + j.
+        uniforms = proposal_uniforms(
+            tables["seed"][slots], state.out_len[slots], self.block_size - 1
+        )
         selector = draft.candidate_selector
-        return walk(
+        walked = walk(
             block.unary,
             block.candidates,
             block.hidden_proj,
             anchors,
             selector.predecessor_codebook,
             selector.successor_codebook,
-            self.temperature[:n],
-            self.uniforms[:n],
-        ).tokens
+            tables["temperature"][slots],
+            uniforms,
+        )
+        self.q[:n].copy_(walked.q)
+        self.candidates[:n].copy_(block.candidates)
+        return walked.tokens
+
+    def proposal(self, step: StepShape) -> tuple[torch.Tensor, torch.Tensor]:
+        d = step.num_decoding
+        return self.q[:d], self.candidates[:d]
