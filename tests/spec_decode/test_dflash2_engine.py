@@ -163,3 +163,14 @@ def test_the_walk_is_no_argmax(target: Path, draft_for: Callable[[str], Path]) -
             walked = propose(draft, load_target(target), feats[:p], sequence[p])
             differ += walked != logits.argmax(-1).tolist()
         assert differ >= 3, kind
+
+
+def test_the_width_policy_runs_unchanged(target: Path, draft_for: Callable[[str], Path]) -> None:
+    """verify_width auto over the trained drafter: DFlash's policy chooses among its widths
+    from the rounds' acceptance, the output stays the target's."""
+    jobs = greedy_jobs(training_prompts(seed=0), [CONTINUATION] * 8)
+    engine, spec = run(target, draft_for("trained"), jobs, verify_width="auto")
+    _, plain = run(target, None, jobs)
+    check_same_outputs(spec, plain)
+    widths = engine.worker.speculator.info()["verify_width_steps"]
+    assert widths and any(w > 1 for w in widths), widths
