@@ -252,6 +252,15 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     show_default=True,
     help="--jobs: the draft's verify widths to run.",
 )
+@click.option(
+    "--draft-methods",
+    default="dflash",
+    show_default=True,
+    help="--jobs: the speculation methods whose random drafts run (spec_decode/registry.py's "
+    "names, comma-separated: two set the second's drafter against the first's in one call, "
+    "each at every width; runs of a method after the first are named "
+    "'<method> <width>', and the result's method_costs say what its drafter adds to a round).",
+)
 @click.option("--hf-jobs", default="", help="--jobs: also run generate() on these workloads.")
 @click.option(
     "--profile-jobs",
@@ -394,8 +403,21 @@ def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> d
         default_batch=opts["default_batch_jobs"],
         profiled=tuple(w for w in opts["profile_jobs"].split(",") if w),
         kv_cache_dtype=opts["kv_cache_dtype"][0],
+        draft_methods=_draft_methods(opts["draft_methods"]),
     )
     return run_jobs(plan, progress)
+
+
+def _draft_methods(text: str) -> tuple[str, ...]:
+    from batchrun.spec_decode.registry import METHODS
+
+    methods = tuple(m for m in text.split(",") if m)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise click.BadParameter(
+            f"{text!r}: name one or more of {', '.join(METHODS)}", param_hint="--draft-methods"
+        )
+    return methods
 
 
 def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:

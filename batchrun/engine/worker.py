@@ -43,6 +43,7 @@ from batchrun.sampling.step_sampling import (
     processed_logits,
     sample_tokens,
     score_tokens,
+    verified_tokens,
 )
 from batchrun.spec_decode.base import Speculator, TargetView
 
@@ -153,6 +154,11 @@ class Worker:
         tables, d = self.state.sampling, plan.num_decoding
         logits = processed_logits(self.model, tables, out, sampled, drafts, d, masks)
         tokens = sample_tokens(self.model, tables, out, sampled, logits)
+        proposal = speculator.proposal(plan)
+        if proposal is not None and drafts is not None:  # drafts sampled from a distribution
+            tokens = verified_tokens(
+                self.model, tables, out, sampled, logits, tokens, drafts, proposal, d, width
+            )
         scores = None
         if self.logprobs is not None or (prompt is not None and prompt.rows):
             k = self.logprobs

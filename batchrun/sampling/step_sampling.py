@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from batchrun.models.qwen3 import Qwen3ForCausalLM
+from batchrun.sampling.draft_verify import verify_tokens
 from batchrun.sampling.grammar_masks import StepMasks
 from batchrun.sampling.logprobs import PromptRows, StepLogprobs, score_step
 from batchrun.sampling.params import SamplingParams
@@ -93,6 +94,40 @@ def sample_tokens(
     params = tables.batch(out.row_slot, out.row_step)
     logits = model.full_logits(out.logits) if logits is None else logits
     return sample(logits, params, any_filtered=rows.any_filtered())
+
+
+def verified_tokens(
+    model: Qwen3ForCausalLM,
+    tables: SlotTables,
+    out: TargetRows,
+    rows: SampledRows,
+    logits: torch.Tensor | None,
+    tokens: torch.Tensor,
+    drafts: torch.Tensor,
+    proposal: tuple[torch.Tensor, torch.Tensor],
+    num_decoding: int,
+    width: int,
+) -> torch.Tensor:
+    """`tokens` with the D decoding requests' W verify rows (the step's first D * W) drawn by
+    rejection sampling against the proposal their drafts were sampled from (q and candidate ids
+    [>= D, B-1, K]: sampling/draft_verify.py), so that the drafts are accepted as often as
+    that allows and the output stays the target's; unchanged when every row is greedy."""
+    if all(p.temperature == 0 for p in rows.params()) or not num_decoding or width < 2:
+        return tokens
+    n = num_decoding * width
+    q, candidates = proposal
+    logits = model.full_logits(out.logits) if logits is None else logits
+    offsets = torch.arange(0, n + 1, width, device=tokens.device)
+    verified = verify_tokens(
+        logits[:n],
+        tables.batch(out.row_slot[:n], out.row_step[:n]),
+        offsets,
+        drafts[:num_decoding, : width - 1],
+        q[:num_decoding, : width - 1],
+        candidates[:num_decoding, : width - 1],
+        rows.any_filtered(),
+    )
+    return torch.cat([verified, tokens[n:]])
 
 
 def score_tokens(

@@ -75,6 +75,39 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
         assert all(o == written["none"] for o in written.values()), name
 
 
+def test_a_second_draft_method_runs_beside_the_first(tmp_path: Path) -> None:
+    """--draft-methods dflash,dflash2: DFlash2's scratch drafter (z-lab's layout at the shape)
+    runs each width beside DFlash's in one call, lossless, its cost over DFlash's per round in
+    method_costs."""
+    plan = JobsPlan(
+        shape_name="tiny",
+        shape=TINY,
+        workloads=(WORKLOADS["w2"].scaled(0.1),),
+        taus=(6.5,),
+        widths=("full",),
+        scratch=tmp_path,
+        dtype="float32",
+        device="cpu",
+        draft_methods=("dflash", "dflash2"),
+    )
+    entry = run_jobs(plan, lambda _: None)["workloads"]["w2"]
+    runs = entry["runs"]
+    assert set(runs) == {
+        "none",
+        "useless full",
+        "oracle tau 6.5 full",
+        "useless dflash2 full",
+        "oracle tau 6.5 dflash2 full",
+    }
+    assert runs["oracle tau 6.5 dflash2 full"]["acceptance_length"] > 3
+    written = {run: outputs(tmp_path / "out" / "w2" / run.replace(" ", "-")) for run in runs}
+    assert all(o == written["none"] for o in written.values())
+    cost = entry["method_costs"]["oracle tau 6.5 dflash2 full vs oracle tau 6.5 full"]
+    assert cost["step_ms"] > 0 and cost["base_step_ms"] > 0 and cost["extra_share_of_round"] < 1
+    config = (tmp_path / "models" / "draft-DFlash2DraftModel" / "config.json").read_text()
+    assert '"selector_top_k": 16' in config
+
+
 def test_a_json_schema_workload_runs_constrained_beside_unconstrained(tmp_path: Path) -> None:
     plan = JobsPlan(
         shape_name="tiny",
@@ -159,6 +192,7 @@ def test_scenarios_reach_the_jobs_plan(monkeypatch: pytest.MonkeyPatch) -> None:
         ["--jobs", "w1", "--tau", "x"],
         ["--jobs", "w1", "--tau", "0,nan"],
         ["--jobs", "w1", "--job-scale", "-1"],
+        ["--jobs", "w1", "--draft-methods", "dflash,eagle"],
         ["--jobs", "w1", "--target", "."],
         ["--jobs", "w1", "--kv-cache-dtype", "auto,fp8"],  # a job runs one KV dtype
         ["--target", ".", "--kv-cache-dtype", "auto,fp8"],

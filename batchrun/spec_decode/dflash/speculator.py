@@ -274,6 +274,11 @@ class DFlashSpeculator(Speculator):
         if inputs.window_meta is not None:
             assert self.window_backend is not None, "sliding draft layers need window_backend"
             self.window_backend.plan(inputs.window_meta)
+        return self._block(inputs, slots)
+
+    def _block(self, inputs: DraftInputs, slots: torch.Tensor) -> torch.Tensor:
+        """The drafted tokens [R, B-1] of the planned blocks of requests in `slots` (a method
+        built on this speculator chooses them its own way here)."""
         return self.draft.draft_block(
             self.target.model,
             inputs.block_ids,
