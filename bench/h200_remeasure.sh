@@ -88,6 +88,10 @@ for stage in ${STAGES:-nodraft}; do
     hybrid-jobs)  # W2 (batch 32) on the hybrid: no draft, the oracle at tau 3 and 6.5
         jobs jobs-qwen3.5-9b-w2-drafts w2 --shape qwen3.5-9b --tau 3,6.5 --widths auto,full \
             --scratch /tmp/bh ;;
+    dflash2)  # DFlash2 against DFlash at the Qwen3-8B shape, the oracle at tau 6.5: what the
+        # selector and the convolutions add to a round (method_costs)
+        jobs jobs-b1-w2-dflash2 b1,w2 --tau 6.5 --widths full --draft-methods dflash,dflash2 \
+            --scratch /tmp/bj ;;
     gpu-tests)  # at most GPU_TESTS_BUDGET seconds (default: what is left)
         budget=$(left)
         budget=$((budget < ${GPU_TESTS_BUDGET:-$budget} ? budget : ${GPU_TESTS_BUDGET:-$budget}))
