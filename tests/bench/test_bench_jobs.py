@@ -65,6 +65,14 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
             assert sum(run["steps"].values()) > 0
             assert set(run["step_seconds"]) == set(run["steps"])  # where the time went
             assert 0 < sum(run["step_seconds"].values()) <= run["generation_seconds"]
+            for kind, widths in run["width_seconds"].items():  # the same by width: a fit's input
+                assert sum(n for n, _ in widths.values()) == run["steps"][kind]
+                assert sum(t for _, t in widths.values()) == pytest.approx(
+                    run["step_seconds"][kind], abs=1e-3
+                )
+        for run in (runs["useless full"], runs["oracle tau 6.5 full"]):  # the draft, timed
+            assert set(run["draft_seconds"]) == {"16"} and run["draft_seconds"]["16"][1] > 0
+        assert runs["none"]["draft_seconds"] is None
         oracle = runs["oracle tau 6.5 full"]
         assert oracle["oracle"] and oracle["designed_tau"] == 6.5
         assert oracle["acceptance_length"] > 3, name  # the oracle reached the verify
