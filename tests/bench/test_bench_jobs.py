@@ -66,7 +66,8 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
             assert set(run["step_seconds"]) == set(run["steps"])  # where the time went
             assert 0 < sum(run["step_seconds"].values()) <= run["generation_seconds"]
             for kind, widths in run["width_seconds"].items():  # the same by width: a fit's input
-                assert sum(n for n, _ in widths.values()) == run["steps"][kind]
+                # (steps read back: one launched as a job ends may be dropped unread)
+                assert 0 < sum(n for n, _ in widths.values()) <= run["steps"][kind]
                 assert sum(t for _, t in widths.values()) == pytest.approx(
                     run["step_seconds"][kind], abs=1e-3
                 )
