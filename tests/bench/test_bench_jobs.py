@@ -200,3 +200,14 @@ def test_default_batch_jobs_set_no_batch_and_run_at_the_jobs_default(tmp_path: P
     entry = run_jobs(plan, lambda _: None)["workloads"]["w2"]
     assert entry["workload"]["batch"] == 64  # run's default, not the workload's 32
     assert entry["runs"]["none"]["error_rows"] == 0
+
+
+def test_a_workload_at_another_batch() -> None:
+    """NAME@B: the workload at batch B (a batch sweep), named so in the result file."""
+    from batchrun.bench.workloads import WORKLOADS, named_workload
+
+    swept = named_workload("w1@256")
+    assert swept is not None and swept.name == "w1@256" and swept.batch == 256
+    assert swept.rows == WORKLOADS["w1"].rows and named_workload("w1") is WORKLOADS["w1"]
+    assert named_workload("w1@0") is None and named_workload("w9") is None
+    assert named_workload("w1@x") is None
