@@ -27,8 +27,11 @@ from batchrun.bench.replay.scenarios import scenario
 from batchrun.bench.replay.step import BLOCK, ReplayStep
 from batchrun.config.parts import EnginePart
 
-# What a step's milliseconds are made of, a parameter of FittedCosts each: the larger of reading
-# the weights and K/V (MEMORY) and the rows' matmuls (COMPUTE), plus the drafter's work (EXTRA).
+# What a step's milliseconds are made of, a parameter of FittedCosts each, summed: reading the
+# weights and K/V (MEMORY), the rows' matmuls (COMPUTE; engine/batch_size.py weighs the two
+# against each other), the drafter's work and the benchmark oracle's (EXTRA). Summed: the larger
+# of MEMORY and COMPUTE (a roofline) fitted the H100 file worse, its steps' bound flipping
+# between fits.
 MEMORY: dict[str, Callable[[ReplayStep], float]] = {
     "weights_ms": lambda s: 1.0,  # the target's weights, read once a step
     "ms_per_kv_token": lambda s: s.context,  # K/V tokens the decoding requests read
@@ -55,7 +58,7 @@ STEP_PARTS = {**MEMORY, **COMPUTE, **EXTRA}
 DRAFT_PARTS = ("draft_ms_per_step", "draft_ms_per_request")  # what the draft clock times
 CALIBRATION_STEPS = 10  # bisections of an oracle scenario's divergence chance
 MAX_HAZARD = 0.004  # per output token (bisected to 4e-6)
-ROUNDS = 6  # fits: each step's bound (memory or compute) and the adaptive runs' widths settle
+ROUNDS = 6  # fits, the adaptive runs replayed under each: their widths settle in 2 or 3
 
 
 @dataclass(frozen=True)
