@@ -87,12 +87,16 @@ class Worker:
     def info(self) -> dict[str, Any]:
         """What the job's statistics say of the device side."""
         runner = self.runner
-        return {
-            "attention_backend": runner.backend.name,
-            "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
-            "steps": dict(self.step_kinds),
-            "cuda_graphs": bool(runner.target_graphs),
-        } | self.step_times.info() | self.speculator.info()
+        return (
+            {
+                "attention_backend": runner.backend.name,
+                "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
+                "steps": dict(self.step_kinds),
+                "cuda_graphs": bool(runner.target_graphs),
+            }
+            | self.step_times.info()
+            | self.speculator.info()
+        )
 
     def next_width(self, num_running: int, prefill_pending: bool) -> int:
         """The verify width of the next step (1 without a draft)."""
