@@ -69,6 +69,13 @@ def _synthetic(costs: FittedCosts) -> dict[str, Any]:
             cell[0] += 1
             cell[1] += ms / 1e3
         run["width_seconds"] = width_seconds
+        drafts: dict[str, list[float]] = {}
+        for step, _ in played.steps[1:]:
+            if step.drafting:  # the draft's own time, as the draft clock records it
+                cell = drafts.setdefault(str(step.width), [0, 0.0])
+                cell[0] += 1
+                cell[1] += costs.draft(step) / 1e3
+        run["draft_seconds"] = drafts or None
         run["steps"] = {k: sum(int(c[0]) for c in w.values()) for k, w in width_seconds.items()}
         run["step_seconds"] = {k: sum(c[1] for c in w.values()) for k, w in width_seconds.items()}
         run["generation_seconds"] = played.seconds
@@ -83,8 +90,9 @@ def _synthetic(costs: FittedCosts) -> dict[str, Any]:
 
 
 def test_a_model_is_recovered_from_the_steps_it_priced() -> None:
-    """Replays priced by a known model, recorded as the engine records them: the fit prices
-    every kind and width as that model does, and reproduces the ratios."""
+    """Replays priced by a known model, recorded as the engine records them (by kind and width,
+    the draft's own time by width): the fit prices every kind and width as that model does, its
+    drafts' parts as that model's, and reproduces the ratios."""
     known = FittedCosts(
         weights_ms=6.0,
         ms_per_kv_token=4e-5,
@@ -101,6 +109,8 @@ def test_a_model_is_recovered_from_the_steps_it_priced() -> None:
         job_seconds_per_row=0.0,
     )
     fit = fit_costs(_synthetic(known))
+    assert fit.costs.draft_ms_per_step == pytest.approx(known.draft_ms_per_step, rel=0.02)
+    assert fit.costs.draft_ms_per_request == pytest.approx(known.draft_ms_per_request, rel=0.05)
     for (_, run, what), (measured, replayed) in fit.residuals.items():
         assert replayed == pytest.approx(measured, rel=0.01), (run, what)
     for key, (measured, replayed) in fit.ratios.items():
