@@ -341,6 +341,8 @@ def _figures(stats: dict[str, Any], bound: dict[str, float] | None) -> dict[str,
         "acceptance_length": stats["acceptance_length"],
         "steps": stats["steps"],
         "step_seconds": stats["step_seconds"],
+        "width_seconds": stats.get("width_seconds"),  # by kind and width: [steps, seconds]
+        "draft_seconds": stats.get("draft_seconds"),  # the draft's own, by width
         "verify_width_steps": stats["verify_width_steps"],
         "error_rows": stats["error_rows"],
     }

@@ -65,6 +65,15 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
             assert sum(run["steps"].values()) > 0
             assert set(run["step_seconds"]) == set(run["steps"])  # where the time went
             assert 0 < sum(run["step_seconds"].values()) <= run["generation_seconds"]
+            for kind, widths in run["width_seconds"].items():  # the same by width: a fit's input
+                # (steps read back: one launched as a job ends may be dropped unread)
+                assert 0 < sum(n for n, _ in widths.values()) <= run["steps"][kind]
+                assert sum(t for _, t in widths.values()) == pytest.approx(
+                    run["step_seconds"][kind], abs=1e-3
+                )
+        for run in (runs["useless full"], runs["oracle tau 6.5 full"]):  # the draft, timed
+            assert set(run["draft_seconds"]) == {"16"} and run["draft_seconds"]["16"][1] > 0
+        assert runs["none"]["draft_seconds"] is None
         oracle = runs["oracle tau 6.5 full"]
         assert oracle["oracle"] and oracle["designed_tau"] == 6.5
         assert oracle["acceptance_length"] > 3, name  # the oracle reached the verify
@@ -225,3 +234,14 @@ def test_default_batch_jobs_set_no_batch_and_run_at_the_jobs_default(tmp_path: P
     entry = run_jobs(plan, lambda _: None)["workloads"]["w2"]
     assert entry["workload"]["batch"] == 64  # run's default, not the workload's 32
     assert entry["runs"]["none"]["error_rows"] == 0
+
+
+def test_a_workload_at_another_batch() -> None:
+    """NAME@B: the workload at batch B (a batch sweep), named so in the result file."""
+    from batchrun.bench.workloads import WORKLOADS, named_workload
+
+    swept = named_workload("w1@256")
+    assert swept is not None and swept.name == "w1@256" and swept.batch == 256
+    assert swept.rows == WORKLOADS["w1"].rows and named_workload("w1") is WORKLOADS["w1"]
+    assert named_workload("w1@0") is None and named_workload("w9") is None
+    assert named_workload("w1@x") is None
