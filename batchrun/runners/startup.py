@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from batchrun.config.job import JobSpec
-from batchrun.errors import JobStopped, signal_name
+from batchrun.errors import JobStopped, not_started_line
 from batchrun.runners.metrics import check_plan, node_plans
 from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.stop_signals import stop_line
@@ -50,8 +50,7 @@ def check_start(job: JobSpec) -> StartChecks:
 def start_up_stop(stopped: JobStopped, job: JobSpec, opened: OpenedJob | None) -> JobStopped:
     """A signal in start-up (nothing generated yet) as the line `run` prints: what earlier
     runs committed, where the output was opened."""
-    line = f"batchrun: stopped by {signal_name(stopped.signum)} before the job started; "
-    line += "run the same command again to start it"
+    line = not_started_line(stopped.signum)
     if opened is not None:
         with contextlib.suppress(Exception):
             committed = opened.committed_rows()
