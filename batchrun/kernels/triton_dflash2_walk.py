@@ -1,9 +1,9 @@
 """The candidate selector's proposal walk of DFlash2 drafts in one launch: one program per row,
 its P draft positions in a loop inside (each position's edge needs the token chosen at the one
 before), each position's K candidates x R selector rank as one tile, accumulated in float32.
-Token for token what spec_decode/dflash2/walk.py's walk_torch computes, up to float32 summation
-order (so the same greedy tokens unless two edge scores differ in their last bits), and the same
-rules: ties to the lower candidate index, inverse CDF scaled by the row's own total.
+Token for token what the DFlash2 method's walk_torch (its walk.py) computes, up to float32
+summation order (so the same greedy tokens unless two edge scores differ in their last bits), and
+the same rules: ties to the lower candidate index, inverse CDF scaled by the row's own total.
 
 The grid and every tensor are sized from shapes only and the kernel reads nothing back to the
 host, so it captures in a CUDA graph.
