@@ -152,9 +152,13 @@ class DFlash2Draft(DFlashDraft):
     ) -> BlockCandidates:
         """The walk's inputs for one block per request (draft_block's arguments)."""
         rows = self.block_rows(target, block_ids, positions, backend, window_backend, kv_caches)
-        logits = target.full_logits(target.lm_head(rows)).float() * self.output_multiplier
+        # The multiplier (> 0, as the loader checks) and the softcapping rise with the logit:
+        # the top-K of the raw logits are the top-K of the scaled ones, so only K values a row
+        # are scaled, not the vocabulary (full-vocabulary float passes cost ~8% of a round at
+        # batch 32 on an H100: bench/results/jobs-h100-b1-w2-dflash2.json).
+        raw, candidates = target.full_logits(target.lm_head(rows)).topk(self.selector_top_k, dim=-1)
+        unary = raw.float() * self.output_multiplier
         if self.softcapping is not None:
-            logits = torch.tanh(logits / self.softcapping) * self.softcapping
-        unary, candidates = logits.topk(self.selector_top_k, dim=-1)
+            unary = torch.tanh(unary / self.softcapping) * self.softcapping
         hidden_proj = self.candidate_selector.hidden_projection(rows).float()
         return BlockCandidates(unary, candidates, hidden_proj)
