@@ -25,6 +25,14 @@ class JobStopped(Exception):
         self.line = line
 
 
+def not_started_line(signum: int) -> str:
+    """What a run stopped by a signal before it started (nothing read, nothing written) says."""
+    return (
+        f"batchrun: stopped by {signal_name(signum)} before the job started; "
+        "run the same command again to start it"
+    )
+
+
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name

@@ -78,15 +78,20 @@ for stage in ${STAGES:-nodraft}; do
         jobs jobs-j1-drafts j1 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
     drafts-b)
         jobs jobs-w3-w4-drafts w3,w4 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
-    hybrid)  # the hybrid qwen3.5-9b: decode steps at batch 1, 32, 128 against the roofline
-        # (state counted), then W2 (batch 32) with no draft and the oracle at tau 3 and 6.5
+    hybrid-steps)  # the hybrid qwen3.5-9b: decode steps at batch 1, 32, 128 against the
+        # roofline (state counted), DFlash projected at tau 3 and 6.5 from the measured rounds
         budget=$(left)
         echo "== steps-qwen3.5-9b ($budget s left)" | tee -a "$LOG"
         timeout "$budget" python3 -m batchrun.cli bench --shape qwen3.5-9b --batch-sizes 1,32,128 \
             --contexts 1024 --steps 16 --tau 3,6.5 --no-hf-eager --hf-compiled-batches '' \
-            --out "$OUT/steps-qwen3.5-9b.json" 2>&1 | grep -v -i warning | tee -a "$LOG"
-        jobs jobs-qwen3.5-9b-w2-drafts w2 --shape qwen3.5-9b --tau 3,6.5 --widths auto \
+            --out "$OUT/steps-qwen3.5-9b.json" 2>&1 | grep -v -i warning | tee -a "$LOG" ;;
+    hybrid-jobs)  # W2 (batch 32) on the hybrid: no draft, the oracle at tau 3 and 6.5
+        jobs jobs-qwen3.5-9b-w2-drafts w2 --shape qwen3.5-9b --tau 3,6.5 --widths auto,full \
             --scratch /tmp/bh ;;
+    dflash2)  # DFlash2 against DFlash at the Qwen3-8B shape, the oracle at tau 6.5: what the
+        # selector and the convolutions add to a round (method_costs)
+        jobs jobs-b1-w2-dflash2 b1,w2 --tau 6.5 --widths full --draft-methods dflash,dflash2 \
+            --scratch /tmp/bj ;;
     gpu-tests)  # at most GPU_TESTS_BUDGET seconds (default: what is left)
         budget=$(left)
         budget=$((budget < ${GPU_TESTS_BUDGET:-$budget} ? budget : ${GPU_TESTS_BUDGET:-$budget}))

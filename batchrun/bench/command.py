@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from batchrun.bench.oracle import FITS, SCENARIOS, check_scenarios
-from batchrun.bench.workloads import WORKLOADS
+from batchrun.bench.workloads import WORKLOADS, Workload, named_workload
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -237,7 +237,7 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     "--jobs",
     default="",
     help="Whole jobs at --shape's shape (default qwen3-8b): a comma list of workloads "
-    f"({', '.join(WORKLOADS)}) or all; see bench/jobs.py.",
+    f"({', '.join(WORKLOADS)}; NAME@B: at batch B) or all; see bench/jobs.py.",
 )
 @click.option(
     "--job-scale",
@@ -251,6 +251,15 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     default="auto,full",
     show_default=True,
     help="--jobs: the draft's verify widths to run.",
+)
+@click.option(
+    "--draft-methods",
+    default="dflash",
+    show_default=True,
+    help="--jobs: the speculation methods whose random drafts run (spec_decode/registry.py's "
+    "names, comma-separated: two set the second's drafter against the first's in one call, "
+    "each at every width; runs of a method after the first are named "
+    "'<method> <width>', and the result's method_costs say what its drafter adds to a round).",
 )
 @click.option("--hf-jobs", default="", help="--jobs: also run generate() on these workloads.")
 @click.option(
@@ -348,6 +357,12 @@ def _relaunch(tp: int) -> int:
     return subprocess.call(command)
 
 
+def _workload(name: str) -> Workload:
+    found = named_workload(name)
+    assert found is not None, name  # checked by _jobs
+    return found
+
+
 def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     import tempfile
 
@@ -355,10 +370,11 @@ def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> d
     from batchrun.bench.shapes import shape_from_flags
 
     names = list(WORKLOADS) if opts["jobs"] == "all" else opts["jobs"].split(",")
-    unknown = [n for n in names if n not in WORKLOADS]
+    unknown = [n for n in names if named_workload(n) is None]
     if unknown:
         raise click.UsageError(
-            f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}"
+            f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)} "
+            "(NAME@B: at batch B)"
         )
     shape = shape_from_flags(
         opts["shape"] or "qwen3-8b",
@@ -382,7 +398,7 @@ def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> d
     plan = JobsPlan(
         shape_name=opts["shape"] or "qwen3-8b",
         shape=shape,
-        workloads=tuple(WORKLOADS[n].scaled(opts["job_scale"]) for n in names),
+        workloads=tuple(_workload(n).scaled(opts["job_scale"]) for n in names),
         taus=_floats(opts["tau"]),
         scenarios=opts["scenarios"],
         widths=tuple(w for w in opts["widths"].split(",") if w),
@@ -394,8 +410,21 @@ def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> d
         default_batch=opts["default_batch_jobs"],
         profiled=tuple(w for w in opts["profile_jobs"].split(",") if w),
         kv_cache_dtype=opts["kv_cache_dtype"][0],
+        draft_methods=_draft_methods(opts["draft_methods"]),
     )
     return run_jobs(plan, progress)
+
+
+def _draft_methods(text: str) -> tuple[str, ...]:
+    from batchrun.spec_decode.registry import METHODS
+
+    methods = tuple(m for m in text.split(",") if m)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise click.BadParameter(
+            f"{text!r}: name one or more of {', '.join(METHODS)}", param_hint="--draft-methods"
+        )
+    return methods
 
 
 def _end_to_end(opts: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from batchrun.engine.engine import Engine
 from batchrun.engine.heap import collect_everything
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.runners.local import run_job
+from batchrun.spec_decode.registry import METHODS
 
 ORACLE_LABEL = (
     "benchmark-only acceptance oracle: the draft's forward runs, then its proposals are the "
@@ -64,6 +65,9 @@ class JobsPlan:
     profiled: tuple[str, ...] = ()  # profile the no-draft run of these
     kv_cache_dtype: str = "auto"  # the target's KV cache: auto (the model dtype) or fp8
     scenarios: tuple[str, ...] = ()  # oracle runs whose acceptance changes (oracle.SCENARIOS)
+    # The speculation methods whose scratch drafts run (spec_decode/registry.py's names): the
+    # first's runs are named by width ("full"), another's "<method> <width>".
+    draft_methods: tuple[str, ...] = ("dflash",)
 
 
 def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -80,9 +84,14 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
     started = time.perf_counter()
     # z-lab's 5-layer draft; a target too shallow for its feature layers (a test's) gets one.
     layers = DRAFT_LAYERS if plan.shape.num_layers >= 2 * DRAFT_LAYERS else 1
-    target, draft = write_scratch_models(
-        plan.scratch / "models", plan.shape, dtype, device, draft_layers=layers, echo=True
+    models = partial(
+        write_scratch_models, plan.scratch / "models", plan.shape, dtype, device, echo=True
     )
+    target, _ = models(draft=False)
+    drafts: dict[str, Path | None] = {}
+    for method in plan.draft_methods:
+        (architecture,) = METHODS[method].architectures
+        _, drafts[method] = models(draft_layers=layers, draft_architecture=architecture)
     result: dict[str, Any] = {
         "setup": {
             "shape_name": plan.shape_name,
@@ -111,8 +120,12 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
             )
         result["workloads"][w.name] = entry
     continuations: dict[str, dict[int, list[int]]] = {}  # the no-draft outputs, per workload
-    for mode in ("none", *plan.widths):
-        draft_here = draft if mode != "none" else None
+    modes = [("none", None)] + [
+        (width if i == 0 else f"{method} {width}", drafts[method])
+        for i, method in enumerate(plan.draft_methods)
+        for width in plan.widths
+    ]
+    for mode, draft_here in modes:
         runs = _Mode(plan, mode, target, draft_here, inputs, row_budgets, result)
         runs.run_all(continuations, progress)
         del runs
@@ -204,6 +217,7 @@ class _Mode:
                 run = _figures(stats, entry.get("bound")) | marks
                 entry["runs"][name] = run
                 add_ratios(entry)
+                add_method_costs(entry, self.plan.draft_methods)
                 print(f"{w.name} {name}: {_line(run)}", flush=True)
                 progress(self.result)
 
@@ -262,7 +276,7 @@ def _job(
             "draft": str(draft) if draft is not None else None,
             "token_ids_column": "prompt_token_ids",
             "max_tokens": w.max_tokens[0] if not w.ragged else None,
-            "verify_width": mode if mode != "none" else None,
+            "verify_width": mode.split(" ")[-1] if mode != "none" else None,
             "dtype": plan.dtype,
             "device": plan.device,
             "max_batch_size": None if plan.default_batch else w.batch,
@@ -327,6 +341,8 @@ def _figures(stats: dict[str, Any], bound: dict[str, float] | None) -> dict[str,
         "acceptance_length": stats["acceptance_length"],
         "steps": stats["steps"],
         "step_seconds": stats["step_seconds"],
+        "width_seconds": stats.get("width_seconds"),  # by kind and width: [steps, seconds]
+        "draft_seconds": stats.get("draft_seconds"),  # the draft's own, by width
         "verify_width_steps": stats["verify_width_steps"],
         "error_rows": stats["error_rows"],
     }
@@ -352,6 +368,36 @@ def add_ratios(entry: dict[str, Any]) -> None:
     if base and hf:
         ratios["none / generate()"] = base / hf
     entry["ratios"] = ratios
+
+
+def add_method_costs(entry: dict[str, Any], methods: tuple[str, ...]) -> None:
+    """For each run of a method after the first ("<method> <width>"), the share of its step
+    that the first method's same run does not spend: with the oracle both commit the same
+    tokens in the same steps, so it is what that method's drafter adds to a round (DFlash2's
+    convolutions and selector against DFlash)."""
+    runs, costs = entry["runs"], {}
+    for method in methods[1:]:
+        for name, run in runs.items():
+            words = name.split(" ")
+            if method not in words[:-1]:
+                continue
+            words.remove(method)
+            base = runs.get(" ".join(words))
+            steps, base_steps = (
+                sum(run["steps"].values()),
+                sum((base or {}).get("steps", {}).values()),
+            )
+            if base is None or not steps or not base_steps:
+                continue
+            step = run["generation_seconds"] / steps
+            base_step = base["generation_seconds"] / base_steps
+            costs[f"{name} vs {' '.join(words)}"] = {
+                "step_ms": 1e3 * step,
+                "base_step_ms": 1e3 * base_step,
+                "extra_share_of_round": (step - base_step) / step,
+            }
+    if costs:
+        entry["method_costs"] = costs
 
 
 def _line(run: dict[str, Any]) -> str:

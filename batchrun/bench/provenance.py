@@ -46,15 +46,20 @@ def _run(args: list[str], cwd: Path) -> str | None:
 
 def _git(package: Path) -> dict[str, Any]:
     """The commit of the checkout the package was imported from, and whether tracked files
-    differ from it (untracked files, e.g. new results, do not count). Nulls where the package
+    differ from it (untracked files, e.g. new results, do not count). BATCHRUN_SOURCE_COMMIT,
+    where set, names the commit instead: a tree exported by `git archive` has no .git, and a
+    device machine's copy of the working tree may carry a .git that lags its files (its HEAD
+    the session's first commit); git's own view is then kept beside it. Nulls where the package
     is not a tracked file of a git checkout (e.g. installed into site-packages)."""
+    exported = os.environ.get("BATCHRUN_SOURCE_COMMIT")
     if _run(["git", "ls-files", "--error-unmatch", "__init__.py"], package) is None:
-        # A tree exported by `git archive` (a device machine gets no .git) names its commit.
-        exported = os.environ.get("BATCHRUN_SOURCE_COMMIT")
         return {"commit": exported, "dirty": False if exported else None}
     commit = _run(["git", "rev-parse", "HEAD"], package)
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], package)
-    return {"commit": commit, "dirty": None if status is None else bool(status)}
+    dirty = None if status is None else bool(status)
+    if exported and exported != commit:
+        return {"commit": exported, "dirty": None, "git_head": commit, "git_dirty": dirty}
+    return {"commit": commit, "dirty": dirty}
 
 
 def _device() -> dict[str, Any]:

@@ -33,6 +33,7 @@ from transformers import (
 
 from batchrun.bench.shapes import DRAFT_BLOCK, DRAFT_LAYERS, _randomize, model_class
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
+from batchrun.models.dflash_formats import ZLAB_ARCHITECTURE
 from batchrun.models.loader import checkpoint_tensors, qwen3_shape
 from batchrun.models.meta import shapes_only
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
@@ -183,6 +184,17 @@ def write_tokenizer(out_dir: Path | str, vocab_size: int, eos_id: int) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
+# A selector drafter's own dflash_config keys, as z-lab's published one has them
+# (z-lab/dflash tests/fixtures: docs/dflash.md section 8).
+SELECTOR_KEYS = {
+    "conv_kernel_size": 2,
+    "conv_group_size": 16,
+    "selector_rank": 256,
+    "selector_top_k": 16,
+    "final_logit_softcapping": 20.0,
+}
+
+
 def write_draft(
     out_dir: Path | str,
     target_dir: Path | str,
@@ -193,10 +205,13 @@ def write_draft(
     device: torch.device | str,
     seed: int = 1,
     target_layer_ids: list[int] | None = None,
+    architecture: str = ZLAB_ARCHITECTURE,
 ) -> Path:
     """A random DFlash draft (z-lab's config and tensor names, one safetensors file) for the
     target in target_dir. target_layer_ids None: batchrun's default ids (z-lab's 1, 9, 17, 25,
-    33 for 5 layers over 36), always written into the config."""
+    33 for 5 layers over 36), always written into the config. Another `architecture` (a
+    method's, spec_decode/registry.py) gets the convolutions and candidate selector of
+    z-lab's DFlash2DraftModel layout besides."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = json.loads((Path(target_dir) / "config.json").read_text())
@@ -204,15 +219,48 @@ def write_draft(
         num_layers, target["num_hidden_layers"]
     )
     dflash = {"mask_token_id": mask_id(target["vocab_size"]), "target_layer_ids": layer_ids}
+    if architecture != ZLAB_ARCHITECTURE:
+        dflash |= SELECTOR_KEYS
     config = draft_config(target, num_layers, block_size, dflash) | {"dtype": _dtype_name(dtype)}
+    if architecture != ZLAB_ARCHITECTURE:  # the published selector drafter's block attention
+        config |= {"architectures": [architecture], "is_causal": False}
     # batchrun's draft module, built from that very config, carries z-lab's tensor names.
     with shapes_only():
         draft = DFlashDraft(qwen3_shape(config, "draft"), layer_ids, block_size, 0, block_size)
     draft = draft.to(dtype).to_empty(device=device)
     _randomize(draft, seed)
-    _write_shards(out, "model", checkpoint_tensors(draft), max_shard_bytes=None)
+    tensors = checkpoint_tensors(draft)
+    if architecture != ZLAB_ARCHITECTURE:
+        tensors |= _selector_tensors(config, dtype, torch.device(device), seed)
+    _write_shards(out, "model", tensors, max_shard_bytes=None)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _selector_tensors(
+    config: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int
+) -> dict[str, torch.Tensor]:
+    """The convolutions' and candidate selector's tensors (normal, std 0.02, as _randomize's)
+    under z-lab's names and shapes."""
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    keys = config["dflash_config"]
+    taps, rank = keys["conv_kernel_size"], keys["selector_rank"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(config["num_hidden_layers"]):
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, taps, hidden)
+            rows = 2 * taps * hidden // keys["conv_group_size"]
+            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (rows, hidden)
+    shapes |= {
+        "candidate_selector.hidden_projection.weight": (rank, hidden),
+        "candidate_selector.predecessor_codebook": (vocab, rank),
+        "candidate_selector.successor_codebook": (vocab, rank),
+    }
+    return {
+        name: torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+        for name, shape in shapes.items()
+    }
 
 
 def write_scratch_models(
@@ -226,11 +274,17 @@ def write_scratch_models(
     block_size: int = DRAFT_BLOCK,
     target_layer_ids: list[int] | None = None,
     echo: bool = False,
+    draft_architecture: str = ZLAB_ARCHITECTURE,
 ) -> tuple[Path, Path | None]:
-    """root/target and root/draft (None without draft). A directory whose marker records the
-    same shape and settings is reused as it is; any other is deleted and written afresh."""
+    """root/target and root/draft (None without draft; root/draft-<architecture> for another
+    architecture than DFlash's, write_draft's). A directory whose marker records the same shape
+    and settings is reused as it is; any other is deleted and written afresh."""
     root = Path(root)
-    target_dir, draft_dir = root / "target", root / "draft"
+    target_dir = root / "target"
+    draft_name = (
+        "draft" if draft_architecture == ZLAB_ARCHITECTURE else f"draft-{draft_architecture}"
+    )
+    draft_dir = root / draft_name
     target_key = {
         "shape": asdict(shape),
         "dtype": _dtype_name(dtype),
@@ -245,6 +299,8 @@ def write_scratch_models(
         return target_dir, None
     draft_key = {"target": target_key, "layers": draft_layers, "block_size": block_size}
     draft_key |= {"target_layer_ids": target_layer_ids, "seed": 1}
+    if draft_architecture != ZLAB_ARCHITECTURE:
+        draft_key |= {"architecture": draft_architecture, "selector": SELECTOR_KEYS}
 
     def write() -> Path:
         return write_draft(
@@ -255,6 +311,7 @@ def write_scratch_models(
             dtype=dtype,
             device=device,
             target_layer_ids=target_layer_ids,
+            architecture=draft_architecture,
         )
 
     _reuse_or_write(draft_dir, draft_key, write)

@@ -261,8 +261,44 @@ def demo_policy(results: dict[str, Result]) -> list[str]:
     return markdown((["file"] if several else []) + header, _per_file(results, rows_of))
 
 
+# --- the replay's cost model fitted to a `bench --jobs` file ---------------------------------
+
+
+def replay_fit(results: dict[str, Result]) -> list[str]:
+    """The fitted parameters, then each of the file's ratios beside the replay's, then each
+    run's mean step of each kind timed and its whole job, measured and replayed (ms)."""
+    from batchrun.bench.replay.fitted import fit_costs  # the replay runs the scheduler
+
+    lines: list[str] = []
+    for result in results.values():
+        fit = fit_costs(result)
+        params = fit.costs.parameters()
+        lines += markdown(
+            ["parameter", "fitted"], [[f"`{k}`", f"{v:.4g}"] for k, v in params.items()]
+        )
+        rows = [
+            [w, f"`{key}`", f"{m:.3f}", f"{r:.3f}", f"{r / m - 1:+.1%}"]
+            for (w, key), (m, r) in fit.ratios.items()
+        ]
+        lines += ["", *markdown(["workload", "ratio", "measured", "replayed", "off"], rows)]
+        kinds = _ordered(what for _, _, what in fit.residuals)
+        runs = list(dict.fromkeys((w, run) for w, run, _ in fit.residuals))
+        cells = [
+            [w, f"`{run}`"]
+            + [
+                f"{m:,.1f} / {r:,.1f}" if (m, r) != (0, 0) else MISSING
+                for m, r in (fit.residuals.get((w, run, k), (0, 0)) for k in kinds)
+            ]
+            for w, run in runs
+        ]
+        header = ["workload", "run", *[f"{k}: measured / replayed ms" for k in kinds]]
+        lines += ["", *markdown(header, cells)]
+    return lines
+
+
 FILE_KINDS: dict[str, Callable[[dict[str, Result]], list[str]]] = {
     "jobs": jobs,
+    "replay-fit": replay_fit,
     "steady": steady,
     "demo-policy": demo_policy,
 }

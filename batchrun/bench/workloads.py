@@ -5,6 +5,7 @@ JSON-schema rows).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -117,3 +118,12 @@ WORKLOADS = {
         Workload("j1", 64, (512, 512), (256, 256), 64, RECORDS_SCHEMA),
     )
 }
+
+
+def named_workload(name: str) -> Workload | None:
+    """A workload by name, or NAME@B: that workload at batch B (a batch sweep); None if none."""
+    base, _, batch = name.partition("@")
+    found = WORKLOADS.get(base)
+    if found is None or (batch and not (batch.isdigit() and int(batch) > 0)):
+        return None
+    return dataclasses.replace(found, name=name, batch=int(batch)) if batch else found

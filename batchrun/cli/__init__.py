@@ -1,35 +1,41 @@
-"""The `batchrun` command: run a job, validate a job file, summarize or report on an output
-directory, benchmark. Job flags are derived from the options' declarations (options.py)."""
+"""The `batchrun` command's entry point. It imports nothing heavy itself: a Ctrl-C in the seconds
+torch and the commands take to import ends as a stop before the job started (one line,
+EXIT_STOPPED), not as Python's KeyboardInterrupt traceback. `cli`, the command group
+(commands.py), is imported on first use."""
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+from types import FrameType
+from typing import Any
 
-import click
-import torch
-
-import batchrun
-from batchrun.cli.bench import bench_command
-from batchrun.cli.export import export
-from batchrun.cli.group import Group
-from batchrun.cli.outputs import report, stats
-from batchrun.cli.run import run
-from batchrun.cli.validate import validate
+from batchrun.errors import EXIT_STOPPED, not_started_line
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(batchrun.__version__, prog_name="batchrun")
-def cli() -> None:
-    """Offline batch inference over Parquet."""
-
-
-for command in (run, validate, stats, report, export, bench_command()):
-    cli.add_command(command)
+def _stopped_while_importing(signum: int, _frame: FrameType | None) -> None:
+    print(not_started_line(signum), file=sys.stderr)
+    raise SystemExit(EXIT_STOPPED)
 
 
 def main() -> None:
+    previous = signal.signal(signal.SIGINT, _stopped_while_importing)
+    import torch
+
     # Triton's kernels run on a CPU only in its interpreter, which triton chooses when it is
     # first imported: the entry point asks for it before anything imports triton.
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from batchrun.cli.commands import cli
+
+    signal.signal(signal.SIGINT, previous)  # from here on, each command handles its signals
     cli(prog_name="batchrun")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "cli":
+        from batchrun.cli.commands import cli
+
+        return cli
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,8 @@ import click
 from batchrun.cli.options import job_flags, job_of
 from batchrun.errors import EXIT_STOPPED, JobStopped
 from batchrun.runners.local import run_job, summary_line
-from batchrun.runners.workers.run import check_workers, run_workers
+from batchrun.runners.workers.devices import check_workers
+from batchrun.runners.workers.run import run_workers
 
 
 def _stops_cleanly(command: Callable[..., None]) -> Callable[..., None]:

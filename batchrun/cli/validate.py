@@ -12,8 +12,8 @@ from batchrun.config.job import JobSpec
 from batchrun.io.input.overrides import OVERRIDE_COLUMNS
 from batchrun.io.input.prompts import CHAT_KWARGS_COLUMN, CONSTRAINT_COLUMNS, template_thinks
 from batchrun.layers.rotary import Yarn
-from batchrun.runners.opened_job import OpenedJob, open_job
-from batchrun.runners.workers.run import check_workers, planned_devices
+from batchrun.runners.opened_job import OpenedJob
+from batchrun.runners.startup import check_start
 
 if TYPE_CHECKING:
     from batchrun.config.preflight import Preflight
@@ -25,18 +25,9 @@ if TYPE_CHECKING:
 def validate(job_file: Path | None, **flags: Any) -> None:
     """Make every start-up check of `run` (JOB_FILE, flags, input columns, output directory,
     model configs, tokenizer, draft fit, device) without loading weights; runs nothing."""
-    from batchrun.config.preflight import preflight  # needs transformers, as `run` does
-
     job = job_of(job_file, flags)
-    check_workers(job, ray=False)
-    if job.run.workers > 1:
-        planned_devices(job)
-    opened = open_job(job)
-    found = preflight(job, opened.prompt)
-    if job.run.tp > 1:
-        from batchrun.runners.torchrun import check
-
-        check(job)
+    checked = check_start(job)  # the checks `run` makes before it starts anything
+    opened, found = checked.opened, checked.found
     lines = [f"job file: {job_file}"] if job_file is not None else []
     click.echo("\n".join([*lines, *_input_lines(opened), *_model_lines(job, found), "ok"]))
 

@@ -143,20 +143,21 @@ class OutputPart:
         kind=Kind.TEXT,
         schema=_NAME,
         doc="Output directory for part files, progress and stats, or an object-store prefix "
-        f"(s3://bucket/prefix, gs://bucket/prefix; needs claims_dir). {_PATH_NOTE}",
-        help="Output directory, or s3://bucket/prefix (with --claims-dir).",
+        f"(s3://bucket/prefix, gs://bucket/prefix; gs:// needs claims_dir). {_PATH_NOTE}",
+        help="Output directory, or s3://bucket/prefix.",
     )
     claims_dir: str | None = option(
         None,
         kind=Kind.TEXT,
         schema=_NAME,
-        doc="Where the claims of an object-store output live (a local directory, or one shared "
-        "by every node that runs the job): pyarrow has no create-if-absent write to keep them "
-        "in the bucket. Every run of the job must name the same one. A local output keeps its "
-        f"claims in OUTPUT/_claims and ignores this. {_PATH_NOTE}",
+        doc="Where the claims of an object-store output live instead of its bucket (a local "
+        "directory, or one shared by every node that runs the job). An s3:// output keeps them "
+        "in OUTPUT/_claims in the bucket without it (S3's conditional writes, through boto3); a "
+        "gs:// output needs it. Every run of the job must name the same one. A local output "
+        f"keeps its claims in OUTPUT/_claims and ignores this. {_PATH_NOTE}",
         help="Claims directory of an s3:// or gs:// output (local or shared).",
         metavar="DIR",
-        unset="none; an object-store output needs it",
+        unset="none: in the s3:// output's bucket; a gs:// output needs it",
     )
     logprobs: int | None = option(
         None,
@@ -329,10 +330,11 @@ class RunPart:
         low=1,
         high=65535,
         doc="While the job runs, serve Prometheus metrics (rows, tokens, tokens/s, steps, "
-        "acceptance, KV pages) at http://METRICS_HOST:PORT/metrics; shard I of N serves on "
-        "PORT + I. A port in use stops the job before it starts. Not with --ray.",
+        "acceptance, KV pages) at http://METRICS_HOST:PORT/metrics; shard I of N (or worker "
+        "I of workers) serves on PORT + I. A port in use, any process's, stops the job before "
+        "it starts (validate refuses it too). Not with --ray.",
         help="Serve Prometheus metrics at http://METRICS_HOST:PORT/metrics while the job runs "
-        "(shard I: PORT + I).",
+        "(shard or worker I: PORT + I).",
         metavar="PORT",
         unset="off",
     )
@@ -350,8 +352,9 @@ class RunPart:
         kind=Kind.TEXT,
         schema=_NAME,
         doc="Write the same metrics to this node-exporter textfile (replaced atomically every "
-        "few seconds and at the end); shard I of N writes NAME-I.prom beside it. A path that "
-        f"cannot be written stops the job before it starts. Not with --ray. {_PATH_NOTE}",
+        "few seconds and at the end); shard I of N (or worker I of workers) writes NAME-I.prom "
+        "beside it. A path that cannot be written, any process's, stops the job before it "
+        f"starts (validate refuses it too). Not with --ray. {_PATH_NOTE}",
         help="Write the metrics as a node-exporter textfile, refreshed while the job runs.",
         metavar="PATH",
         unset="off",

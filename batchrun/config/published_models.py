@@ -1,6 +1,6 @@
-"""z-lab's published DFlash drafters and the targets they were trained for, declared once:
-docs/models.md's table of them (config/model_tables.py) says, from this and the model and
-method declarations, which batchrun runs."""
+"""z-lab's published DFlash and DFlash2 drafters and the targets they were trained for,
+declared once: docs/models.md's table of them (config/model_tables.py) says, from this and the
+model and method declarations, which batchrun runs."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ PUBLISHED = (
     ),
     PublishedPair("Qwen/Qwen3.6-27B", "qwen3_5", "z-lab/Qwen3.6-27B-DFlash", "dflash"),
     PublishedPair("Qwen/Qwen3.6-35B-A3B", "qwen3_5_moe", "z-lab/Qwen3.6-35B-A3B-DFlash", "dflash"),
+    # Qwen3.8 is a multimodal wrapper (model_type qwen3_8) around a hybrid text model.
+    PublishedPair("Qwen/Qwen3.8-27B", "qwen3_8", "z-lab/Qwen3.8-27B-DFlash2", "dflash2"),
     PublishedPair(
         "meta-llama/Llama-3.1-8B-Instruct",
         "llama",

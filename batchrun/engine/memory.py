@@ -79,12 +79,14 @@ def kv_pages(
     ring_pages: int,
     widths: tuple[int, ...] = (1,),
     slot_bytes: int = 0,
+    memory: tuple[int, int] | None = None,
 ) -> int:
     """draft_paged_layers: the draft layers whose K/V lives in the pages (full attention);
     ring_pages: each other (sliding) layer's ring, allocated apart; widths: the verify widths
     CUDA graphs are captured for; slot_bytes: per-request state allocated apart (a hybrid
     target's recurrent state slots and verify scratch). element: the model dtype's size (the
-    target's K/V takes kv_cache_dtype's)."""
+    target's K/V takes kv_cache_dtype's). memory: a GPU's total bytes and those in use (the
+    weights), as a GPU would say them (default: the device's own)."""
     kv_element = kv_element_size(config.kv_cache_dtype, element)
     bytes_per_page = page_bytes(
         target, draft, config.page_size, element, draft_paged_layers, kv_element
@@ -93,8 +95,10 @@ def kv_pages(
     if draft is not None:
         sliding = draft.num_layers - draft_paged_layers
         rings = sliding * ring_pages * layer_page_bytes(draft, config.page_size, element)
-    if device.type == "cuda":
-        _, total = torch.cuda.mem_get_info(device)
+    if device.type == "cuda" or memory is not None:
+        if memory is None:  # the weights, loaded before this, are in use
+            memory = torch.cuda.mem_get_info(device)[1], torch.cuda.memory_reserved(device)
+        total, in_use = memory
         eager_rows = config.max_batched_tokens
         graph_rows = config.max_batch_size * width
         reserve = activation_bytes(
@@ -103,7 +107,6 @@ def kv_pages(
         if config.cuda_graphs:  # the graphs' pool holds the largest graph's activations
             reserve += activation_bytes(target, graph_rows, graph_rows, feature_layers, element)
             reserve += graph_outputs_bytes(config, target, widths, feature_layers, element)
-        in_use = torch.cuda.memory_reserved(device)  # the weights, loaded before this
         budget = int(total * config.gpu_memory_fraction) - in_use - reserve - rings
     else:
         budget = CPU_KV_BUDGET_BYTES - rings

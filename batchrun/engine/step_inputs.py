@@ -53,7 +53,8 @@ class StepPlan:
     num_decoding: int  # D
     num_updates: int  # U
     num_rows: int  # T (padded for a graph step)
-    num_logit_rows: int  # N; 0 when every row is sampled (no logit-row section)
+    num_logit_rows: int  # N: the rows whose logits are taken (the logit-row section's length)
+    every_row_sampled: bool  # no logit-row section: every row's logits (a verify step's)
     max_q: int
     max_kv: int  # an upper bound: the device holds the exact lengths
     chunk_lens: tuple[int, ...] = ()  # each prefill chunk's rows, in step order
@@ -147,7 +148,8 @@ def plan_step(
         num_decoding=len(widths),
         num_updates=update.shape[1],
         num_rows=num_rows,
-        num_logit_rows=0 if all_rows else len(sampled_rows),
+        num_logit_rows=len(sampled_rows),
+        every_row_sampled=all_rows,
         max_q=max((it.num_new for it in batch), default=0),
         max_kv=max_kv,
         chunk_lens=tuple(len(c) for c in chunks),
@@ -183,7 +185,11 @@ def step_args(packed: torch.Tensor, plan: StepPlan) -> StepArgs:
     head = packed[: REQUEST_FIELDS * r].view(REQUEST_FIELDS, r)
     at = REQUEST_FIELDS * r + 3 * u
     chunk = plan.num_rows - plan.decode_rows if not plan.uniform else 0
-    logit = packed[at + chunk : at + chunk + plan.num_logit_rows] if plan.num_logit_rows else None
+    # A prefill step whose chunks complete no prompt samples nothing: an empty section, not
+    # every row (4,096 rows of a 248k vocabulary's float logits would take 3.8 GiB).
+    logit = (
+        None if plan.every_row_sampled else packed[at + chunk : at + chunk + plan.num_logit_rows]
+    )
     return StepArgs(
         slot=head[0],
         q_len=head[1],

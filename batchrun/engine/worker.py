@@ -34,6 +34,7 @@ from batchrun.engine.in_flight import Forward, Launched, copy_to_host
 from batchrun.engine.instruments import Instruments, StepTimer
 from batchrun.engine.model_runner import ModelRunner, RunnerSizes
 from batchrun.engine.step_inputs import plan_step
+from batchrun.engine.step_times import StepTimes
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.sampling.grammar import Grammars
 from batchrun.sampling.grammar_masks import build_masks
@@ -44,6 +45,7 @@ from batchrun.sampling.step_sampling import (
     processed_logits,
     sample_tokens,
     score_tokens,
+    verified_tokens,
 )
 from batchrun.spec_decode.base import Speculator, TargetView
 
@@ -72,13 +74,13 @@ class Worker:
         self.logprobs, self.prompt_logprobs = config.logprobs, config.prompt_logprobs
         self.instruments = Instruments(StepTimer(device))
         self.step_kinds: Counter[str] = Counter()  # prefill, mixed, decode -> steps
-        self.step_seconds: dict[str, float] = {}  # the same kinds -> their pipeline periods
+        self.step_times = StepTimes()  # their pipeline periods, by kind and width
         self._last_done: float | None = None  # when the host last read a step's results
 
     def start_job(self, max_batch_size: int, max_batched_tokens: int) -> None:
         """No width measurements, no counts: a job starts afresh on the same device state."""
         self.speculator.start_job(max_batch_size, max_batched_tokens)
-        self.step_kinds, self.step_seconds, self._last_done = Counter(), {}, None
+        self.step_kinds, self.step_times, self._last_done = Counter(), StepTimes(), None
 
     def capture_graphs(self, max_batch_size: int) -> None:
         """The target's graphs at each width the speculator may verify at, then its own."""
@@ -87,15 +89,16 @@ class Worker:
     def info(self) -> dict[str, Any]:
         """What the job's statistics say of the device side."""
         runner = self.runner
-        return {
-            "attention_backend": runner.backend.name,
-            "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
-            "steps": dict(self.step_kinds),
-            # Where the job's time went: each step's period (the time between its results and
-            # the previous step's), summed by kind.
-            "step_seconds": {k: round(v, 4) for k, v in self.step_seconds.items()},
-            "cuda_graphs": bool(runner.target_graphs),
-        } | self.speculator.info()
+        return (
+            {
+                "attention_backend": runner.backend.name,
+                "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
+                "steps": dict(self.step_kinds),
+                "cuda_graphs": bool(runner.target_graphs),
+            }
+            | self.step_times.info()
+            | self.speculator.info()
+        )
 
     def next_widths(self, slots: list[int], prefill_pending: bool) -> dict[int, int]:
         """The verify width of each running request (by slot) in the next step (1 without a
@@ -157,6 +160,11 @@ class Worker:
         verify = VerifyRows(drafts[:d], widths, plan.decode_rows) if drafts is not None else None
         logits = processed_logits(self.model, tables, out, sampled, verify, masks)
         tokens = sample_tokens(self.model, tables, out, sampled, logits)
+        proposal = speculator.proposal(plan)
+        if proposal is not None and verify is not None:  # drafts sampled from a distribution
+            tokens = verified_tokens(
+                self.model, tables, out, sampled, logits, tokens, proposal, verify, plan.max_width
+            )
         scores = None
         if self.logprobs is not None or (prompt is not None and prompt.rows):
             k = self.logprobs
@@ -215,8 +223,7 @@ class Worker:
         done, last = time.perf_counter(), self._last_done
         self._last_done = done
         seconds = launched.seconds if launched.seconds is not None else done - (last or done)
-        kind = launched.plan.kind
-        self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
+        self.step_times.record(launched.plan.kind, launched.plan.max_width, seconds)
         self.speculator.learn(launched.plan, accepted, seconds)
 
     def abort(self, launched: Launched | None) -> None:

@@ -18,7 +18,9 @@ S3 is configured as the AWS tools are: AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3)
 S3-compatible server, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or a profile
 (AWS_PROFILE, ~/.aws/credentials and ~/.aws/config), AWS_REGION or AWS_DEFAULT_REGION. pyarrow
 reads AWS_ENDPOINT_URL itself only in recent versions, so the endpoint and region are passed to it
-explicitly. gs:// uses pyarrow's GCS filesystem and Google's default credentials.
+explicitly (s3_endpoint_url, s3_region: also for boto3, which keeps an s3:// output's claims in
+its bucket, batchrun.io.output.bucket_claims). gs:// uses pyarrow's GCS filesystem and Google's
+default credentials.
 """
 
 from __future__ import annotations
@@ -83,9 +85,7 @@ def object_filesystem(scheme: str) -> pafs.FileSystem:
     line) when it cannot be made (no credentials, a build of pyarrow without it)."""
     if scheme == "s3":
         _require_aws_credentials()
-        return _s3_filesystem(
-            s3_endpoint(), os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        )
+        return _s3_filesystem(s3_endpoint_url(), s3_region())
     try:
         return _gcs_filesystem()
     except (ImportError, pa.ArrowException) as exc:
@@ -97,11 +97,22 @@ def s3_endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
+def s3_endpoint_url() -> str | None:
+    """The S3 endpoint as a URL (an endpoint named without a scheme is reached over https)."""
+    endpoint = s3_endpoint()
+    return endpoint if endpoint is None or "://" in endpoint else f"https://{endpoint}"
+
+
+def s3_region() -> str | None:
+    """The AWS region the environment names (None: the SDK's default)."""
+    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
+
+
 @functools.cache
 def _s3_filesystem(endpoint: str | None, region: str | None) -> pafs.FileSystem:
     options: dict[str, str] = {}
     if endpoint:
-        parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+        parts = urlsplit(endpoint)
         options["endpoint_override"] = parts.netloc + parts.path.rstrip("/")
         options["scheme"] = parts.scheme
     if region:
@@ -159,22 +170,32 @@ def _aws_profile_exists() -> bool:
     return False
 
 
-# What the AWS SDK's error codes (in pyarrow's messages) mean, in the words of the line batchrun
-# prints; the first that a message holds is the one said.
+# What the AWS SDK's error codes mean, in the words of the line batchrun prints: as pyarrow's
+# messages spell them, then as boto3's (the claims in a bucket, batchrun.io.output.bucket_claims);
+# the first that a message holds is the one said.
 _AWS_ERRORS = (
-    ("NETWORK_CONNECTION", "cannot connect to the object store{endpoint}"),
-    ("NO_SUCH_BUCKET", "bucket {bucket!r} does not exist"),
-    ("INVALID_ACCESS_KEY_ID", "the store does not know the access key (AWS_ACCESS_KEY_ID)"),
-    ("SIGNATURE_DOES_NOT_MATCH", "the store refused the secret key (AWS_SECRET_ACCESS_KEY)"),
-    ("ACCESS_DENIED", "access denied (check the credentials and the bucket's permissions)"),
+    (("NETWORK_CONNECTION", "Could not connect"), "cannot connect to the object store{endpoint}"),
+    (("NO_SUCH_BUCKET", "(NoSuchBucket)"), "bucket {bucket!r} does not exist"),
+    (
+        ("INVALID_ACCESS_KEY_ID", "(InvalidAccessKeyId)"),
+        "the store does not know the access key (AWS_ACCESS_KEY_ID)",
+    ),
+    (
+        ("SIGNATURE_DOES_NOT_MATCH", "(SignatureDoesNotMatch)"),
+        "the store refused the secret key (AWS_SECRET_ACCESS_KEY)",
+    ),
+    (
+        ("ACCESS_DENIED", "(AccessDenied)"),
+        "access denied (check the credentials and the bucket's permissions)",
+    ),
 )
 
 
 def storage_reason(exc: BaseException, location: ObjectLocation) -> str:
     """Why an object-store call failed, in one line."""
     text = str(exc)
-    for code, reason in _AWS_ERRORS:
-        if code in text:
+    for codes, reason in _AWS_ERRORS:
+        if any(code in text for code in codes):
             endpoint = s3_endpoint() if location.scheme == "s3" else None
             return reason.format(
                 endpoint=f" at {endpoint}" if endpoint else "", bucket=location.bucket

@@ -131,6 +131,23 @@ class DFlashDraft(nn.Module):
     ) -> torch.Tensor:
         """The drafted target tokens [R, B-1]: the argmax of rows 1 .. B-1 through the draft's
         head (the target's, or its own mapped to target ids)."""
+        rows = self.block_rows(target, block_ids, positions, backend, window_backend, kv_caches)
+        if self.lm_head is None:  # the target's head: its argmax (across tensor-parallel ranks)
+            return target.argmax(target.lm_head(rows))
+        drafts = self.lm_head(rows).argmax(dim=-1)
+        return drafts if self.draft_to_target is None else self.draft_to_target[drafts]
+
+    def block_rows(
+        self,
+        target: Qwen3ForCausalLM,
+        block_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        window_backend: AttentionBackend | None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """The final-normed block rows 1 .. B-1 [R, B-1, H] (draft_block's arguments), which
+        the head scores."""
         x = target.model.embed_tokens(block_ids)
         kinds = self.attention.sliding
         for layer, cache, sliding in zip(self.layers, kv_caches, kinds, strict=True):
@@ -138,7 +155,4 @@ class DFlashDraft(nn.Module):
             assert layer_backend is not None, "a sliding layer attends through its own backend"
             x = layer(x, positions, self.rope, layer_backend, cache)
         rows = x.view(x.shape[0] // self.block_size, self.block_size, x.shape[-1])[:, 1:]
-        if self.lm_head is None:  # the target's head: its argmax (across tensor-parallel ranks)
-            return target.argmax(target.lm_head(self.norm(rows)))
-        drafts = self.lm_head(self.norm(rows)).argmax(dim=-1)
-        return drafts if self.draft_to_target is None else self.draft_to_target[drafts]
+        return self.norm(rows)

@@ -54,21 +54,28 @@ class DraftConfig:
 DRAFT_LAYERS = ("qwen3", "llama")
 
 
-def draft_config(config: dict[str, Any], where: str) -> DraftConfig:
+ZLAB_ARCHITECTURE = "DFlashDraftModel"
+
+
+def draft_config(
+    config: dict[str, Any], where: str, architecture: str = ZLAB_ARCHITECTURE
+) -> DraftConfig:
     """Reads either format, its own keys checked by type and range (config_check's tables);
-    refuses, by name, what batchrun does not implement. where: the file, for errors."""
+    refuses, by name, what batchrun does not implement. where: the file, for errors;
+    architecture: the z-lab config's `architectures` (a method built on DFlash's drafter names
+    its own; its own keys are its to check)."""
     if "speculators_model_type" in config:
         return _speculators(config, where)
-    return _zlab(config, where)
+    return _zlab(config, where, architecture)
 
 
-def _zlab(config: dict[str, Any], where: str) -> DraftConfig:
+def _zlab(config: dict[str, Any], where: str, architecture: str) -> DraftConfig:
     check_fields(config, ZLAB, where, "z-lab draft")
     dflash = dict(config.get("dflash_config") or {})
     check_fields(dflash, DFLASH_CONFIG, where, "z-lab draft", "dflash_config.")
     arch = config.get("architectures") or []
-    if arch != ["DFlashDraftModel"]:
-        raise JobError(f"draft: architectures {arch} is not supported (only DFlashDraftModel)")
+    if arch != [architecture]:
+        raise JobError(f"draft: architectures {arch} is not supported (only {architecture})")
     kind = config.get("model_type")
     if kind not in DRAFT_LAYERS:
         raise JobError(

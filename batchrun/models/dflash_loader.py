@@ -16,7 +16,7 @@ from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.block_attention import BlockAttention
 from batchrun.models.config_check import checked_config
 from batchrun.models.dflash import DFlashDraft, default_target_layer_ids
-from batchrun.models.dflash_formats import DraftConfig, draft_config
+from batchrun.models.dflash_formats import ZLAB_ARCHITECTURE, DraftConfig, draft_config
 from batchrun.models.header_weights import header_weights
 from batchrun.models.loader import (
     checkpoint_weights,
@@ -49,10 +49,14 @@ class DraftSpec:
     not_loaded: frozenset[str] = frozenset()  # tensors the checkpoint carries but batchrun skips
 
 
-def check_draft(draft_dir: Path, target: Qwen3Shape) -> DraftSpec:
+def check_draft(
+    draft_dir: Path, target: Qwen3Shape, architecture: str = ZLAB_ARCHITECTURE
+) -> DraftSpec:
     """Every check of a draft against its target that needs no weights: its config.json and
-    the tensor names and shapes in its safetensors headers. Raises JobError."""
-    fields = draft_config(read_config(draft_dir, "draft"), f"draft: {config_file(draft_dir)}")
+    the tensor names and shapes in its safetensors headers. architecture: the z-lab config's
+    (draft_config). Raises JobError."""
+    config = read_config(draft_dir, "draft")
+    fields = draft_config(config, f"draft: {config_file(draft_dir)}", architecture)
     layers = checked_config(fields.layers, fields.layers_where)
     shape = shape_of(layers, "draft")
     if shape.hidden_size != target.hidden_size:
@@ -75,7 +79,7 @@ def check_draft(draft_dir: Path, target: Qwen3Shape) -> DraftSpec:
             f"draft: mask_token_id {mask_id} is outside the target's embedding "
             f"({target.vocab_size} rows)"
         )
-    tensors = _tensor_shapes(draft_dir)
+    tensors = tensor_shapes(draft_dir)
     head_rows, vocab_map = _check_vocabulary(fields, tensors, target)
     return DraftSpec(
         shape=shape,
@@ -243,7 +247,7 @@ def _draft_to_target(draft_dir: Path, rows: int, vocab_size: int) -> torch.Tenso
     return to_target
 
 
-def _tensor_shapes(model_dir: Path) -> dict[str, list[int]]:
+def tensor_shapes(model_dir: Path) -> dict[str, list[int]]:
     """The tensor names and shapes of a checkpoint, read from the safetensors headers alone."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

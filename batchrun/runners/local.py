@@ -11,7 +11,6 @@ is finished is committed, and the next run of the same command does the rest.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,7 @@ import pyarrow as pa
 
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request
-from batchrun.errors import JobStopped, signal_name
+from batchrun.errors import JobStopped
 from batchrun.io.input.prefetch import prefetch
 from batchrun.io.input.prompts import RequestBuilder
 from batchrun.io.input.reader import RowSelection
@@ -28,13 +27,21 @@ from batchrun.io.output.columns import OutputRow
 from batchrun.io.output.sink import OutputSink, RunFacts
 from batchrun.io.output.stats import RunClock
 from batchrun.runners.engine_feed import EngineLike, build_engine, generate
-from batchrun.runners.metrics import JobMetrics, MetricsPlan, published, read_progress
+from batchrun.runners.metrics import (
+    JobMetrics,
+    MetricsPlan,
+    RowShare,
+    published,
+    read_progress,
+)
 from batchrun.runners.opened_job import OpenedJob, open_job
 from batchrun.runners.row_pipeline import InputRow, Pace, RowPipeline, request_builder
 from batchrun.runners.row_sources import FixedRows, RowSource
+from batchrun.runners.startup import check_start, start_up_stop
 from batchrun.runners.stop_signals import StopSignals, stop_line
 
 if TYPE_CHECKING:
+    from batchrun.config.preflight import Preflight
     from batchrun.parallel.group import TensorParallel
 
 TP_STOP_CHECK_STEPS = 8  # tensor-parallel ranks agree on a stop every this many steps
@@ -45,6 +52,7 @@ def run_job(
 ) -> dict[str, Any]:
     """Run the job (or its shard) to the end; returns its stats.json content. Raises JobStopped
     when SIGTERM or SIGINT stopped it first (StopSignals), with what it finished committed.
+    It starts with validate's checks (batchrun.runners.startup), without a given engine.
 
     With tp, every rank of the tensor-parallel group runs this in lockstep on the same input:
     rank 0 alone claims, prepares and writes the output; every rank reads which rows are done
@@ -53,23 +61,20 @@ def run_job(
     opened: OpenedJob | None = None
     with StopSignals(lockstep=tp is not None) as stop:
         try:
+            found = None
+            if tp is None and engine is None:  # validate's checks (the launcher made a rank's)
+                checked = check_start(job)
+                opened, found = checked.opened, checked.found
             # Rank 0 speaks for its group here too; a busy port stops the job before it starts.
             plan = MetricsPlan.of(job) if tp is None or tp.rank == 0 else None
             with published(plan) as metrics:
-                opened = open_job(job)
-                return _run_job(job, opened, clock, engine, tp, stop, metrics)
+                if opened is None:
+                    opened = open_job(job)
+                return _run_job(job, opened, clock, engine, tp, stop, metrics, found)
         except JobStopped as exc:
             if exc.line is not None or tp is not None:
                 raise
-            # Stopped in start-up: nothing was generated; say what earlier runs committed.
-            line = f"batchrun: stopped by {signal_name(exc.signum)} before the job started; "
-            line += "run the same command again to start it"
-            if opened is not None:
-                with contextlib.suppress(Exception):
-                    committed = opened.committed_rows()
-                    left = len(opened.rows) - committed
-                    line = stop_line(exc.signum, committed, 0, left, job.output.overwrite)
-            raise JobStopped(exc.signum, line) from None
+            raise start_up_stop(exc, job, opened) from None
 
 
 def _run_job(
@@ -80,10 +85,12 @@ def _run_job(
     tp: TensorParallel | None,
     stop: StopSignals,
     metrics: JobMetrics | None = None,
+    found: Preflight | None = None,
 ) -> dict[str, Any]:
+    """found: what check_start found (None: a tensor-parallel rank's checks are made here, a
+    given engine needs none)."""
     leads = tp is None or tp.rank == 0
-    found = None
-    if engine is None:
+    if engine is None and found is None:
         from batchrun.config.preflight import preflight  # needs transformers, as the engine does
 
         found = preflight(job, opened.prompt)  # what validate checks, before any weights load
@@ -134,13 +141,15 @@ class LocalRun:
         metrics: JobMetrics | None = None,
         source: RowSource | None = None,
         pace: Pace | None = None,
+        share: RowShare | None = None,
     ) -> None:
         """writes=False: a tensor-parallel rank other than 0, which runs the engine in step
         with rank 0 but writes nothing (the sink's writes). stop: the signals that stop the run
         early (None: none do); tp: the group whose ranks must agree on a stop; metrics: the
         live metrics to feed (None: none asked for). source and pace: where the rows come from
         and how far ahead they are read (None: the job's rows not done, at the job's pace; a
-        worker of a multi-worker job reads the chunks it claims, few ahead)."""
+        worker of a multi-worker job reads the chunks it claims, few ahead). share: the input
+        rows the metrics report (None: the run's rows)."""
         self.opened, self.job, self.engine, self.builder = opened, opened.job, engine, builder
         self.stop = stop if stop is not None else StopSignals()
         self.tp, self.clock, self.metrics = tp, clock, metrics
@@ -148,12 +157,14 @@ class LocalRun:
         self.stopped = False  # by a signal, with rows left
         self.job_rows = len(opened.rows)
         extra = {"input_rows": self.job_rows, "shard": self.job.run.shard}
+        extra["workers"] = self.job.run.workers  # as the --workers parent's stats.json
         self.sink = OutputSink(
             opened.sink_target(),
             clock=clock,
             facts=lambda: RunFacts(engine.info(), engine.block_size, extra),
             writes=writes,
         )
+        self.share = share or RowShare(self.job_rows, self.sink.committed_before)
         if source is None:
             source = FixedRows(opened.source, RowSelection(self.sink.done, opened.rows))
         self.source, self.pace = source, pace if pace is not None else Pace.of(self.job)
@@ -236,12 +247,12 @@ class LocalRun:
         """One input row's output rows to the sink, and counted in the live metrics."""
         self.sink.add_row(inputs, rows)
         if self.metrics is not None:
-            self.metrics.add_rows(rows, self.sink.done_rows)
+            self.metrics.add_rows(rows, self.share.done(self.sink))
 
     def _report(self, force: bool = False) -> None:
         """Refresh the live metrics' engine-side figures (at most every REFRESH_SECONDS)."""
         if self.metrics is not None and (force or self.metrics.due()):
-            progress = read_progress(self.sink, self.clock, self.engine, self.job_rows)
+            progress = read_progress(self.sink, self.clock, self.engine, self.share)
             self.metrics.refresh(progress)
 
     def _input_rows(self) -> Iterator[InputRow]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import socket
 import sys
 import threading
 import time
@@ -31,6 +32,7 @@ from prometheus_client import (
 
 from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
+from batchrun.io.local_paths import unmakeable
 from batchrun.io.output.columns import OutputRow
 from batchrun.io.output.sink import OutputSink
 from batchrun.io.output.stats import RunClock
@@ -43,10 +45,11 @@ MAX_PORT = 65535
 
 @dataclass(frozen=True)
 class Progress:
-    """What the run loop knows now: this process's input rows (all, and done including earlier
-    runs), this run's generated tokens over its generation seconds, its speculation rounds and
-    the tokens they committed, the engine's steps by kind and by verify width (cumulative over
-    the job), and its KV pages in use and in all (None: an engine without a page pool)."""
+    """What the run loop knows now: this process's input rows (its RowShare: all, and done
+    including earlier runs), this run's generated tokens over its generation seconds, its
+    speculation rounds and the tokens they committed, the engine's steps by kind and by verify
+    width (cumulative over the job), and its KV pages in use and in all (None: an engine
+    without a page pool)."""
 
     input_rows: int
     input_rows_done: int
@@ -59,8 +62,23 @@ class Progress:
     kv_pages: tuple[int, int] | None
 
 
+@dataclass(frozen=True)
+class RowShare:
+    """The input rows a process's metrics report, cut so that their sums over `worker` are the
+    job's: a shard's rows (or every row, unsharded), or a --workers worker's share: the rows of
+    the chunks it takes first (the workers' shares cut the job's rows). done_before: of those,
+    the rows done when it started; the rows it finishes are added (a worker that takes chunks
+    over from another may pass its share, the other then stays below its own)."""
+
+    rows: int
+    done_before: int
+
+    def done(self, sink: OutputSink) -> int:
+        return self.done_before + sink.done_rows - sink.committed_before
+
+
 def read_progress(
-    sink: OutputSink, clock: RunClock, engine: EngineLike, input_rows: int
+    sink: OutputSink, clock: RunClock, engine: EngineLike, share: RowShare
 ) -> Progress:
     """The Progress of a run loop: its sink's counts, its clock, its engine's info() and page
     pool (the real engine's; a test's fake may have none)."""
@@ -70,8 +88,8 @@ def read_progress(
     if pool is not None:  # idle cached pages are free to take: in use means held
         pages = (pool.num_pages - pool.num_free, pool.num_pages)
     return Progress(
-        input_rows=input_rows,
-        input_rows_done=sink.done_rows,
+        input_rows=share.rows,
+        input_rows_done=share.done(sink),
         generated_tokens=sink.run_tokens,
         generation_seconds=clock.timing().generation_seconds,
         spec_rounds=sink.run_spec_rounds,
@@ -106,7 +124,9 @@ class JobMetrics:
         self.completion_tokens = counter(
             "batchrun_completion_tokens", "Completion tokens of ok rows."
         )
-        self.input_rows = gauge("batchrun_input_rows", "Input rows this process covers.")
+        self.input_rows = gauge(
+            "batchrun_input_rows", "Input rows this process covers (its shard's or worker's share)."
+        )
         self.input_rows_done = gauge(
             "batchrun_input_rows_done", "Of those, rows with output (earlier runs' included)."
         )
@@ -208,12 +228,54 @@ class MetricsPlan:
         return cls(str(index or 0), run.metrics_host, port, file)
 
 
+def node_plans(job: JobSpec) -> list[MetricsPlan]:
+    """The plans of the processes a run starts on this node: each worker's with --workers N,
+    else its own (none where no metrics are asked for). JobError for a port past MAX_PORT."""
+    workers = job.run.workers
+    indices: list[int | None] = list(range(workers)) if workers > 1 else [None]
+    plans = [MetricsPlan.of(job, worker=index) for index in indices]
+    return [plan for plan in plans if plan is not None]
+
+
+def check_plan(plan: MetricsPlan) -> None:
+    """The refusals `published` would meet, made before anything starts (validate makes them
+    too): the host resolves, the port binds (for a moment), the textfile's directory can be
+    made and written in and the file is no directory. Writes nothing. Raises JobError."""
+    if plan.port is not None:
+        try:
+            family, _, _, _, address = socket.getaddrinfo(
+                plan.host, plan.port, type=socket.SOCK_STREAM
+            )[0]
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                # As the server binds (http.server's allow_reuse_address): a port in TIME_WAIT
+                # binds, one that a process listens on does not.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+        except OSError as exc:
+            raise _port_error(exc, plan.host, plan.port) from None
+    if plan.file is not None:
+        _check_file(plan.file)
+
+
+def _port_error(exc: OSError, host: str, port: int) -> JobError:
+    if isinstance(exc, socket.gaierror):
+        return JobError(f"metrics host {host!r} does not resolve: {_why(exc)}")
+    reason = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound: {_why(exc)}"
+    return JobError(f"metrics port {port} on {host} {reason}")
+
+
+def _check_file(path: Path) -> None:
+    problem = "it is a directory" if path.is_dir() else unmakeable(path.parent)
+    if problem is not None:
+        raise JobError(f"metrics file {str(path)!r} cannot be written: {problem}")
+
+
 @contextlib.contextmanager
 def published(plan: MetricsPlan | None) -> Iterator[JobMetrics | None]:
     """Within: the job's metrics served on the plan's port and written to its textfile every
     FILE_SECONDS; on the way out (also on failure) the textfile is written once more and the
     server stops. A port that cannot be bound or a file that cannot be written: JobError before
-    anything else starts."""
+    anything else starts, in check_plan's words."""
     if plan is None:
         yield None
         return
@@ -231,8 +293,7 @@ def _served(registry: CollectorRegistry, host: str, port: int) -> Iterator[None]
     try:
         server, thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
-        reason = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound: {_why(exc)}"
-        raise JobError(f"metrics port {port} on {host} {reason}") from None
+        raise _port_error(exc, host, port) from None
     try:
         yield
     finally:
@@ -243,6 +304,7 @@ def _served(registry: CollectorRegistry, host: str, port: int) -> Iterator[None]
 
 @contextlib.contextmanager
 def _textfile(registry: CollectorRegistry, path: Path) -> Iterator[None]:
+    _check_file(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from batchrun.config.job import JobSpec
@@ -30,44 +29,15 @@ from batchrun.models.loader import qwen3_shape, read_config
 from batchrun.models.qwen3_sharding import local_shape
 from batchrun.parallel.group import TensorParallel, init_from_env
 from batchrun.runners.local import run_job, summary_line
-from batchrun.runners.opened_job import open_job
+from batchrun.runners.startup import check_start
 from batchrun.runners.stop_signals import STOP_SIGNALS
-
-TP_DEVICES = ("auto", "cpu", "cuda")
-
-
-def device_type(job: JobSpec) -> str:
-    """What each rank runs on: one GPU each (NCCL) or the CPU (gloo)."""
-    if job.engine.device not in TP_DEVICES:
-        raise JobError(
-            f"device {job.engine.device!r} with tp {job.run.tp}: use auto, cuda or cpu "
-            "(each rank takes GPU LOCAL_RANK)"
-        )
-    if job.engine.device == "cpu" or (
-        job.engine.device == "auto" and not torch.cuda.is_available()
-    ):
-        return "cpu"
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if job.run.tp > gpus:
-        raise JobError(
-            f"tp {job.run.tp} needs {job.run.tp} GPUs (one per rank); this host has {gpus}"
-        )
-    return "cuda"
-
-
-def check(job: JobSpec) -> None:
-    """The refusals a job with tp meets before any process starts: the target's heads, KV
-    heads and MLP rows must split evenly, and there must be a GPU per rank."""
-    device_type(job)
-    shape = qwen3_shape(read_config(Path(job.engine.target), "target model"))
-    local_shape(shape, TensorParallel(0, job.run.tp, torch.device("cpu")))
+from batchrun.runners.torchrun_checks import device_type
 
 
 def relaunch(job: JobSpec) -> int:
     """Run the job as job.run.tp torchrun processes; their exit status (EXIT_STOPPED when a signal
     stopped them)."""
-    check(job)
-    open_job(job)  # the input and output checks, said once here rather than by every rank
+    check_start(job)  # validate's checks, said once here rather than by every rank
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     worker = ["-m", "batchrun.runners.torchrun", json.dumps(job.to_dict())]
     command = [*torchrun, f"--nproc-per-node={job.run.tp}", *worker]

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from batchrun.models.qwen3 import Qwen3ForCausalLM
+from batchrun.sampling.draft_verify import verify_tokens
 from batchrun.sampling.grammar_masks import StepMasks
 from batchrun.sampling.logprobs import PromptRows, StepLogprobs, score_step
 from batchrun.sampling.params import SamplingParams
@@ -91,6 +92,40 @@ def sample_tokens(
     params = tables.batch(out.row_slot, out.row_step)
     logits = model.full_logits(out.logits) if logits is None else logits
     return sample(logits, params, any_filtered=rows.any_filtered())
+
+
+def verified_tokens(
+    model: Qwen3ForCausalLM,
+    tables: SlotTables,
+    out: TargetRows,
+    rows: SampledRows,
+    logits: torch.Tensor | None,
+    tokens: torch.Tensor,
+    proposal: tuple[torch.Tensor, torch.Tensor],
+    verify: VerifyRows,
+    max_width: int,
+) -> torch.Tensor:
+    """`tokens` with the decoding requests' verify rows (the step's first verify.num_rows, each
+    request's its own width, the widest max_width) drawn by rejection sampling against the
+    proposal their drafts were sampled from (q and candidate ids [>= D, B-1, K]:
+    sampling/draft_verify.py), so that the drafts are accepted as often as that allows and the
+    output stays the target's; unchanged when every row is greedy."""
+    if all(p.temperature == 0 for p in rows.params()) or max_width < 2:
+        return tokens
+    n, d, p = verify.num_rows, verify.widths.shape[0], max_width - 1
+    q, candidates = proposal
+    logits = model.full_logits(out.logits) if logits is None else logits
+    offsets = torch.cat([verify.widths.new_zeros(1), verify.widths.cumsum(0)])
+    verified = verify_tokens(
+        logits[:n],
+        tables.batch(out.row_slot[:n], out.row_step[:n]),
+        offsets,
+        verify.drafts[:d, :p],
+        q[:d, :p],
+        candidates[:d, :p],
+        rows.any_filtered(),
+    )
+    return torch.cat([verified, tokens[n:]])
 
 
 def score_tokens(

@@ -21,6 +21,7 @@ import torch
 from batchrun.attention.base import AttentionBackend
 from batchrun.attention.meta import AttentionMeta
 from batchrun.models.qwen3 import Qwen3ForCausalLM
+from batchrun.sampling.slot_tables import SlotTables
 
 Outputs = tuple[torch.Tensor, ...]
 
@@ -38,6 +39,8 @@ class SlotState(Protocol):
     def last_token(self) -> torch.Tensor: ...  # the anchor
     @property
     def out_len(self) -> torch.Tensor: ...  # committed output tokens
+    @property
+    def sampling(self) -> SlotTables: ...  # each slot's sampling parameters
 
 
 class StepShape(Protocol):
@@ -210,6 +213,13 @@ class Speculator:
 
     def observe(self, features: torch.Tensor | None) -> None:
         """The target forward's features (its rows at capture_layers), the next draft's context."""
+
+    def proposal(self, step: StepShape) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The distribution the step's drafts were sampled from, for the verify to sample its
+        tokens against (sampling/draft_verify.py): q and the candidate ids it is over, [>= D,
+        B-1, K]. None: every draft is a point mass (an argmax), which the sampled tokens verify
+        as they are."""
+        return None
 
     def accept(
         self,

@@ -16,12 +16,14 @@ from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 from batchrun.parallel.group import TensorParallel
 from batchrun.spec_decode.base import Speculator, TargetView
 from batchrun.spec_decode.dflash.method import DFLASH
+from batchrun.spec_decode.dflash2.method import DFLASH2
 from batchrun.spec_decode.method import CheckedDraft, DraftBackends, DraftLayout, SpeculationMethod
 
 AUTO = "auto"  # speculative_method's default: chosen by the draft's config.json
 
 METHODS: dict[str, SpeculationMethod] = {
     DFLASH.name: DFLASH,
+    DFLASH2.name: DFLASH2,
 }
 
 

@@ -65,6 +65,15 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
             assert sum(run["steps"].values()) > 0
             assert set(run["step_seconds"]) == set(run["steps"])  # where the time went
             assert 0 < sum(run["step_seconds"].values()) <= run["generation_seconds"]
+            for kind, widths in run["width_seconds"].items():  # the same by width: a fit's input
+                # (steps read back: one launched as a job ends may be dropped unread)
+                assert 0 < sum(n for n, _ in widths.values()) <= run["steps"][kind]
+                assert sum(t for _, t in widths.values()) == pytest.approx(
+                    run["step_seconds"][kind], abs=1e-3
+                )
+        for run in (runs["useless full"], runs["oracle tau 6.5 full"]):  # the draft, timed
+            assert set(run["draft_seconds"]) == {"16"} and run["draft_seconds"]["16"][1] > 0
+        assert runs["none"]["draft_seconds"] is None
         oracle = runs["oracle tau 6.5 full"]
         assert oracle["oracle"] and oracle["designed_tau"] == 6.5
         assert oracle["acceptance_length"] > 3, name  # the oracle reached the verify
@@ -75,22 +84,57 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
         assert all(o == written["none"] for o in written.values()), name
 
 
+def test_a_second_draft_method_runs_beside_the_first(tmp_path: Path) -> None:
+    """--draft-methods dflash,dflash2: DFlash2's scratch drafter (z-lab's layout at the shape)
+    runs each width beside DFlash's in one call, lossless, its cost over DFlash's per round in
+    method_costs."""
+    plan = JobsPlan(
+        shape_name="tiny",
+        shape=TINY,
+        workloads=(WORKLOADS["w2"].scaled(0.1),),
+        taus=(6.5,),
+        widths=("full",),
+        scratch=tmp_path,
+        dtype="float32",
+        device="cpu",
+        draft_methods=("dflash", "dflash2"),
+    )
+    entry = run_jobs(plan, lambda _: None)["workloads"]["w2"]
+    runs = entry["runs"]
+    assert set(runs) == {
+        "none",
+        "useless full",
+        "oracle tau 6.5 full",
+        "useless dflash2 full",
+        "oracle tau 6.5 dflash2 full",
+    }
+    assert runs["oracle tau 6.5 dflash2 full"]["acceptance_length"] > 3
+    written = {run: outputs(tmp_path / "out" / "w2" / run.replace(" ", "-")) for run in runs}
+    assert all(o == written["none"] for o in written.values())
+    cost = entry["method_costs"]["oracle tau 6.5 dflash2 full vs oracle tau 6.5 full"]
+    assert cost["step_ms"] > 0 and cost["base_step_ms"] > 0 and cost["extra_share_of_round"] < 1
+    config = (tmp_path / "models" / "draft-DFlash2DraftModel" / "config.json").read_text()
+    assert '"selector_top_k": 16' in config
+
+
 def test_a_json_schema_workload_runs_constrained_beside_unconstrained(tmp_path: Path) -> None:
     plan = JobsPlan(
         shape_name="tiny",
         shape=TINY,
         workloads=(WORKLOADS["j1"].scaled(0.1),),
         taus=(6.5,),
-        widths=("auto",),
+        # The full block, not auto: auto's widths follow the step times this machine measures,
+        # and a loaded CPU makes it verify narrower (fewer tokens a round) than an idle one.
+        widths=("full",),
         scratch=tmp_path,
         dtype="float32",
         device="cpu",
     )
     entry = run_jobs(plan, lambda _: None)["workloads"]["j1"]
     runs = entry["runs"]
-    assert set(runs) == {"none", "json", "json useless auto", "json oracle tau 6.5 auto"}
+    assert set(runs) == {"none", "json", "json useless full", "json oracle tau 6.5 full"}
     assert "json / none" in entry["ratios"]
-    assert runs["json oracle tau 6.5 auto"]["acceptance_length"] > 3  # drafts the grammar allows
+    assert runs["json oracle tau 6.5 full"]["acceptance_length"] > 3  # drafts the grammar allows
     completions = {
         run: pl.read_parquet(tmp_path / "out" / "j1" / run.replace(" ", "-") / "*.parquet")
         .sort("row_index")["completion"]
@@ -159,6 +203,7 @@ def test_scenarios_reach_the_jobs_plan(monkeypatch: pytest.MonkeyPatch) -> None:
         ["--jobs", "w1", "--tau", "x"],
         ["--jobs", "w1", "--tau", "0,nan"],
         ["--jobs", "w1", "--job-scale", "-1"],
+        ["--jobs", "w1", "--draft-methods", "dflash,eagle"],
         ["--jobs", "w1", "--target", "."],
         ["--jobs", "w1", "--kv-cache-dtype", "auto,fp8"],  # a job runs one KV dtype
         ["--target", ".", "--kv-cache-dtype", "auto,fp8"],
@@ -191,3 +236,14 @@ def test_default_batch_jobs_set_no_batch_and_run_at_the_jobs_default(tmp_path: P
     entry = run_jobs(plan, lambda _: None)["workloads"]["w2"]
     assert entry["workload"]["batch"] == 64  # run's default, not the workload's 32
     assert entry["runs"]["none"]["error_rows"] == 0
+
+
+def test_a_workload_at_another_batch() -> None:
+    """NAME@B: the workload at batch B (a batch sweep), named so in the result file."""
+    from batchrun.bench.workloads import WORKLOADS, named_workload
+
+    swept = named_workload("w1@256")
+    assert swept is not None and swept.name == "w1@256" and swept.batch == 256
+    assert swept.rows == WORKLOADS["w1"].rows and named_workload("w1") is WORKLOADS["w1"]
+    assert named_workload("w1@0") is None and named_workload("w9") is None
+    assert named_workload("w1@x") is None

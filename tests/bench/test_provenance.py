@@ -79,3 +79,15 @@ def test_compiled_is_what_dynamo_observed(tiny_model: Path) -> None:
     compiled = decode_ms_per_step(model, prompts, 2, static_cache=True)
     assert compiled["compiled"] is True and compiled["compiled_frames"] > 0
     assert compiled["compile_seconds"] is not None
+
+
+def test_a_named_source_commit_wins_over_a_lagging_checkout(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A device machine's copy of the tree carries a .git whose HEAD lags its files: the commit
+    the call names is recorded, git's own view beside it."""
+    from batchrun.bench import provenance
+
+    monkeypatch.setenv("BATCHRUN_SOURCE_COMMIT", "0" * 40)
+    origin = provenance._git(REPO / "batchrun")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    assert origin["commit"] == "0" * 40 and origin["dirty"] is None
+    assert origin["git_head"] == head.stdout.strip() and isinstance(origin["git_dirty"], bool)

@@ -329,3 +329,29 @@ def test_tensor_parallel_ranks_stop_together_when_the_launcher_is_signalled(
     again = invoke("run", str(job))
     assert again.exit_code == 0, again.output
     assert sorted(part_rows(out)) == list(range(ROWS))
+
+
+def test_ctrl_c_while_the_command_imports_is_one_line(tmp_path: Path) -> None:
+    """A Ctrl-C in the seconds `batchrun` spends importing torch (before any of a command's own
+    handling) ends as a stop before the job started: one line, EXIT_STOPPED, no traceback. The
+    signal goes to the process group, as a terminal sends it, once torch's library is mapped."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "batchrun.cli", "validate", str(tmp_path / "job.toml")],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    maps = Path(f"/proc/{child.pid}/maps")
+    deadline = time.monotonic() + 60
+    while "libtorch" not in maps.read_text() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.killpg(child.pid, signal.SIGINT)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == EXIT_STOPPED, err
+    assert err.splitlines() == [
+        "batchrun: stopped by SIGINT before the job started; run the same command again to start it"
+    ]

@@ -23,10 +23,11 @@ import pytest
 from batchrun.config.job import JobSpec
 from batchrun.errors import EXIT_STOPPED, JobError
 from batchrun.io.input.reader import open_input
-from batchrun.io.output.claim import CLAIM_SUFFIX, ClaimInfo, create_claim_file
+from batchrun.io.output.claim import CLAIM_SUFFIX, ClaimInfo
+from batchrun.io.output.claim_space import DirectoryClaims
 from batchrun.io.output.directory import JOB_KEY, OutputDir
 from batchrun.runners.workers.chunks import ChunkPuller, chunk_rows, plan_chunks
-from batchrun.runners.workers.run import worker_devices
+from batchrun.runners.workers.devices import worker_devices
 from tests.io import test_object_storage as object_storage
 from tests.job.test_cli import invoke, write_job, write_prompts
 
@@ -53,6 +54,13 @@ def job_file(tmp_path: Path, model: Path) -> Path:
     return write_job(tmp_path, model, max_tokens=24, max_batch_size=2, rows_per_part=2)
 
 
+def _own_group_with_sigint() -> None:
+    """The job in a process group of its own (what a terminal's Ctrl-C reaches), with SIGINT
+    not ignored (a shell without job control starts background jobs so)."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(job: Path, *flags: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "batchrun.cli", "run", str(job), *flags],
@@ -61,7 +69,43 @@ def start(job: Path, *flags: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_own_group_with_sigint,
     )
+
+
+def metric_sum(files: list[Path], name: str) -> float:
+    """The sum over the files' series of one metric (each file one worker's)."""
+    total = 0.0
+    for file in files:
+        for line in file.read_text().splitlines():
+            if line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def assert_stopped(out: Path, stderr: str, signame: str, process: subprocess.Popen[str]) -> None:
+    """One stop line and nothing else of note; stats.json for what was committed, no _SUCCESS,
+    no worker left running."""
+    assert process.returncode == EXIT_STOPPED, stderr
+    stop = [line for line in stderr.splitlines() if line.startswith("batchrun: stopped by")]
+    assert len(stop) == 1 and stop[0].startswith(f"batchrun: stopped by {signame}:"), stderr
+    assert "run the same command again to resume" in stop[0]
+    assert "Traceback" not in stderr and "killed by" not in stderr, stderr
+    committed = part_rows(out)
+    assert len(committed) == len(set(committed)) and f"{len(committed)} rows committed" in stop[0]
+    stats = json.loads((out / "stats.json").read_text())
+    assert (stats["rows"], stats["workers"]) == (len(committed), 2)
+    assert not (out / "_SUCCESS").exists()
+    for match in filter(None, map(WORKER_LINE.search, stderr.splitlines())):
+        with pytest.raises(ProcessLookupError):  # ended and reaped by the parent
+            os.kill(int(match.group(3)), 0)
+
+
+def wait_for_a_part(out: Path, process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 240
+    while not list(out.glob("part-*.parquet")):  # rows are being committed
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def assert_complete(out: Path) -> None:
@@ -75,11 +119,17 @@ def assert_complete(out: Path) -> None:
 
 def test_two_cpu_workers_share_the_rows(tmp_path: Path, tiny_model: Path) -> None:
     job = job_file(tmp_path, tiny_model)
-    process = start(job, "--workers", "2", "--device", "cpu")
+    metrics = ["--metrics-file", str(tmp_path / "m.prom")]
+    process = start(job, "--workers", "2", "--device", "cpu", *metrics)
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr
     out = tmp_path / "out"
     assert_complete(out)
+    # Each worker reports its share of the input: summed over `worker`, the job's rows.
+    files = [tmp_path / f"m-{i}.prom" for i in range(2)]
+    assert metric_sum(files, "batchrun_input_rows") == ROWS
+    assert metric_sum(files, "batchrun_input_rows_done") == ROWS
+    assert metric_sum(files, "batchrun_rows_total") == ROWS
     started = [WORKER_LINE.search(line) for line in stderr.splitlines()]
     assert sorted(m.group(1) for m in started if m) == ["0", "1"]
     # Each worker starts on its own half of the chunks: both wrote parts.
@@ -124,17 +174,10 @@ def test_sigterm_stops_every_worker_and_the_same_command_resumes(
     job = job_file(tmp_path, tiny_model)
     out = tmp_path / "out"
     process = start(job, "--workers", "2", "--device", "cpu")
-    deadline = time.monotonic() + 240
-    while not list(out.glob("part-*.parquet")):  # rows are being committed
-        assert process.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for_a_part(out, process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
-    assert process.returncode == EXIT_STOPPED, stderr
-    stop = [line for line in stderr.splitlines() if line.startswith("batchrun: stopped by SIGTERM")]
-    assert len(stop) == 1 and "run the same command again to resume" in stop[0], stderr
-    committed = part_rows(out)
-    assert len(committed) == len(set(committed)) and f"{len(committed)} rows committed" in stop[0]
+    assert_stopped(out, stderr, "SIGTERM", process)
 
     again = start(job, "--workers", "2", "--device", "cpu")
     _, stderr = again.communicate(timeout=300)
@@ -142,22 +185,59 @@ def test_sigterm_stops_every_worker_and_the_same_command_resumes(
     assert_complete(out)
 
 
+def test_ctrl_c_to_the_process_group_stops_the_job_in_one_line(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """SIGINT to every process of the job's group, as a terminal sends it: the workers stop
+    once, cleanly; one stop line, no traceback, no worker said to be killed."""
+    job = job_file(tmp_path, tiny_model)
+    out = tmp_path / "out"
+    process = start(job, "--workers", "2", "--device", "cpu")
+    wait_for_a_part(out, process)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=300)
+    assert_stopped(out, stderr, "SIGINT", process)
+
+
 def test_a_worker_s_error_stops_the_job_in_one_line(tmp_path: Path, tiny_model: Path) -> None:
-    """Worker I serves its metrics on port P + I: worker 1's port is taken, so it fails at
-    start, the other is stopped, and the job ends in that worker's line."""
+    """The input turns unreadable once the parent has checked it and started the workers:
+    the workers fail as they open it, and the job ends in the first one's line."""
+    job = job_file(tmp_path, tiny_model)
+    process = start(job, "--workers", "2", "--device", "cpu")
+    assert process.stderr is not None
+    lines = [process.stderr.readline()]  # the first worker's line: started, not yet reading
+    assert WORKER_LINE.search(lines[0]), lines
+    (tmp_path / "in" / "0.parquet").write_bytes(b"not parquet")
+    _, rest = process.communicate(timeout=300)
+    stderr = lines[0] + rest
+    assert process.returncode == 2, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("batchrun: error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
+    assert errors[0].startswith("batchrun: error: worker ") and "0.parquet" in errors[0], errors
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+
+
+def test_a_busy_worker_port_or_file_is_refused_before_any_worker_starts(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """Worker I serves on port P + I and writes NAME-I.prom: worker 1's port taken, or its
+    file a directory, is one line from the parent before any worker starts."""
+    job = job_file(tmp_path, tiny_model)
+    workers = ["--workers", "2", "--device", "cpu"]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        job = job_file(tmp_path, tiny_model)
-        flags = ["--workers", "2", "--device", "cpu", "--metrics-port", str(port - 1)]
-        process = start(job, *flags)
-        _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 2, stderr
-    errors = [line for line in stderr.splitlines() if line.startswith("batchrun: error:")]
-    assert len(errors) == 1 and "Traceback" not in stderr, stderr
-    assert f"worker 1: metrics port {port} on 127.0.0.1" in errors[0], errors
-    assert not (tmp_path / "out" / "_SUCCESS").exists()
+        busy = invoke("run", str(job), *workers, "--metrics-port", str(port - 1))
+    (tmp_path / "m-1.prom").mkdir()
+    directory = invoke("run", str(job), *workers, "--metrics-file", str(tmp_path / "m.prom"))
+    for result, says in (
+        (busy, f"metrics port {port} on 127.0.0.1 is in use"),
+        (directory, f"metrics file '{tmp_path / 'm-1.prom'}' cannot be written: it is a directory"),
+    ):
+        assert result.exit_code == 2, result.output
+        assert result.stderr.splitlines() == [f"batchrun: error: {says}"]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
@@ -276,32 +356,36 @@ def test_a_dead_worker_s_chunk_is_taken_over_without_its_committed_rows(tmp_path
     directory.mkdir(parents=True)
     info = ClaimInfo.for_this_process((0, 4), (0, 4))
     stale = directory / f"{info.token}{CLAIM_SUFFIX}"
-    create_claim_file(stale, ClaimInfo(**{**info.__dict__, "pid": int(dead.stdout)}))
+    dead_info = ClaimInfo(**{**info.__dict__, "pid": int(dead.stdout)})
+    assert DirectoryClaims(directory).create(stale.name, dead_info.to_json())
     part = pa.table({"row_index": pa.array([0, 1], pa.int64())})
     pq.write_table(part.replace_schema_metadata({JOB_KEY: b"job"}), out / "part-000000.parquet")
     # A live worker (this process) holds rows 4-7.
     live = directory.parent / "rows-4-8"
     live.mkdir()
-    create_claim_file(live / f"held{CLAIM_SUFFIX}", ClaimInfo.for_this_process((4, 8), (4, 8)))
+    live_info = ClaimInfo.for_this_process((4, 8), (4, 8))
+    assert DirectoryClaims(live).create(f"held{CLAIM_SUFFIX}", live_info.to_json())
 
     taking_over = puller(tmp_path, 1)
     assert pulled_rows([b.row_indices.tolist() for b in taking_over.batches()]) == [2, 3]
     assert not stale.exists() and (live / f"held{CLAIM_SUFFIX}").exists()
 
 
-# -- an object-store output: the chunk claims live in claims_dir ---------------------------------
+# -- an object-store output: the claims live in its bucket, or in claims_dir ---------------------
 
 endpoint = object_storage.endpoint  # a moto S3 server on loopback, for this module
 bucket = object_storage.bucket
 
 
+@pytest.mark.parametrize("claims", ["in the bucket", "in claims_dir"])
 def test_workers_share_an_s3_output(
-    tmp_path: Path, tiny_model: Path, endpoint: str, bucket: str
+    tmp_path: Path, tiny_model: Path, endpoint: str, bucket: str, claims: str
 ) -> None:
     fs = object_storage.s3(endpoint)
     prompts = object_storage.PROMPTS
     object_storage.put_prompts(fs, f"{bucket}/in", prompts)
-    job = object_storage.write_job(tmp_path, tiny_model, bucket)
+    keys = {"claims_dir": "claims"} if claims == "in claims_dir" else {}
+    job = object_storage.write_job(tmp_path, tiny_model, bucket, **keys)
     result = invoke("run", str(job), "--workers", "2", "--device", "cpu")
     assert result.exit_code == 0, result.output
     output = object_storage.read_parts(fs, f"{bucket}/out")
@@ -310,4 +394,40 @@ def test_workers_share_an_s3_output(
     assert "_SUCCESS" in written and not [n for n in written if n.endswith(".tmp")]
     with fs.open_input_stream(f"{bucket}/out/stats.json") as stream:
         assert json.loads(stream.read())["rows"] == len(prompts)
-    assert not list((tmp_path / "claims").rglob("*" + CLAIM_SUFFIX))  # claims lived here
+    assert not object_storage.claims_in(fs, f"{bucket}/out")  # released, the chunks' too
+    local_claims = tmp_path / "claims"
+    assert local_claims.exists() == (claims == "in claims_dir")  # where the claims lived
+    assert not list(local_claims.rglob("*" + CLAIM_SUFFIX))
+
+
+def test_a_killed_worker_s_chunks_in_the_bucket_are_taken_over(
+    tmp_path: Path, tiny_model: Path, endpoint: str, bucket: str
+) -> None:
+    """kill -9 of a worker mid-job, its chunk claims in the bucket: the other worker takes its
+    rows over, each row is written once, and no claim is left."""
+    fs = object_storage.s3(endpoint)
+    prompts = [f"def handler_{i}(event):" for i in range(ROWS)]
+    object_storage.put_prompts(fs, f"{bucket}/in", prompts)
+    job = object_storage.write_job(
+        tmp_path, tiny_model, bucket, max_tokens=24, max_batch_size=2, rows_per_part=2
+    )
+    process = start(job, "--workers", "2", "--device", "cpu")
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr or ()), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    pid = None
+    written = lambda: object_storage.names(fs, f"{bucket}/out")  # noqa: E731
+    while pid is None or not any(n.startswith("part-00001-of-00002") for n in written()):
+        assert process.poll() is None and time.monotonic() < deadline, lines
+        found = [m for m in map(WORKER_LINE.search, list(lines)) if m and m.group(1) == "1"]
+        pid = int(found[0].group(3)) if found else None
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)  # mid-job: it holds chunk claims on rows it has not committed
+    process.wait(timeout=300)
+    reader.join(timeout=10)
+    assert process.returncode == 0, "".join(lines)
+    assert any("worker 1" in line and "killed by SIGKILL" in line for line in lines), lines
+    output = object_storage.read_parts(fs, f"{bucket}/out")
+    assert output.column("row_index").to_pylist() == list(range(ROWS))  # each row once
+    assert "_SUCCESS" in written() and not object_storage.claims_in(fs, f"{bucket}/out")

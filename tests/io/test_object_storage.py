@@ -98,14 +98,21 @@ def read_parts(fs: pafs.FileSystem, prefix: str) -> pa.Table:
 
 
 def write_job(tmp_path: Path, model: Path, bucket: str, **keys: object) -> Path:
+    """A job from s3://BUCKET/in to s3://BUCKET/out; its claims in the bucket unless keys name a
+    claims_dir."""
     settings = {"max_tokens": 6, "rows_per_part": 3, "max_batch_size": 3, **keys}
     job = tmp_path / "job.toml"
     job.write_text(
         f'input = "s3://{bucket}/in/*.parquet"\noutput = "s3://{bucket}/out"\n'
-        f'claims_dir = "claims"\ntarget = "{model}"\nquiet = true\n'
+        f'target = "{model}"\nquiet = true\n'
         + "".join(f"{key} = {value!r}\n".replace("'", '"') for key, value in settings.items())
     )
     return job
+
+
+def claims_in(fs: pafs.FileSystem, prefix: str) -> list[str]:
+    """The claim objects in an output's bucket (its own and its workers' chunk claims)."""
+    return [name for name in names(fs, prefix) if name.endswith(".claim")]
 
 
 def invoke(*args: str) -> Result:
@@ -211,7 +218,7 @@ def test_a_job_on_s3_writes_every_row_once_and_a_second_run_adds_nothing(
 ) -> None:
     fs = s3(endpoint)
     put_prompts(fs, f"{bucket}/in", PROMPTS)
-    job = write_job(tmp_path, tiny_model, bucket)
+    job = write_job(tmp_path, tiny_model, bucket, claims_dir="claims")  # still an option
     local_input = tmp_path / "local-in"
     local_input.mkdir()
     for name in ("0.parquet", "1.parquet"):
@@ -229,6 +236,7 @@ def test_a_job_on_s3_writes_every_row_once_and_a_second_run_adds_nothing(
     assert output.column("number").to_pylist() == list(range(len(PROMPTS)))
     assert list((tmp_path / "claims").iterdir())  # the claims lived here...
     assert not list((tmp_path / "claims").glob("*/_claims/*.claim"))  # ...and were released
+    assert not [n for n in written if n.startswith("_claims/")]  # not in the bucket
 
     # The same rows as the same job on local files.
     local = invoke("run", str(job), "--input", str(local_input), "--output", str(tmp_path / "o"))
@@ -310,12 +318,15 @@ def test_a_killed_job_on_s3_resumes_losing_and_repeating_nothing(
     committed = read_parts(fs, f"{bucket}/out").column("row_index").to_pylist()
     assert len(committed) == len(set(committed)) < len(prompts)  # nothing twice, work left
     assert "_SUCCESS" not in names(fs, f"{bucket}/out")
+    left = claims_in(fs, f"{bucket}/out")
+    assert len(left) == 1 and left[0].startswith("_claims/")  # the killed run's, in the bucket
 
     resumed = invoke("run", str(job))  # the killed run's claim is stale: taken over
     assert resumed.exit_code == 0, resumed.output
     output = read_parts(fs, f"{bucket}/out")
     assert output.column("row_index").to_pylist() == list(range(len(prompts)))
     assert "_SUCCESS" in names(fs, f"{bucket}/out")
+    assert not claims_in(fs, f"{bucket}/out")  # the stale claim deleted, the new one released
 
 
 def _free_port() -> int:
@@ -331,7 +342,8 @@ def _free_port() -> int:
         ("no credentials", "no AWS credentials found"),
         ("no input bucket", "bucket 'no-such-bucket-here' does not exist"),
         ("no output bucket", "bucket 'no-such-bucket-here' does not exist"),
-        ("no claims_dir", "set claims_dir (--claims-dir)"),
+        ("no boto3", "through boto3, which is not installed: pip install 'batchrun[s3]'"),
+        ("claims_dir under a file", "claims_dir"),
     ],
 )
 def test_bad_object_storage_is_one_line(
@@ -355,8 +367,13 @@ def test_bad_object_storage_is_one_line(
         flags = ["--input", "s3://no-such-bucket-here/in/*.parquet"]
     elif case == "no output bucket":
         flags = ["--output", "s3://no-such-bucket-here/out"]
+    elif case == "no boto3":
+        monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
     else:
-        job.write_text(job.read_text().replace('claims_dir = "claims"\n', ""))
+        (tmp_path / "a-file").write_text("")
+        flags = ["--claims-dir", str(tmp_path / "a-file" / "claims")]
+        message = f"claims_dir {str(tmp_path / 'a-file' / 'claims')!r} cannot be made: "
+        message += f"{str(tmp_path / 'a-file')!r} is not a directory"
     assert_one_line_error(invoke("run", str(job), *flags), message)
     assert_one_line_error(invoke("validate", str(job), *flags), message)
 
@@ -368,9 +385,9 @@ def test_model_directories_stay_local(tmp_path: Path, tiny_model: Path, bucket: 
 
 
 def test_pyarrow_still_writes_no_object_conditionally(endpoint: str, bucket: str) -> None:
-    """Why an object-store output needs claims_dir: pyarrow sends no If-None-Match, so a
-    create-if-absent write replaces what is there (the server itself honours the header). When
-    this fails, a pyarrow release has it, and claims can move into the bucket."""
+    """Why claims in a bucket go through boto3 (batchrun.io.output.bucket_claims): pyarrow
+    sends no If-None-Match, so a create-if-absent write replaces what is there (the server itself
+    honours the header). When this fails, a pyarrow release has it, and boto3 can go."""
     client = boto3.client("s3", endpoint_url=endpoint)
     client.put_object(Bucket=bucket, Key="claim", Body=b"first")
     with pytest.raises(client.exceptions.ClientError, match="PreconditionFailed"):
@@ -388,12 +405,27 @@ def test_ray_runs_refuse_object_storage(tmp_path: Path, tiny_model: Path, bucket
 def test_shards_share_an_s3_output(
     tmp_path: Path, tiny_model: Path, endpoint: str, bucket: str
 ) -> None:
+    """Two processes at once, with nothing but the bucket between them (no claims_dir): each
+    claims its shard in the bucket, and every row is written exactly once."""
     fs = s3(endpoint)
     put_prompts(fs, f"{bucket}/in", PROMPTS)
     job = write_job(tmp_path, tiny_model, bucket)
-    for shard in ("0/2", "1/2"):
-        result = invoke("run", str(job), "--shard", shard)
-        assert result.exit_code == 0, result.output
+    checked = invoke("validate", str(job), "--shard", "0/2")  # no claims_dir: nothing missing
+    assert checked.exit_code == 0, checked.output
+    shards = [
+        subprocess.Popen(
+            [sys.executable, "-m", "batchrun.cli", "run", str(job), "--shard", shard],
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for shard in ("0/2", "1/2")
+    ]
+    for process in shards:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr
+    assert not claims_in(fs, f"{bucket}/out")  # both released
     output = read_parts(fs, f"{bucket}/out")
     assert output.column("row_index").to_pylist() == list(range(len(PROMPTS)))
     written = names(fs, f"{bucket}/out")

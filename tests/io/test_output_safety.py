@@ -34,6 +34,7 @@ from batchrun.cli import cli
 from batchrun.errors import JobError
 from batchrun.io.input.listing import resolve_input_paths
 from batchrun.io.output import claim
+from batchrun.io.output.claim_space import DirectoryClaims
 from batchrun.io.output.columns import build_table, error_row, output_schema
 from batchrun.io.output.directory import OutputDir
 from batchrun.tools.tiny_draft import make_tiny_draft
@@ -172,10 +173,19 @@ def write_claim(out: Path, **fields: Any) -> Path:
     """A claim file as another run would have written it; fields override this process's."""
     info = claim.ClaimInfo.for_this_process(shard=None)
     values = {**dataclasses.asdict(info), "token": "someone-else", **fields}
-    path = claim.claim_path(out, values["token"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    claim.create_claim_file(path, claim.ClaimInfo(**values))
-    return path
+    space = claim_space(out)
+    space.prepare()
+    name = claim.claim_name(values["token"])
+    assert space.create(name, claim.ClaimInfo(**values).to_json())
+    return space.directory / name
+
+
+def claim_space(out: Path) -> DirectoryClaims:
+    return DirectoryClaims(out / claim.CLAIMS_DIR)
+
+
+def acquire(out: Path) -> claim.Claim:
+    return claim.acquire(claim_space(out), None, None, shown=str(out))
 
 
 def age(path: Path, seconds: float) -> None:
@@ -287,7 +297,7 @@ def contend(out: Path, contenders: int) -> tuple[list[claim.Claim], list[str]]:
     def attempt() -> None:
         barrier.wait()
         try:
-            held.append(claim.acquire(out, shard=None))
+            held.append(acquire(out))
         except JobError as exc:
             refused.append(str(exc))
 
@@ -306,7 +316,7 @@ def test_contenders_for_a_stale_claim_elect_exactly_one(tmp_path: Path) -> None:
         age(stale, claim.STALE_AFTER_SECONDS + 1)
         held, refused = contend(out, 6)
         assert len(held) == 1 and len(refused) == 5, refused
-        assert claim_files(out) == [held[0].path]  # the stale claim is gone
+        assert [p.name for p in claim_files(out)] == [held[0].name]  # the stale claim is gone
         held[0].release()
         assert not claim_files(out)
 
@@ -325,9 +335,9 @@ def test_a_claim_file_that_is_no_claim_counts_as_unreadable(
         other.write_text(content)
     monkeypatch.setattr(claim, "ATTEMPTS", 1)  # no retries: a fresh conflict is final at once
     with pytest.raises(JobError, match="a run whose claim is being written"):
-        claim.acquire(out, shard=None)
+        acquire(out)
     age(other, claim.UNWRITTEN_GRACE_SECONDS + 1)
-    claim.acquire(out, shard=None).release()
+    acquire(out).release()
     assert not claim_files(out)
 
 

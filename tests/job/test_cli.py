@@ -79,6 +79,8 @@ def test_run_and_stats_end_to_end(tmp_path: Path, tiny_model: Path) -> None:
     write_prompts(tmp_path / "in", PROMPTS, files=3)
     result = invoke("run", str(write_job(tmp_path, tiny_model)), "--max-tokens", "5")
     assert result.exit_code == 0, result.output
+    # One process is --workers 1: its stats.json says so, as every --workers N job's does.
+    assert json.loads((tmp_path / "out" / "stats.json").read_text())["workers"] == 1
     out = read_output(tmp_path / "out")
     assert (
         out.column("row_index").to_pylist() == out.column("number").to_pylist() == list(range(13))

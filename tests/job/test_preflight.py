@@ -176,8 +176,8 @@ BAD_JOBS: dict[str, tuple[Breaker, str]] = {
     "draft-mask-id": (draft_flags(mask_token_id=10**6), "mask_token_id 1000000"),
     "draft-block-size": (draft_flags(extra_config={"block_size": 1}), "block_size must be"),
     "draft-variant": (
-        draft_flags(extra_config={"architectures": ["DFlash2DraftModel"]}),
-        "DFlash2DraftModel",
+        draft_flags(extra_config={"architectures": ["Eagle3DraftModel"]}),
+        "Eagle3DraftModel",
     ),
     "draft-d2t": (
         draft_flags(

@@ -9,7 +9,10 @@ name longer than the filesystem allows, and seeds at and past the ends of [-2^63
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from safetensors.torch import load_file, save_file
 import batchrun.engine.memory
 from batchrun.bench.shapes import shape_from_flags
 from batchrun.cli import cli
+from batchrun.config.options import job_options
 from batchrun.engine.memory import BatchFootprint, check_batch_memory
 from batchrun.engine.options import MAX_BATCH_SIZE, MAX_BATCHED_TOKENS
 from batchrun.errors import JobError
@@ -337,3 +341,165 @@ def test_seed_columns_take_every_seed_in_range_and_refuse_the_rest_per_row(
         assert result.exit_code == 0, result.output
         part = sorted((tmp_path / "out").glob("part-*.parquet"))[0]
         assert pq.read_table(part).column("completion").to_pylist() == [completion[0]]
+
+
+# -- every declared option with a bad value: validate refuses it as run does ---------------------
+
+
+class Toml(str):
+    """A job file value written as it stands (an inline table)."""
+
+
+def toml_value(value: object) -> str:
+    return value if isinstance(value, Toml) else json.dumps(value)
+
+
+def listening_port(stack: contextlib.ExitStack) -> int:
+    """A port a socket listens on while the test runs."""
+    taken = stack.enter_context(socket.socket())
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    return int(taken.getsockname()[1])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+# Job keys of one bad value each (a function of the test's directory and an exit stack that
+# holds what must stay busy), and what the refusal says. Every declared option has one.
+BadKeys = Callable[[Path, contextlib.ExitStack], dict[str, object]]
+
+
+def keys(**values: object) -> BadKeys:
+    return lambda tmp_path, stack: values
+
+
+def a_regular_file(tmp_path: Path) -> Path:
+    (tmp_path / "a-file").write_text("")
+    return tmp_path / "a-file"
+
+
+BAD_VALUES: dict[str, tuple[BadKeys, str]] = {
+    "input": (keys(input="missing/*.parquet"), "missing"),
+    "prompt_column": (keys(prompt_column="nope"), "nope"),
+    "messages_column": (keys(messages_column="nope"), "nope"),
+    "token_ids_column": (keys(token_ids_column="nope"), "nope"),
+    "id_column": (keys(id_column="nope"), "nope"),
+    "chat_template_kwargs": (keys(chat_template_kwargs="text"), "job key 'chat_template_kwargs'"),
+    "thinking": (keys(thinking="yes"), "job key 'thinking'"),
+    "output": (
+        lambda tmp_path, stack: {"output": str(a_regular_file(tmp_path))},
+        "exists and is not a directory",
+    ),
+    # An object-store output's claims_dir under a file: tests/io/test_object_storage.py.
+    "claims_dir": (keys(claims_dir=LONG_NAME), "claims_dir path"),
+    "logprobs": (keys(logprobs=21), "job key 'logprobs'"),
+    "prompt_logprobs": (keys(prompt_logprobs=21), "job key 'prompt_logprobs'"),
+    "reasoning_parser": (keys(reasoning_parser="qwen4"), "job key 'reasoning_parser'"),
+    "overwrite": (keys(overwrite="yes"), "job key 'overwrite'"),
+    "rows_per_part": (keys(rows_per_part=0), "job key 'rows_per_part'"),
+    "part_seconds": (keys(part_seconds=0), "job key 'part_seconds'"),
+    "target": (keys(target="no-such-model"), "target model directory"),
+    "draft": (keys(draft="no-such-draft"), "draft model directory"),
+    "speculative_method": (keys(speculative_method="Bad-Name"), "job key 'speculative_method'"),
+    "max_constraint_bytes": (keys(max_constraint_bytes=0), "job key 'max_constraint_bytes'"),
+    "grammar_compile_timeout": (
+        keys(grammar_compile_timeout=0),
+        "job key 'grammar_compile_timeout'",
+    ),
+    "dtype": (keys(dtype="int8"), "job key 'dtype'"),
+    "device": (keys(device="tpu"), "job key 'device'"),
+    "attention_backend": (keys(attention_backend="xformers"), "job key 'attention_backend'"),
+    "kv_cache_dtype": (keys(kv_cache_dtype="int4"), "job key 'kv_cache_dtype'"),
+    "cuda_graphs": (keys(cuda_graphs="yes"), "job key 'cuda_graphs'"),
+    "prefix_caching": (keys(prefix_caching="yes"), "job key 'prefix_caching'"),
+    "verify_width": (keys(verify_width=0), "job key 'verify_width'"),
+    "max_batch_size": (keys(max_batch_size=0), "job key 'max_batch_size'"),
+    "max_batched_tokens": (keys(max_batched_tokens=0), "job key 'max_batched_tokens'"),
+    "gpu_memory_fraction": (keys(gpu_memory_fraction=2), "job key 'gpu_memory_fraction'"),
+    "max_tokens": (keys(max_tokens=0), "job key 'max_tokens'"),
+    "temperature": (keys(temperature=-1), "job key 'temperature'"),
+    "top_p": (keys(top_p=2), "job key 'top_p'"),
+    "top_k": (keys(top_k=-1), "job key 'top_k'"),
+    "seed": (keys(seed=2**64), "job key 'seed'"),
+    "stop": (keys(stop=[1]), "job key 'stop'"),
+    "stop_token_ids": (keys(stop_token_ids=["a"]), "job key 'stop_token_ids'"),
+    "n": (keys(n=0), "job key 'n'"),
+    "ignore_eos": (keys(ignore_eos="yes"), "job key 'ignore_eos'"),
+    "max_thinking_tokens": (keys(max_thinking_tokens=-1), "job key 'max_thinking_tokens'"),
+    "presence_penalty": (keys(presence_penalty=3), "job key 'presence_penalty'"),
+    "frequency_penalty": (keys(frequency_penalty=3), "job key 'frequency_penalty'"),
+    "repetition_penalty": (keys(repetition_penalty=-1), "job key 'repetition_penalty'"),
+    "min_tokens": (keys(min_tokens=-1), "job key 'min_tokens'"),
+    "logit_bias": (keys(logit_bias=Toml('{ "999999" = 1.0 }')), "job key 'logit_bias'"),
+    "min_p": (keys(min_p=2), "job key 'min_p'"),
+    "json_schema": (keys(json_schema=5), "job key 'json_schema'"),
+    "regex": (keys(regex="("), "job key 'regex'"),
+    "choice": (keys(choice=[]), "job key 'choice'"),
+    "schedule_window": (keys(schedule_window=-1), "job key 'schedule_window'"),
+    "tp": (keys(tp=0), "job key 'tp'"),
+    "shard": (keys(shard="2/2"), "job key 'shard'"),
+    "workers": (keys(workers=0), "job key 'workers'"),
+    "devices": (keys(devices="0"), "--devices needs --workers N above 1"),
+    "quiet": (keys(quiet="yes"), "job key 'quiet'"),
+    "metrics_port": (
+        lambda tmp_path, stack: {"metrics_port": listening_port(stack)},
+        "is in use",
+    ),
+    "metrics_host": (
+        lambda tmp_path, stack: {"metrics_host": "256.1.1.1", "metrics_port": free_port()},
+        "metrics host '256.1.1.1' does not resolve",
+    ),
+    "metrics_file": (
+        lambda tmp_path, stack: {"metrics_file": str(tmp_path)},
+        "cannot be written: it is a directory",
+    ),
+    "metrics_file-under-a-file": (
+        lambda tmp_path, stack: {"metrics_file": str(a_regular_file(tmp_path) / "m.prom")},
+        "is not a directory",
+    ),
+    # --workers N: worker I's port P + I and file NAME-I.prom, checked before any starts.
+    "workers-metrics_port": (
+        lambda tmp_path, stack: {
+            "workers": 2,
+            "device": "cpu",
+            "metrics_port": listening_port(stack) - 1,
+        },
+        "is in use",
+    ),
+    "workers-metrics_file": (
+        lambda tmp_path, stack: {
+            "workers": 2,
+            "device": "cpu",
+            "metrics_file": str((tmp_path / "m-1.prom").mkdir() or tmp_path / "m.prom"),
+        },
+        "m-1.prom' cannot be written: it is a directory",
+    ),
+}
+
+
+def test_every_declared_option_has_a_bad_value() -> None:
+    declared = {option.key for option in job_options()}
+    assert declared <= set(BAD_VALUES), declared - set(BAD_VALUES)
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_validate_refuses_each_bad_value_in_run_s_line(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    write_input(tmp_path / "in")
+    bad, message = BAD_VALUES[case]
+    with contextlib.ExitStack() as stack:
+        values: dict[str, object] = {
+            "input": "in",
+            "output": "out",
+            "target": str(tiny_model),
+            "quiet": True,
+            **bad(tmp_path, stack),
+        }
+        job = tmp_path / "job.toml"
+        job.write_text("".join(f"{key} = {toml_value(v)}\n" for key, v in values.items()))
+        assert_refused_alike([str(job)], message, tmp_path / "out", monkeypatch)

@@ -463,7 +463,10 @@ BAD_DRAFTS: dict[str, tuple[dict[str, Any], str]] = {
         {"extra_config": {"dflash_config": {**GOOD_IDS, "sample_from_anchor": True}}},
         "sample_from_anchor",
     ),
-    "dflash2": ({"extra_config": {"architectures": ["DFlash2DraftModel"]}}, "DFlash2DraftModel"),
+    "other-architecture": (
+        {"extra_config": {"architectures": ["Eagle3DraftModel"]}},
+        "Eagle3DraftModel",
+    ),
     "yarn-without-its-original-context": (
         {"extra_config": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}},
         "yarn needs original_max_position_embeddings",

@@ -12,6 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from batchrun.bench.replay.costs import H200Costs
+from batchrun.bench.replay.job import Job
+from batchrun.bench.replay.job import speculator as model_free_speculator
+from batchrun.bench.replay.step import ReplayStep
 from batchrun.spec_decode.base import Speculator
 from batchrun.spec_decode.width_policy import (
     HALF_LIFE,
@@ -21,8 +25,6 @@ from batchrun.spec_decode.width_policy import (
     WidthPolicy,
     candidate_widths,
 )
-from tests.spec_decode.job_replay import H200Costs, Job, ReplayStep
-from tests.spec_decode.job_replay import speculator as model_free_speculator
 
 BLOCK = 16
 WIDTHS = candidate_widths(BLOCK)
@@ -33,7 +35,7 @@ CONTEXT = 1024  # tokens of K/V each request reads
 
 
 def speculator(batch: int) -> Speculator:
-    """The speculator's width logic without a model (job_replay.py's)."""
+    """The speculator's width logic without a model (bench/replay/job.py's)."""
     return model_free_speculator(WIDTHS, Job(rows=batch, prompt_len=1, max_tokens=1, batch=batch))
 
 

@@ -1,5 +1,5 @@
 """The verify-width policy over whole jobs, replayed through the engine's own scheduler and
-speculator (job_replay.py) over cost models that charge the drafter's work: the H200 at the
+speculator (bench/replay/job.py) over cost models that charge the drafter's work: the H200 at the
 Qwen3-8B shape, and the demo pair on a 2-core CPU (where the draft's forward costs more than two
 width-1 steps and a step's cost nearly triples over the job). Every scenario holds `auto` to
 >= 0.97x of no draft and of the best fixed width in hindsight; each rule of the policy is pinned
@@ -16,43 +16,11 @@ import pytest
 import batchrun.spec_decode.dflash.speculator as speculator_module
 import batchrun.spec_decode.row_widths as row_widths
 import batchrun.spec_decode.width_policy as width_policy
-from batchrun.bench.oracle import SCENARIOS as CHANGING_ACCEPTANCE
-from batchrun.spec_decode.width_policy import expected_tokens
-from tests.spec_decode.job_replay import Acceptance, Costs, DemoCpuCosts, H200Costs, Job, replay
+from batchrun.bench.replay.costs import Costs, DemoCpuCosts, H200Costs
+from batchrun.bench.replay.job import Job, replay
+from batchrun.bench.replay.scenarios import scenario
 
 FIXED = (2, 4, 8, 16)  # `verify_width` 2 .. the block; "none" is the job without a draft
-
-
-def per_draft(tau: float) -> float:
-    """The chance per draft at which a full block commits tau tokens a round."""
-    low, high = 0.0, 1.0
-    for _ in range(40):
-        mid = (low + high) / 2
-        low, high = (mid, high) if expected_tokens([mid] * 15, 16) < tau else (low, mid)
-    return low
-
-
-def scenario(name: str, job: Job) -> Acceptance:
-    """Each draft's chance to be accepted, by row and output position: the job benchmark's
-    changing-acceptance scenarios (bench/oracle.py), and constant ones."""
-    if name in CHANGING_ACCEPTANCE:
-        rule = CHANGING_ACCEPTANCE[name]
-
-        def piecewise(row: int, pos: int) -> float:
-            early, late, switch = rule(row, job.rows, job.max_tokens)
-            return early if pos < switch else late
-
-        return piecewise
-    half_rows = job.rows // 2
-    return {
-        "useless": lambda row, pos: 0.0,
-        "tau 3": lambda row, pos: per_draft(3.0),
-        "tau 6.5": lambda row, pos: per_draft(6.5),
-        # The demo drafter on greedy rows (its first positions), and the demo job whose second
-        # half of rows runs at temperature 2 (batchrun bench --demo-policy): all in one batch.
-        "demo greedy": lambda row, pos: 0.7,
-        "demo half hot": lambda row, pos: 0.7 if row < half_rows else 0.0,
-    }[name]
 
 
 def at_batch(batch: int) -> Job:

@@ -1,21 +1,18 @@
 """An exclusive claim on an output directory, or on the rows of one shard of it.
 
-Built for shared cluster filesystems (NFS, Lustre), where flock/fcntl locks are unreliable: only
-exclusive file creation, directory listings, reads and mtimes are used.
+Claim files live in a ClaimSpace (batchrun.io.output.claim_space): a directory (a local output's
+_claims, or claims_dir) or an s3:// output's bucket (bucket_claims.py); one protocol over either.
 
-Every run creates its own claim file, OUT/_claims/<token>.claim, with O_CREAT|O_EXCL, holding its
-host, boot id, pid, the process start time (so a reused pid is not taken for the holder), its
-shard and the row_index range the shard covers (rows_overlap says which runs conflict); a daemon
-thread touches the file's mtime as a heartbeat. Then the run lists the other claims. A live
-claim on overlapping rows makes it withdraw its own file and stop; a stale one
-(same host and the process gone or started at another time, or another host's heartbeat older
-than STALE_AFTER_SECONDS) it deletes. Of two runs on overlapping rows, the one that lists second
-always sees the other's file, so at most one of them holds a claim. Since each file's name is
-unique, deleting a stale claim can never delete a newer live one that took its place: no rename
-dance is needed for a race-free take-over.
-
-An object-store output (no create-if-absent write in pyarrow) keeps its claims in a local or
-shared directory instead (claims_dir): acquire(home, ..., shown=its URI), messages naming the URI.
+Every run creates its own claim file, <token>.claim, exclusively, holding its host, boot id, pid,
+the process start time (so a reused pid is not taken for the holder), its shard and the row_index
+range the shard covers (rows_overlap says which runs conflict); a daemon thread refreshes the
+file's heartbeat (its mtime). Then the run lists the other claims. A live claim on overlapping
+rows makes it withdraw its own file and stop; a stale one (same host and the process gone or
+started at another time, or another host's heartbeat older than STALE_AFTER_SECONDS) it deletes.
+Of two runs on overlapping rows, the one that lists second always sees the other's file, so at
+most one of them holds a claim. Since each file's name is unique, deleting a stale claim can
+never delete a newer live one that took its place: no rename dance is needed for a race-free
+take-over, and a heartbeat never brings a deleted claim back (its holder then stops).
 """
 
 from __future__ import annotations
@@ -35,10 +32,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from batchrun.errors import JobError
-from batchrun.io.parts import refuse_symlink, remove
+from batchrun.io.output.claim_space import CLAIM_SUFFIX, ClaimSpace
 
 CLAIMS_DIR = "_claims"
-CLAIM_SUFFIX = ".claim"
 HEARTBEAT_SECONDS = 5.0
 STALE_AFTER_SECONDS = 300.0  # another host's claim without a heartbeat this long is stale
 UNWRITTEN_GRACE_SECONDS = 30.0  # a claim file still empty this long was never finished
@@ -190,18 +186,8 @@ def _describe(shard: Shard, rows: RowRange | None) -> str:
     return f" (shard {shard[0]}/{shard[1]}, {what})"
 
 
-def claim_path(out: Path, token: str) -> Path:
-    return out / CLAIMS_DIR / f"{token}{CLAIM_SUFFIX}"
-
-
-def create_claim_file(path: Path, info: ClaimInfo) -> None:
-    """Create path exclusively and write info to it; FileExistsError if it exists."""
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    try:
-        os.write(fd, info.to_json().encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def claim_name(token: str) -> str:
+    return f"{token}{CLAIM_SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -210,29 +196,24 @@ class _Seen:
     age: float  # seconds since its creation (or, unwritten, its mtime)
 
 
-def _live_conflicts(directory: Path, own: ClaimInfo) -> list[_Seen]:
+def _live_conflicts(space: ClaimSpace, own: ClaimInfo) -> list[_Seen]:
     """Other live claims on rows that overlap own's; stale ones are deleted on the way."""
     live: list[_Seen] = []
-    for path in directory.glob("*" + CLAIM_SUFFIX):
-        if path.name == f"{own.token}{CLAIM_SUFFIX}":
+    for entry in space.entries():
+        if entry.name == claim_name(own.token):
             continue
         try:
-            mtime = path.stat().st_mtime
-            text = path.read_text()
-        except FileNotFoundError:
-            continue  # released or taken over meanwhile
-        try:
-            info = ClaimInfo.from_json(text)
+            info = ClaimInfo.from_json(entry.text)
         except ValueError:
-            if time.time() - mtime <= UNWRITTEN_GRACE_SECONDS:
-                live.append(_Seen(None, time.time() - mtime))
+            if time.time() - entry.mtime <= UNWRITTEN_GRACE_SECONDS:
+                live.append(_Seen(None, time.time() - entry.mtime))
             else:  # its writer died between creating and writing it
-                remove(path)
+                space.remove(entry.name)
             continue
         if not info.overlaps(own):
             continue
-        if info.is_stale(mtime):
-            remove(path)  # unique name: this deletes that claim and no other
+        if info.is_stale(entry.mtime):
+            space.remove(entry.name)  # unique name: this deletes that claim and no other
         else:
             live.append(_Seen(info, time.time() - info.since))
     return live
@@ -247,61 +228,58 @@ def _conflict_message(out: str, own: ClaimInfo, seen: _Seen) -> str:
     )
 
 
-def acquire(
-    out: Path, shard: Shard, rows: RowRange | None = None, *, shown: str | None = None
-) -> Claim:
-    """Claim out (or its shard, covering `rows`) for this process; JobError if another live run
-    holds overlapping rows. Claim files go to out/_claims; shown: the output's name in messages
-    (default: out)."""
-    directory = out / CLAIMS_DIR
-    name = str(out) if shown is None else shown
-    refuse_symlink(directory)  # its claims would be made and deleted elsewhere
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise JobError(
-            f"cannot create {'output' if shown is None else 'claims'} directory "
-            f"{str(out if shown is None else directory)!r}: {exc.strerror or exc}"
-        ) from exc
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def acquire(space: ClaimSpace, shard: Shard, rows: RowRange | None, *, shown: str) -> Claim:
+    """Claim an output (or its shard, covering `rows`) for this process, with a claim file in
+    `space`; JobError if another live run holds overlapping rows. shown: the output's name in
+    messages."""
+    space.prepare()
     for attempt in range(ATTEMPTS):
         info = ClaimInfo.for_this_process(shard, rows)
-        path = claim_path(out, info.token)
+        name = claim_name(info.token)
         try:
-            create_claim_file(path, info)
-            conflicts = _live_conflicts(directory, info)
+            if not space.create(name, info.to_json()):
+                continue  # a unique name taken: another token
+            conflicts = _live_conflicts(space, info)
         except OSError as exc:
-            path.unlink(missing_ok=True)
-            raise JobError(f"cannot claim output {name!r}: {exc.strerror or exc}") from exc
+            with contextlib.suppress(OSError):
+                space.remove(name)
+            raise JobError(f"cannot claim output {shown!r}: {_reason(exc)}") from exc
         if not conflicts:
-            return Claim(name, path, info)
-        path.unlink(missing_ok=True)
+            return Claim(shown, space, name, info)
+        space.remove(name)
         if attempt == ATTEMPTS - 1 or min(s.age for s in conflicts) > FRESH_SECONDS:
-            raise JobError(_conflict_message(name, info, conflicts[0]))
+            raise JobError(_conflict_message(shown, info, conflicts[0]))
         time.sleep(random.uniform(0.02, 0.2))
-    raise AssertionError("unreachable")
+    raise JobError(f"cannot claim output {shown!r}: no claim file could be created")
 
 
-def try_claim(directory: Path, rows: RowRange) -> Path | None:
+def try_claim(space: ClaimSpace, rows: RowRange) -> str | None:
     """One attempt, never waiting: claim `rows` (a chunk of a multi-worker job, whose workers
-    share one output: batchrun.runners.workers) with a claim file in `directory`. Returns the
-    file (delete it to release the claim), or None if a live claim there overlaps (stale ones
-    are deleted on the way: a claim of a process that is gone is taken over at once on its host).
-    Of two workers claiming at once, the one that lists second sees the other's file: at most one
-    holds the rows; both may withdraw, and try again on their next pass."""
+    share one output: batchrun.runners.workers) with a claim file in `space`. Returns the file's
+    name (remove it from the space to release the claim), or None if the rows are taken: a live
+    claim there overlaps, or the exclusive create lost (stale claims are deleted on the way: a
+    claim of a process that is gone is taken over at once on its host). Of two workers claiming
+    at once, the one that lists second sees the other's file: at most one holds the rows; both
+    may withdraw, and try again on their next pass. OSError if the space cannot be reached."""
     info = ClaimInfo.for_this_process((rows[0], rows[1]), rows)
-    path = directory / f"{info.token}{CLAIM_SUFFIX}"
-    create_claim_file(path, info)
-    if _live_conflicts(directory, info):
-        path.unlink(missing_ok=True)
+    name = claim_name(info.token)
+    if not space.create(name, info.to_json()):
         return None
-    return path
+    if _live_conflicts(space, info):
+        space.remove(name)
+        return None
+    return name
 
 
 class Claim:
     """A claim this process holds; a daemon thread beats its heartbeat until release()."""
 
-    def __init__(self, out: str, path: Path, info: ClaimInfo) -> None:
-        self.out, self.path, self.info = out, path, info
+    def __init__(self, out: str, space: ClaimSpace, name: str, info: ClaimInfo) -> None:
+        self.out, self.space, self.name, self.info = out, space, name, info
         self._last_beat = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat_forever, name="claim-heartbeat")
@@ -311,15 +289,25 @@ class Claim:
     def _beat_forever(self) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
             try:
-                os.utime(self.path)
+                if not self.space.beat(self.name):
+                    return  # gone: verify() reports it before the next commit
             except OSError:
-                return  # gone: verify() reports it before the next commit
+                continue  # the store did not answer: beat again next time
             self._last_beat = time.monotonic()
 
     def verify(self) -> None:
         """Raise JobError unless this process still holds the claim (called before commits)."""
         try:
-            info = ClaimInfo.from_json(self.path.read_text())
+            self._verify()
+        except OSError as exc:
+            raise JobError(
+                f"cannot read the claims of output {self.out!r}: {_reason(exc)}; stopping "
+                "without committing more (the rows not committed are done by the next run)"
+            ) from exc
+
+    def _verify(self) -> None:
+        try:
+            info = ClaimInfo.from_json(self.space.read(self.name))
         except (FileNotFoundError, ValueError):  # gone, or no longer this run's claim
             self._lost()
         if info.token != self.info.token:
@@ -328,13 +316,14 @@ class Claim:
             # This process stood still (suspended, swapped out): another host may have judged it
             # dead. Beat, then look: a run that claimed before the beat is listed now, and one
             # that looks after it sees a fresh heartbeat and withdraws.
-            os.utime(self.path)
+            if not self.space.beat(self.name):
+                self._lost()
             self._last_beat = time.monotonic()
-            if _live_conflicts(self.path.parent, self.info):
+            if _live_conflicts(self.space, self.info):
                 self._lost()
 
     def _lost(self) -> NoReturn:
-        conflicts = _live_conflicts(self.path.parent, self.info)
+        conflicts = _live_conflicts(self.space, self.info)
         why = (
             f"it is held by {conflicts[0].info.describe()}"
             if conflicts and conflicts[0].info
@@ -348,4 +337,4 @@ class Claim:
     def release(self) -> None:
         self._stop.set()
         with contextlib.suppress(OSError):
-            self.path.unlink(missing_ok=True)
+            self.space.remove(self.name)

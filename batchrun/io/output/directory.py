@@ -17,8 +17,9 @@ a symlink (_progress, _claims or a file of its own being one; OUT itself may be 
 
 OUT may also be an object-store prefix (s3://bucket/key, batchrun.io.store): there each file is
 written once, whole, under its final name (an upload appears only when complete, so there are no
-temps), parts before their manifests, stats.json and _SUCCESS last. pyarrow exposes no
-create-if-absent write, so the claims of such an output live in a local or shared claims_dir.
+temps), parts before their manifests, stats.json and _SUCCESS last. An s3:// output keeps its
+claims in the bucket (OUT/_claims/, through S3's conditional writes: bucket_claims.py) unless
+claims_dir names a local or shared directory for them; other object stores need claims_dir.
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from hashlib import sha256
-from pathlib import Path, PurePath
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from batchrun.errors import JobError
+from batchrun.io.local_paths import unmakeable
+from batchrun.io.output.bucket_claims import CLAIMS_IN_BUCKET, BucketClaims, require_boto3
 from batchrun.io.output.claim import CLAIMS_DIR, Claim, acquire
+from batchrun.io.output.claim_space import ClaimSpace, DirectoryClaims
 from batchrun.io.output.fingerprint import first_difference, job_hash
 from batchrun.io.output.stats import Timing
 from batchrun.io.parts import (
@@ -146,7 +150,7 @@ def _scan(directory: Path) -> list[os.DirEntry[str]]:
 
 def claims_home(claims_dir: Path, output: str) -> Path:
     """Where the claims of an object-store output live in claims_dir: a directory named after the
-    output's URI (readable, and unique by its hash)."""
+    output's URI (readable, and unique by its hash), holding its _claims."""
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", output)[:100]
     return claims_dir / f"{readable}-{sha256(output.encode()).hexdigest()[:12]}"
 
@@ -200,12 +204,7 @@ class OutputDir:
     def acquire(self) -> None:
         """Claim the directory (or this shard's rows of it); JobError if another run holds it."""
         rows = None if self.rows is None else (self.rows.start, self.rows.stop)
-        if self.store.local:
-            self._claim = acquire(Path(self.path), self.names.shard, rows)
-            return
-        assert self.claims_dir is not None  # check() refused the output without one
-        home = claims_home(self.claims_dir, self.shown)
-        self._claim = acquire(home, self.names.shard, rows, shown=self.shown)
+        self._claim = acquire(self.claim_space(), self.names.shard, rows, shown=self.shown)
 
     def release(self) -> None:
         if self._claim is not None:
@@ -218,13 +217,24 @@ class OutputDir:
         if self.guard is not None:
             self.guard()
 
-    def chunk_claims(self) -> Path:
-        """Where the workers of a multi-worker job claim chunks of rows: beside the output's
-        claims (in claims_dir for an object-store output), one directory per chunk."""
+    def claim_space(self) -> ClaimSpace:
+        """Where this output's claims live: OUT/_claims (of a local output, or in an s3://
+        output's bucket), or claims_dir when it is set for an object-store output."""
         if self.store.local:
-            return Path(self.path) / CLAIMS_DIR / CHUNKS_DIR
-        assert self.claims_dir is not None  # check() refused the output without one
-        return claims_home(self.claims_dir, self.shown) / CHUNKS_DIR
+            return DirectoryClaims(Path(self.path) / CLAIMS_DIR, f"output directory {self.shown!r}")
+        if self.claims_dir is not None:
+            return DirectoryClaims(claims_home(self.claims_dir, self.shown) / CLAIMS_DIR)
+        assert self._claims_in_bucket  # check() refused the output otherwise
+        return BucketClaims(PurePosixPath(self.path) / CLAIMS_DIR)
+
+    @property
+    def _claims_in_bucket(self) -> bool:
+        return ObjectLocation.parse(self.shown).scheme in CLAIMS_IN_BUCKET
+
+    def chunk_claims(self) -> ClaimSpace:
+        """Where the workers of a multi-worker job claim chunks of rows: beside the output's
+        claims, one space per chunk."""
+        return self.claim_space().child(CHUNKS_DIR)
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -271,8 +281,8 @@ class OutputDir:
         self._check_layout()
 
     def _check_object_store(self) -> None:
-        """JobError unless the bucket answers and exists, nothing blocks the prefix, and a
-        claims_dir is set (the store has no create-if-absent write for claims)."""
+        """JobError unless the bucket answers and exists, nothing blocks the prefix, and the
+        claims have a place: the bucket of an s3:// output, else a claims_dir that can be made."""
         bucket = self.path.parts[0]
         try:
             if self.store.kind(PurePath(bucket)) != "dir":
@@ -281,12 +291,19 @@ class OutputDir:
                 raise JobError(f"output {self.shown!r} exists and is not a directory")
         except OSError as exc:
             raise JobError(f"output {self.shown!r}: {_reason(exc)}") from None
-        if self.claims_dir is None:
+        if self.claims_dir is None and self._claims_in_bucket:
+            require_boto3()
+        elif self.claims_dir is None:
             raise JobError(
-                f"output {self.shown!r}: pyarrow's object-store filesystems have no "
-                "create-if-absent write to keep claims in; set claims_dir (--claims-dir) to a "
-                "local or shared directory that every run of this job reaches"
+                f"output {self.shown!r}: claims are kept in the bucket only on s3:// (through "
+                "its conditional writes); set claims_dir (--claims-dir) to a local or shared "
+                "directory that every run of this job reaches"
             )
+        if self.claims_dir is None:
+            return
+        problem = unmakeable(claims_home(self.claims_dir, self.shown))
+        if problem is not None:  # acquire() makes it: refused here, by validate too
+            raise JobError(f"claims_dir {str(self.claims_dir)!r} cannot be made: {problem}")
 
     def _check_layout(self) -> None:
         """JobError unless a run can work here without following a symlink: its directories

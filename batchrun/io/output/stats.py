@@ -204,6 +204,8 @@ class StatsAccumulator:
             "verify_width_steps": info.get("verify_width_steps"),
             "steps": info.get("steps"),  # this run's steps by kind: prefill, mixed, decode
             "step_seconds": info.get("step_seconds"),  # and the seconds they took
+            "width_seconds": info.get("width_seconds"),  # by kind and width: [steps, seconds]
+            "draft_seconds": info.get("draft_seconds"),  # the draft's own, by width
             "startup_seconds": info.get("startup_seconds"),  # the engine's, by stage
             # Whether prefix caching ran: off when asked, and with prompt logprobs.
             "prefix_caching": info.get("prefix_caching"),

@@ -4,10 +4,11 @@ Each row group of the input is cut into chunks of `size` rows from its start (th
 shorter); every worker of a run plans the same chunks from the input's footers. A worker goes
 through the chunks, its own share (worker I of N: the I-th N-th of them) front to back first,
 then the others' from the back (what their owners reach last). For each chunk not known to be
-done it tries a claim (batchrun.io.output.claim's try_claim, in a directory of the chunk's own under
-the output's chunk claims). A chunk held by a live worker is skipped; a claim of a worker that
-is gone is stale and taken over. Once it holds a chunk, it looks again at which of its rows are
-committed (a worker killed mid-chunk committed some) and reads the others. Claims are taken as
+done it tries a claim (batchrun.io.output.claim's try_claim, in a claim space of the chunk's own
+beside the output's claims: a directory, or a prefix of an s3:// output's bucket). A chunk held
+by a live worker is skipped; a claim of a worker that is gone is stale and taken over. Once it
+holds a chunk, it looks again at which of its rows are committed (a worker killed mid-chunk
+committed some) and reads the others. Claims are taken as
 the worker's reader asks for rows (the worker keeps one chunk read ahead and a batch queued), so
 a slow worker takes fewer chunks. Passes repeat while one claims something; a worker releases
 its claims only when its rows are all committed (its run ended).
@@ -28,6 +29,7 @@ from batchrun.errors import JobError
 from batchrun.io.input.openai_batch import read_request_rows
 from batchrun.io.input.reader import READ_BATCH_ROWS, InputBatch, InputFile, InputSource
 from batchrun.io.output.claim import try_claim
+from batchrun.io.output.claim_space import ClaimSpace
 from batchrun.io.output.directory import OutputDir
 from batchrun.io.store import ObjectLocation, storage_reason
 
@@ -66,6 +68,17 @@ def plan_chunks(source: InputSource, size: int) -> list[Chunk]:
                 chunks.append(Chunk(number, group, offset, start + offset, stop))
             start += rows
     return chunks
+
+
+def home_chunks(chunks: int, index: int, count: int) -> range:
+    """Worker `index` of `count`'s own share of the chunks (by number): the index-th count-th."""
+    return range(index * chunks // count, (index + 1) * chunks // count)
+
+
+def home_share(chunks: list[Chunk], index: int, count: int, done: np.ndarray) -> tuple[int, int]:
+    """The rows of worker `index`'s own chunks, and of those the rows `done` marks."""
+    own = [chunks[n] for n in home_chunks(len(chunks), index, count)]
+    return sum(c.stop - c.start for c in own), sum(int(done[c.start : c.stop].sum()) for c in own)
 
 
 class CommittedRows:
@@ -158,14 +171,14 @@ class ChunkPuller:
     ) -> None:
         self.source, self.chunks, self.done = source, chunks, done
         self.committed = CommittedRows(out, source.total_rows)
-        self.directory = out.chunk_claims()
-        index, count = worker
-        home = range(index * len(chunks) // count, (index + 1) * len(chunks) // count)
+        self.space = out.chunk_claims()
+        home = home_chunks(len(chunks), *worker)
         # Its own share front to back, then the others' from the back: a fast worker takes
         # what their owners would reach last.
         self.order = [*home, *(n for n in reversed(range(len(chunks))) if n not in home)]
         self.reader = _GroupReader(source, size)
-        self.held: list[Path] = []  # this worker's claim files, released once its run ended
+        # This worker's claim files (space, name), released once its run ended.
+        self.held: list[tuple[ClaimSpace, str]] = []
         self.taken: set[int] = set()  # the chunks it holds
 
     def batches(self) -> Iterator[InputBatch]:
@@ -185,17 +198,15 @@ class ChunkPuller:
                 return
 
     def _claim(self, chunk: Chunk) -> bool:
-        directory = self.directory / chunk.name
+        space = self.space.child(chunk.name)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            path = try_claim(directory, (chunk.start, chunk.stop))
+            space.prepare()
+            name = try_claim(space, (chunk.start, chunk.stop))
         except OSError as exc:
-            raise JobError(
-                f"cannot claim rows in {str(directory)!r}: {exc.strerror or exc}"
-            ) from exc
-        if path is None:
+            raise JobError(f"cannot claim rows in {space.shown!r}: {exc.strerror or exc}") from exc
+        if name is None:
             return False
-        self.held.append(path)
+        self.held.append((space, name))
         # Under the claim: the rows committed by now (by a worker killed mid-chunk, say).
         committed = self.committed.refresh()
         self.done[chunk.start : chunk.stop] |= committed[chunk.start : chunk.stop]
@@ -215,7 +226,7 @@ class ChunkPuller:
 
     def release(self) -> None:
         """Give up every claim (after the worker's rows are committed)."""
-        for path in self.held:
+        for space, name in self.held:
             with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
+                space.remove(name)
         self.held.clear()

@@ -1,7 +1,8 @@
 """`batchrun run --workers N`: N worker processes on this node, one per GPU (or N on the CPU),
 sharing one output.
 
-The parent (this process) checks the job, claims the output and prepares it as a single run does,
+The parent (this process) makes validate's start-up checks (batchrun.runners.startup: every
+worker's metrics port and file too), claims the output and prepares it as a single run does,
 then starts the workers (batchrun.runners.workers.worker). They pull chunks of row groups through
 claims as they need rows (batchrun.runners.workers.chunks): no fixed shards, so a slow worker takes
 less. Each commits parts of its own name (those of shard I of N); the parent draws one progress bar
@@ -10,7 +11,9 @@ from their reports and, once every row is committed, ends the job through the ou
 stale at once on this host (its process is gone): the workers still reading take its chunks over,
 and when all have ended with rows left, the parent starts another round of workers for them (as
 long as a round commits rows). A worker's error stops the others and the job, in one line. SIGTERM
-or SIGINT stop every worker cleanly (what is finished is committed), as for a single run."""
+or SIGINT (to the parent, or to its process group: the workers run in sessions of their own)
+stop every worker once, cleanly (what is finished is committed), and the job ends as a single
+run's does: stats.json for what was committed, one line, EXIT_STOPPED."""
 
 from __future__ import annotations
 
@@ -18,7 +21,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,81 +31,23 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import numpy as np
+
 from batchrun.config.job import JobSpec
 from batchrun.errors import EXIT_STOPPED, JobError, JobStopped, signal_name
 from batchrun.io.output.directory import OutputDir
 from batchrun.io.output.progress_bar import ProgressBar
-from batchrun.io.output.sink import OutputSink, RunFacts
+from batchrun.io.output.sink import Finished, OutputSink, RunFacts
 from batchrun.io.output.stats import RunClock, Timing
 from batchrun.io.parts import STATS_FILE, is_temp
-from batchrun.runners.metrics import MetricsPlan
-from batchrun.runners.opened_job import OpenedJob, open_job
+from batchrun.runners.metrics import RowShare
+from batchrun.runners.opened_job import OpenedJob
+from batchrun.runners.startup import check_start, start_up_stop
 from batchrun.runners.stop_signals import StopSignals, stop_line
-from batchrun.runners.workers.chunks import chunk_rows, plan_chunks
+from batchrun.runners.workers.chunks import Chunk, chunk_rows, home_share, plan_chunks
 from batchrun.runners.workers.worker import WorkerTask
 
 POLL_SECONDS = 0.2
-
-
-def check_workers(job: JobSpec, ray: bool) -> None:
-    """JobError (one line) for what cannot go with --workers / --devices."""
-    run = job.run
-    if run.workers == 1:
-        if run.devices is not None:
-            raise JobError("--devices needs --workers N above 1 (one device: --device cuda:I)")
-        return
-    if ray:
-        raise JobError("--workers starts processes on this node; with --ray use --replicas")
-    if run.tp > 1:
-        raise JobError("--workers runs the whole model in each process; not with --tp above 1")
-    if run.shard is not None:
-        raise JobError(
-            "--workers shares the rows between processes through claims; not with --shard "
-            "(nor a shard from a Slurm array or torchrun)"
-        )
-
-
-def _visible_gpus() -> int:
-    import torch  # only to count GPUs: the parent runs no model
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def worker_devices(job: JobSpec, visible: int | None = None) -> list[str]:
-    """The device of each worker: cpu for each, or the CUDA devices of --devices (default every
-    visible GPU), the first --workers of them. JobError for a combination that cannot work."""
-    workers, device, listed = job.run.workers, job.engine.device, job.run.devices
-    if device == "cpu":
-        if listed is not None:
-            raise JobError("--devices names CUDA devices; not with --device cpu")
-        return ["cpu"] * workers
-    if device not in ("auto", "cuda"):
-        raise JobError(
-            f"--device {device} is one device; --workers spreads over --devices (leave "
-            "--device at auto or cuda, or use --device cpu)"
-        )
-    visible = _visible_gpus() if visible is None else visible
-    if visible == 0:
-        if device == "cuda" or listed is not None:
-            raise JobError("--workers: no CUDA device is visible (use --device cpu)")
-        return ["cpu"] * workers  # auto without a GPU runs on the CPU, as a single run does
-    indices = [int(i) for i in listed.split(",")] if listed is not None else list(range(visible))
-    if len(set(indices)) < len(indices):
-        raise JobError(f"--devices {listed} names a device twice")
-    if max(indices) >= visible:
-        raise JobError(f"--devices {listed}: this process sees {visible} CUDA device(s)")
-    if workers > len(indices):
-        what = f"--devices {listed} lists" if listed is not None else "this node has"
-        raise JobError(f"--workers {workers} needs a GPU each; {what} {len(indices)}")
-    return [f"cuda:{i}" for i in indices[:workers]]
-
-
-def planned_devices(job: JobSpec) -> list[str]:
-    """The workers' devices, once their metrics ports are known to fit (JobError if not)."""
-    devices = worker_devices(job)
-    for index in range(len(devices)):
-        MetricsPlan.of(job, worker=index)  # a port past 65535 is refused before anything starts
-    return devices
 
 
 @dataclass
@@ -140,36 +84,56 @@ class _Job:
 
 def run_workers(job: JobSpec) -> dict[str, Any]:
     """Run the job with job.run.workers processes; returns its stats.json content. Raises
-    JobStopped (with its line) when SIGTERM or SIGINT stopped it, JobError when a worker failed
-    or rows are left that no round of workers could do."""
-    devices = planned_devices(job)
+    JobStopped (with its line) when SIGTERM or SIGINT stopped it, after writing stats.json for
+    what was committed, JobError when a worker failed or rows are left that no round of workers
+    could do."""
     clock = RunClock()
-    opened = open_job(job)
-    out = opened.out
+    opened: OpenedJob | None = None
     with StopSignals() as stop:
-        out.acquire()
         try:
-            opened.prepare_output()
-            total = opened.source.total_rows
-            committed = int(out.done_mask(total).sum())
-            bar = ProgressBar(total, enabled=not job.run.quiet)
-            state = _Job(opened, devices, bar, committed)
-            try:
-                if committed == total and out.complete():
-                    existing = _existing_stats(out)
-                    if existing is not None:
-                        return existing  # a second run adds nothing
-                stop.defer()
-                _rounds(state, stop, clock)
-            finally:
-                bar.close()
-            return _finish(state, clock)
+            checked = check_start(job)  # every worker's port and file too, before any starts
+            opened = checked.opened
+            assert checked.devices is not None  # workers > 1
+            return _run(checked.opened, checked.devices, stop, clock)
+        except JobStopped as exc:
+            if exc.line is not None:
+                raise
+            raise start_up_stop(exc, job, opened) from None
+
+
+def _run(
+    opened: OpenedJob, devices: list[str], stop: StopSignals, clock: RunClock
+) -> dict[str, Any]:
+    out, job = opened.out, opened.job
+    out.acquire()
+    try:
+        opened.prepare_output()
+        total = opened.source.total_rows
+        committed = int(out.done_mask(total).sum())
+        bar = ProgressBar(total, enabled=not job.run.quiet)
+        state = _Job(opened, devices, bar, committed)
+        try:
+            if committed == total and out.complete():
+                existing = _existing_stats(out)
+                if existing is not None:
+                    return existing  # a second run adds nothing
+            stop.defer()
+            _rounds(state, stop)
         finally:
-            out.release()
+            bar.close()
+        finished = _finish(state, clock)  # stats.json; _SUCCESS once every row is committed
+        if stop.signum is not None and finished.missing_rows:
+            now = finished.committed_rows
+            line = stop_line(stop.signum, now, now - committed, total - now, job.output.overwrite)
+            raise JobStopped(stop.signum, line)
+        return finished.stats
+    finally:
+        out.release()
 
 
-def _rounds(state: _Job, stop: StopSignals, clock: RunClock) -> None:
-    """Rounds of workers until every row is committed; raises when that cannot be."""
+def _rounds(state: _Job, stop: StopSignals) -> None:
+    """Rounds of workers until every row is committed or a signal stopped them; raises when a
+    worker failed or rows are left that no round could do."""
     out, total = state.opened.out, state.opened.source.total_rows
     committed = state.committed_before
     first = True
@@ -179,14 +143,12 @@ def _rounds(state: _Job, stop: StopSignals, clock: RunClock) -> None:
         done = out.done_mask(total)
         left = sum(1 for c in chunks if not done[c.start : c.stop].all())
         count = max(1, min(len(state.devices), left))
-        started = [_start(state, index, count, chunks, size) for index in range(count)]
+        started = [_start(state, index, count, chunks, size, done) for index in range(count)]
         state.workers += started
         _watch(state, started, stop)
-        now = int(out.done_mask(total).sum())
         if stop.signum is not None:
-            overwrite = state.opened.job.output.overwrite
-            line = stop_line(stop.signum, now, now - state.committed_before, total - now, overwrite)
-            raise JobStopped(stop.signum, line)
+            return
+        now = int(out.done_mask(total).sum())
         failed = [w for w in started if w.error is not None]
         if failed:
             raise JobError(f"worker {failed[0].index}: {failed[0].error}")
@@ -198,7 +160,9 @@ def _rounds(state: _Job, stop: StopSignals, clock: RunClock) -> None:
         committed, first = now, False
 
 
-def _start(state: _Job, index: int, count: int, chunks: list[Any], size: int) -> _Worker:
+def _start(
+    state: _Job, index: int, count: int, chunks: list[Chunk], size: int, done: np.ndarray
+) -> _Worker:
     job = state.opened.job
     device = state.devices[index]
     worker_job = dataclasses.replace(
@@ -206,15 +170,20 @@ def _start(state: _Job, index: int, count: int, chunks: list[Any], size: int) ->
         engine=dataclasses.replace(job.engine, device=device),
         output=dataclasses.replace(job.output, overwrite=False),  # the parent has prepared it
     )
-    task = WorkerTask(worker_job, index, count, tuple(chunks), size, os.getpid())
+    share = RowShare(*home_share(chunks, index, count, done))  # one mask for the round's
+    task = WorkerTask(worker_job, index, count, tuple(chunks), size, os.getpid(), share)
     ours, theirs = socket.socketpair()
     env = dict(os.environ)  # the node's cores shared among the workers, as torchrun's ranks do
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // count)))
+    # In a session of its own, so that a terminal's Ctrl-C (a signal to the process group)
+    # reaches this process only, which stops each worker once (_watch): a worker's second
+    # signal would end it at once (StopSignals).
     process = subprocess.Popen(
         [sys.executable, "-m", "batchrun.runners.workers.worker", str(theirs.fileno())],
         pass_fds=(theirs.fileno(),),
         stdin=subprocess.DEVNULL,
         env=env,
+        start_new_session=True,
     )
     theirs.close()
     conn = Connection(ours.detach())
@@ -224,8 +193,9 @@ def _start(state: _Job, index: int, count: int, chunks: list[Any], size: int) ->
 
 
 def _watch(state: _Job, workers: list[_Worker], stop: StopSignals) -> None:
-    """Relay the workers' reports until each has ended. On a signal, each is sent SIGTERM (it
-    commits what it finished); on a worker's error, the others are."""
+    """Relay the workers' reports until each has ended. On a signal or a worker's error, each
+    is sent SIGTERM once: it commits what it finished (one still importing ends at once, and
+    silently, which SIGINT's KeyboardInterrupt would not)."""
     signalled = False
     while True:
         open_conns = [w.conn for w in workers if w.conn is not None]
@@ -237,7 +207,7 @@ def _watch(state: _Job, workers: list[_Worker], stop: StopSignals) -> None:
         state.draw()
         ended = [w for w in workers if w.process.poll() is not None]
         for worker in ended:
-            _ended(state, worker)
+            _ended(state, worker, stopped=stop.signum is not None)
         stopping = stop.signum is not None or any(w.error is not None for w in workers)
         if stopping and not signalled:
             signalled = True
@@ -269,13 +239,16 @@ def _receive(state: _Job, worker: _Worker) -> None:
         worker.report = message[1]
 
 
-def _ended(state: _Job, worker: _Worker) -> None:
-    """Say once how a worker ended, unless it ended well."""
+def _ended(state: _Job, worker: _Worker, stopped: bool) -> None:
+    """Say once how a worker ended, unless it ended well or a signal stops the job (its rows
+    are the next run's, not taken over)."""
     status = worker.process.returncode
     if worker.told or status in (0, EXIT_STOPPED):
         return
     worker.told = True
     pid = worker.process.pid
+    if status < 0 and stopped:
+        return
     if status < 0:
         state.bar.log(
             f"batchrun: worker {worker.index} (pid {pid}) was killed by "
@@ -293,9 +266,11 @@ def _existing_stats(out: OutputDir) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and "rows" in data else None
 
 
-def _finish(state: _Job, clock: RunClock) -> dict[str, Any]:
-    """Every row is committed: the job ends through the output sink (stats.json over every
-    part, with the workers' tokens and timing), then the workers' temps and chunk claims go."""
+def _finish(state: _Job, clock: RunClock) -> Finished:
+    """Every worker has ended: the job ends through the output sink (stats.json over every
+    part, with the workers' tokens and timing; _SUCCESS once every row is committed), as a
+    single run does, also when a signal stopped it; then the workers' temps and chunk claims
+    go."""
     opened = state.opened
     reports = [w.report for w in state.workers if w.report is not None]
     worker_timing = Timing.longest([Timing(*r["timing"]) for r in reports])
@@ -318,9 +293,9 @@ def _finish(state: _Job, clock: RunClock) -> dict[str, Any]:
     with sink.writing():
         for report in reports:
             sink.count(report["run_tokens"], None, 0)
-    stats = sink.finish().stats
+    finished = sink.finish()
     _clean_up(opened.out)
-    return stats
+    return finished
 
 
 def _job_info(infos: list[Mapping[str, Any]], devices: list[str]) -> dict[str, Any]:
@@ -346,4 +321,4 @@ def _clean_up(out: OutputDir) -> None:
                 if is_temp(entry.name):
                     out.store.remove(entry)
     with contextlib.suppress(OSError):
-        shutil.rmtree(out.chunk_claims())
+        out.chunk_claims().remove_all()

@@ -28,7 +28,7 @@ from batchrun.io.output.sink import OutputSink
 from batchrun.io.output.stats import RunClock
 from batchrun.runners.engine_feed import build_engine
 from batchrun.runners.local import LocalRun
-from batchrun.runners.metrics import MetricsPlan, published
+from batchrun.runners.metrics import MetricsPlan, RowShare, published
 from batchrun.runners.opened_job import open_job
 from batchrun.runners.row_pipeline import Pace, request_builder
 from batchrun.runners.stop_signals import StopSignals
@@ -49,6 +49,7 @@ class WorkerTask:
     chunks: tuple[Chunk, ...]
     chunk_rows: int
     parent_pid: int
+    share: RowShare  # what its metrics report (the workers' shares sum to the job's rows)
 
 
 class PipeBar(ProgressBar):
@@ -127,7 +128,15 @@ def work(task: WorkerTask, conn: Connection) -> int:
         window = min(job.run.schedule_window, max(max_queued, task.chunk_rows))
         pace = Pace(task.chunk_rows, max_queued, window)
         run = LocalRun(
-            opened, engine, builder, clock, stop=stop, metrics=metrics, source=puller, pace=pace
+            opened,
+            engine,
+            builder,
+            clock,
+            stop=stop,
+            metrics=metrics,
+            source=puller,
+            pace=pace,
+            share=task.share,
         )
         bar = PipeBar(conn, run.sink)
         run.sink.bar = run.sink.error_log.bar = bar

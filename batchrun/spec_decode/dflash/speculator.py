@@ -87,6 +87,7 @@ class DFlashSpeculator(Speculator):
         self.policy: WidthPolicy | None = None
         self.rows: RowAcceptance | None = None  # each row's acceptance, under `auto`
         self.width_steps: Counter[int] = Counter()  # verify width -> steps decoding at it
+        self.draft_seconds: dict[int, list[float]] = {}  # width -> [steps, the draft's seconds]
         self._last_width = 0  # the width of the step read back before
         self.clock = DraftClock(device)
 
@@ -97,7 +98,7 @@ class DFlashSpeculator(Speculator):
         many = len(self.widths) > 1
         self.policy = WidthPolicy(self.block_size, self.widths) if many else None
         self.rows = RowAcceptance(max_batch_size + 1, self.block_size) if many else None
-        self.width_steps = Counter()
+        self.width_steps, self.draft_seconds = Counter(), {}
         self._last_width = 0
         self.clock.clear()
 
@@ -153,6 +154,9 @@ class DFlashSpeculator(Speculator):
         if step.num_decoding:
             self.width_steps[width] += 1
         draft_ms = self.clock.take_ms(step)
+        if draft_ms is not None:
+            timed = self.draft_seconds.setdefault(width, [0, 0.0])
+            timed[0], timed[1] = timed[0] + 1, timed[1] + draft_ms / 1e3
         policy = self.policy
         if policy is None:
             return
@@ -300,6 +304,11 @@ class DFlashSpeculator(Speculator):
         if inputs.window_meta is not None:
             assert self.window_backend is not None, "sliding draft layers need window_backend"
             self.window_backend.plan(inputs.window_meta)
+        return self._block(inputs, slots)
+
+    def _block(self, inputs: DraftInputs, slots: torch.Tensor) -> torch.Tensor:
+        """The drafted tokens [R, B-1] of the planned blocks of requests in `slots` (a method
+        built on this speculator chooses them its own way here)."""
         return self.draft.draft_block(
             self.target.model,
             inputs.block_ids,
@@ -346,4 +355,8 @@ class DFlashSpeculator(Speculator):
         return metas + ([inputs.window_meta] if inputs.window_meta is not None else [])
 
     def info(self) -> dict[str, Any]:
-        return {"verify_width_steps": dict(sorted(self.width_steps.items())) or None}
+        drafts = {str(w): [int(n), round(t, 4)] for w, (n, t) in sorted(self.draft_seconds.items())}
+        return {
+            "verify_width_steps": dict(sorted(self.width_steps.items())) or None,
+            "draft_seconds": drafts or None,  # the draft's own time, by width: [steps, seconds]
+        }

@@ -14,10 +14,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Protocol
 
 import torch
 
+from batchrun.bench.replay.costs import Costs, H200Costs
+from batchrun.bench.replay.step import BLOCK, ReplayStep
 from batchrun.engine.core.page_pool import PagePool
 from batchrun.engine.core.requests import Request
 from batchrun.engine.core.scheduler import Scheduler
@@ -30,128 +31,12 @@ from batchrun.spec_decode.dflash.inputs import DraftContext
 from batchrun.spec_decode.dflash.speculator import DFlashSpeculator
 from batchrun.spec_decode.width_policy import candidate_widths
 
-BLOCK = 16
+H200 = H200Costs()  # the default cost model
 TOKEN = 7  # every sampled token (no stop token: rows end at max_tokens)
 
 # accept(row, position): each draft's chance to be accepted (given the ones before) in a round
 # of `row` whose output holds `position` tokens.
 Acceptance = Callable[[int, int], float]
-
-
-class Costs(Protocol):
-    def step(self, step: ReplayStep) -> float: ...  # milliseconds, the draft's included
-    def draft(self, step: ReplayStep) -> float: ...  # the draft's own forward (0: none)
-
-
-@dataclass(frozen=True)
-class H200Costs:
-    """Milliseconds of a step: weights and K/V read (memory-bound) or its rows' matmuls
-    (compute-bound), whichever is longer, plus the draft's forward over the whole block per
-    drafting request, the draft's context written while the speculator writes it (10.6 against
-    10.43 ms a width-1 step at batch 128 on the H200; 1.6% of a prefill row: the draft's 126M
-    parameters against the target's 8B) and a constrained row's mask."""
-
-    weights_ms: float = 4.0  # 16 GB of weights at 4 TB/s
-    kv_ms_per_token: float = 0.05 / 1024  # a request's 1,024 tokens of K/V: 0.05 ms
-    ms_per_row: float = 0.027  # 16 GFLOP a row at 600 TFLOP/s
-    draft_ms_per_row: float = 0.0045  # 5 of 36 layers, B rows per drafting request
-    draft_weights_ms: float = 0.5
-    context_ms_per_request: float = 0.0013
-    context_share_of_prefill: float = 0.016
-    mask_ms_per_row: float = 0.004
-
-    def draft(self, step: ReplayStep) -> float:
-        if not step.drafting:
-            return 0.0
-        return self.draft_ms_per_row * step.num_decoding * BLOCK + self.draft_weights_ms
-
-    def step(self, step: ReplayStep) -> float:
-        d = step.num_decoding
-        memory = self.weights_ms + self.kv_ms_per_token * step.context
-        ms = max(memory, self.ms_per_row * step.num_rows) + self.draft(step)
-        if step.writes_context:  # prompts' context is written always
-            ms += self.context_ms_per_request * d * (not step.drafting)
-        ms += self.ms_per_row * self.context_share_of_prefill * step.prefill_rows
-        return ms + self.mask_ms_per_row * step.decode_rows * step.constrained
-
-
-@dataclass(frozen=True)
-class DemoCpuCosts:
-    """Milliseconds of a step of the demo pair (batchrun/demo) on a 2-core CPU, fitted to the
-    demo job's step times (48 rows, every width, engine/host_memory.py's allocator settings): a
-    fixed part, a part per row, a part per request and token of context (the torch backend gathers
-    each request's K/V once a layer: 2.8x a width-1 step over the job), the draft's forward
-    over the block (its logits and its own context: 2.4 width-1 steps at first, 1.3 by the
-    end) and its context writes at width 1 (5% of a step)."""
-
-    fixed_ms: float = 6.35
-    ms_per_row: float = 0.049
-    ms_per_context_token: float = 0.00164
-    draft_ms_per_request: float = 0.65
-    draft_ms_per_context_token: float = 0.00115
-    context_ms_per_request: float = 0.03
-    prefill_ms_per_row: float = 0.075
-
-    def draft(self, step: ReplayStep) -> float:
-        if not step.drafting:
-            return 0.0
-        d = step.num_decoding
-        return self.draft_ms_per_request * d + self.draft_ms_per_context_token * step.context
-
-    def step(self, step: ReplayStep) -> float:
-        d = step.num_decoding
-        ms = self.fixed_ms + self.ms_per_row * step.decode_rows
-        ms += self.ms_per_context_token * step.context + self.draft(step)
-        ms += self.prefill_ms_per_row * step.prefill_rows
-        if step.writes_context and not step.drafting:
-            ms += self.context_ms_per_request * d
-        return ms
-
-
-@dataclass(frozen=True)
-class ReplayStep:
-    """A step as the speculator reads it (spec_decode/base.py's StepShape) and the cost model
-    prices it."""
-
-    widths: tuple[int, ...]  # each decoding request's verify width
-    decode_slots: tuple[int, ...]  # and its slot
-    num_live: int
-    prefill_rows: int
-    context: int  # tokens of K/V the decoding requests read
-    writes_context: bool
-    constrained: bool
-
-    @property
-    def num_requests(self) -> int:
-        return self.num_live
-
-    @property
-    def num_decoding(self) -> int:
-        return len(self.widths)
-
-    @property
-    def max_width(self) -> int:
-        return max(self.widths, default=1)
-
-    @property
-    def drafting(self) -> bool:
-        return self.max_width > 1
-
-    @property
-    def decode_rows(self) -> int:
-        return sum(self.widths)
-
-    @property
-    def num_rows(self) -> int:
-        return self.decode_rows + self.prefill_rows
-
-    @property
-    def uniform(self) -> bool:
-        return self.num_decoding == self.num_live
-
-    @property
-    def max_kv(self) -> int:
-        return 0
 
 
 @dataclass(frozen=True)
@@ -162,11 +47,7 @@ class Job:
     batch: int
     budget: int = 4096
     constrained: bool = False  # every row's mask is built (its cost counted)
-
-    def scaled_rows(self, rows: int) -> Job:
-        return Job(
-            rows, self.prompt_len, self.max_tokens, self.batch, self.budget, self.constrained
-        )
+    oracle: bool = False  # the drafts are bench/oracle.py's (its work counted)
 
 
 @dataclass
@@ -175,6 +56,7 @@ class Replay:
     tokens: int = 0
     widths: Counter[int] = field(default_factory=Counter)  # decoding steps per width
     trace: list[int] = field(default_factory=list)  # every decoding step's width, in order
+    steps: list[tuple[ReplayStep, float]] = field(default_factory=list)  # each, with its ms
 
     @property
     def tokens_per_second(self) -> float:
@@ -194,7 +76,7 @@ class CostClock:
         pass
 
 
-def speculator(widths: tuple[int, ...], job: Job, costs: Costs = H200Costs()) -> Speculator:
+def speculator(widths: tuple[int, ...], job: Job, costs: Costs = H200) -> Speculator:
     """The DFlash speculator's width logic without a model (its policy, admissions and step
     bookkeeping run; nothing is drafted); plain decoding for widths (1,) without a draft."""
     spec = DFlashSpeculator.__new__(DFlashSpeculator)
@@ -211,7 +93,7 @@ def replay(
     job: Job,
     accept: Acceptance | None,
     width: int | str = "auto",
-    costs: Costs = H200Costs(),
+    costs: Costs = H200,
     seed: int = 0,
 ) -> Replay:
     """The job with no draft (accept None) or with the draft at `width` (auto, or a fixed
@@ -236,9 +118,9 @@ def replay(
         new = None
         if scheduled.items:
             if scheduled.admitted:
-                admitted = torch.tensor([it.slot for it in scheduled.admitted])
-                spec.admit(scheduled.admitted, admitted)
-            step = _shape(scheduled, spec.writes_context, job.constrained)
+                given = torch.tensor([it.slot for it in scheduled.admitted])
+                spec.admit([it.req for it in scheduled.admitted], given)
+            step = _shape(scheduled, spec, job)
             items = scheduled.items
             new = Launched(
                 scheduled,
@@ -247,6 +129,7 @@ def replay(
                 ms=costs.step(step),
             )
             result.seconds += new.ms / 1e3
+            result.steps.append((step, new.ms))
             if step.num_decoding:
                 result.widths[step.max_width] += 1
                 result.trace.append(step.max_width)
@@ -254,10 +137,11 @@ def replay(
             _read_back(scheduler, spec, stopper, launched)
         launched = new
     result.tokens = job.rows * job.max_tokens
+    result.seconds += costs.job_seconds(job.rows)
     return result
 
 
-def _shape(scheduled: ScheduledStep, writes: bool, constrained: bool) -> ReplayStep:
+def _shape(scheduled: ScheduledStep, spec: Speculator, job: Job) -> ReplayStep:
     items = scheduled.items
     decoding = [it for it in items if it.decoding]
     return ReplayStep(
@@ -266,8 +150,10 @@ def _shape(scheduled: ScheduledStep, writes: bool, constrained: bool) -> ReplayS
         num_live=len(items),
         prefill_rows=sum(it.num_new for it in items if not it.decoding),
         context=sum(it.req.state.num_cached for it in decoding),
-        writes_context=writes or any(not it.decoding for it in items),  # as the runner does
-        constrained=constrained,
+        writes_context=spec.writes_context or any(not it.decoding for it in items),  # as
+        constrained=job.constrained,  # the runner does
+        drafter=isinstance(spec, DFlashSpeculator),
+        oracle=job.oracle,
     )
 
 

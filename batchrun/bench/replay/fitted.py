@@ -1,0 +1,350 @@
+"""A replay cost model fitted to a `batchrun bench --jobs` result file: non-negative least
+squares over relative errors, each of the file's runs replayed (bench/replay/job.py) with its
+workload, its acceptance (no draft, the useless drafter, the oracle at a tau or in a scenario)
+and its verify width, and the replay's steps priced from their rows (STEP_PARTS). A run's
+equations: its mean step of each kind (step_seconds / steps) or, where the file records them
+(`width_seconds`), of each kind at each verify width; the draft's own mean time at each width
+(`draft_seconds`), where recorded; and the whole job (generation_seconds, with a part per job
+and per row outside the steps: JOB). A run at the adaptive width is replayed under the model
+fitted so far, so the fit is repeated until its widths settle (ROUNDS).
+
+The fit's ratios compare the replays as the file's ratios compare the runs, each replay's steps
+beside its run's measured time outside them."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+from batchrun.bench.replay.job import Job, Replay, replay
+from batchrun.bench.replay.scenarios import scenario
+from batchrun.bench.replay.step import BLOCK, ReplayStep
+from batchrun.config.parts import EnginePart
+
+# What a step's milliseconds are made of, a parameter of FittedCosts each, summed: reading the
+# weights and K/V (MEMORY), the rows' matmuls (COMPUTE; engine/batch_size.py weighs the two
+# against each other), the drafter's work and the benchmark oracle's (EXTRA). Summed: the larger
+# of MEMORY and COMPUTE (a roofline) fitted the H100 file worse, its steps' bound flipping
+# between fits.
+MEMORY: dict[str, Callable[[ReplayStep], float]] = {
+    "weights_ms": lambda s: 1.0,  # the target's weights, read once a step
+    "ms_per_kv_token": lambda s: s.context,  # K/V tokens the decoding requests read
+}
+COMPUTE: dict[str, Callable[[ReplayStep], float]] = {
+    "ms_per_row": lambda s: s.num_rows,  # rows verified (the sum of widths) and prefilled
+}
+EXTRA: dict[str, Callable[[ReplayStep], float]] = {
+    "ms_per_prefill_token": lambda s: s.prefill_rows,  # a prompt's attention, its K/V written
+    "draft_ms_per_step": lambda s: float(s.drafting > 0),  # the drafter's weights and logits
+    "draft_ms_per_request": lambda s: s.drafting,  # its forward over a request's block
+    "context_ms_per_request": lambda s: s.context_writes,  # its context written at width 1,
+    "eager_context_ms_per_request": lambda s: s.context_writes * (s.prefill_rows > 0),  # and so
+    "context_ms_per_prefill_token": lambda s: s.draft_prefill_rows,  # and over the prompts
+    # The benchmark's oracle (its runs only): the target's continuation copied in as drafts.
+    "oracle_ms_per_step": lambda s: float(s.oracle and s.drafting > 0),
+    "oracle_ms_per_request": lambda s: s.oracle * s.drafting,
+}
+JOB: dict[str, Callable[[Job], float]] = {  # seconds of a job outside its steps (the first
+    "job_fixed_seconds": lambda job: 1.0,  # step, whose period the engine does not count, the
+    "job_seconds_per_row": lambda job: job.rows,  # pipeline's start and end)
+}
+STEP_PARTS = {**MEMORY, **COMPUTE, **EXTRA}
+DRAFT_PARTS = ("draft_ms_per_step", "draft_ms_per_request")  # what the draft clock times
+CALIBRATION_STEPS = 10  # bisections of an oracle scenario's divergence chance
+MAX_HAZARD = 0.004  # per output token (bisected to 4e-6)
+ROUNDS = 6  # fits, the adaptive runs replayed under each: their widths settle in 2 or 3
+
+
+@dataclass(frozen=True)
+class FittedCosts:
+    """Milliseconds of a step from its rows (STEP_PARTS), and seconds of a job outside its
+    steps (JOB)."""
+
+    weights_ms: float
+    ms_per_kv_token: float
+    ms_per_row: float
+    ms_per_prefill_token: float
+    draft_ms_per_step: float
+    draft_ms_per_request: float
+    context_ms_per_request: float
+    eager_context_ms_per_request: float  # in a step with prefill chunks (no CUDA graph)
+    context_ms_per_prefill_token: float
+    oracle_ms_per_step: float
+    oracle_ms_per_request: float
+    job_fixed_seconds: float
+    job_seconds_per_row: float
+
+    def _sum(self, parts: dict[str, Callable[[ReplayStep], float]], step: ReplayStep) -> float:
+        return sum(getattr(self, name) * f(step) for name, f in parts.items())
+
+    def step(self, step: ReplayStep) -> float:
+        return self._sum(STEP_PARTS, step)
+
+    def draft(self, step: ReplayStep) -> float:
+        return sum(getattr(self, name) * EXTRA[name](step) for name in DRAFT_PARTS)
+
+    def job_seconds(self, rows: int) -> float:
+        return self.job_fixed_seconds + self.job_seconds_per_row * rows
+
+    def features(self, step: ReplayStep) -> list[float]:
+        """The step's part of each step parameter, then 0 for the job's."""
+        return [f(step) for f in STEP_PARTS.values()] + [0.0] * len(JOB)
+
+    def parameters(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A result file's run, as the replay runs it."""
+
+    workload: str
+    name: str
+    job: Job
+    scenario: str | None  # None: no draft
+    width: int | str  # auto, or a fixed verify width
+    hazard: float = 0.0  # each output token's chance that a row diverges (_calibrated)
+
+    def replay(self, costs: FittedCosts) -> Replay:
+        if self.scenario is None:
+            return replay(self.job, None, self.width, costs=costs)
+        chance = scenario(self.scenario, self.job)
+        diverges = [_diverges_at(row, self.hazard) for row in range(self.job.rows)]
+        return replay(
+            self.job, lambda r, p: 0.0 if p >= diverges[r] else chance(r, p), self.width, costs
+        )
+
+    def decoding_steps(self) -> int:
+        return sum(1 for s, _ in self.replay(_ZERO).steps if s.num_decoding)
+
+
+@dataclass(frozen=True)
+class Fit:
+    costs: FittedCosts
+    # (workload, run, what) -> (measured, replayed): each equation's milliseconds
+    residuals: dict[tuple[str, str, str], tuple[float, float]]
+    # (workload, ratio name) -> (measured, replayed): the file's ratios, and the replay's
+    ratios: dict[tuple[str, str], tuple[float, float]]
+
+
+def run_specs(result: dict[str, Any]) -> Iterator[tuple[RunSpec, dict[str, Any]]]:
+    """Each run of the file the replay can run (a constrained workload's are left out: the
+    replay prices no grammar masks), with its record."""
+    budget = EnginePart(target="").max_batched_tokens  # what the bench's jobs ran with
+    for wname, entry in result["workloads"].items():
+        w = entry["workload"]
+        if w.get("json_schema") is not None:
+            continue
+        job = Job(
+            rows=w["rows"],
+            prompt_len=round(sum(w["prompt_len"]) / 2),
+            max_tokens=round(sum(w["max_tokens"]) / 2),
+            batch=w["batch"],
+            budget=budget,
+        )
+        for name, run in entry["runs"].items():
+            yield _spec(wname, name, job), run
+
+
+def _calibrated(
+    specs: list[tuple[RunSpec, dict[str, Any]]],
+) -> list[tuple[RunSpec, dict[str, Any]]]:
+    """The oracle's acceptance as the runs met it: its continuation is another batch shape's
+    bf16 arithmetic, and a row whose greedy token differs drafts wrong from there on (bench/
+    oracle.py). So a scenario's rows diverge at a chance per output token, found by bisection
+    where its full-block replay takes the decoding steps its full-block run took (none where
+    the replay takes more at none); its adaptive run is replayed at the same chance."""
+    hazards: dict[tuple[str, str | None], float] = {}
+    for spec, run in specs:
+        if not spec.job.oracle or spec.width != BLOCK:
+            continue
+        measured = run["steps"].get("decode", 0) + run["steps"].get("mixed", 0)
+        low, high = 0.0, MAX_HAZARD  # more steps at a higher chance
+        for _ in range(CALIBRATION_STEPS):
+            mid = (low + high) / 2
+            steps = replace(spec, hazard=mid).decoding_steps()
+            low, high = (mid, high) if steps < measured else (low, mid)
+        hazards[spec.workload, spec.scenario] = low
+    return [(replace(s, hazard=hazards.get((s.workload, s.scenario), 0.0)), r) for s, r in specs]
+
+
+def _diverges_at(row: int, hazard: float) -> float:
+    """The output position from which `row`'s drafts are wrong: geometric at `hazard` per
+    token, from one uniform draw per row (a higher hazard never diverges later)."""
+    if hazard <= 0:
+        return math.inf
+    u = random.Random(f"diverge-{row}").random()
+    return math.floor(math.log(1 - u) / math.log1p(-hazard))
+
+
+def _spec(workload: str, name: str, job: Job) -> RunSpec:
+    """A run's name (bench/jobs.py's _runs) as the replay's acceptance and width."""
+    if name == "none":
+        return RunSpec(workload, name, job, None, 1)
+    *what, mode = name.split(" ")
+    acceptance = " ".join(what).removeprefix("oracle ")
+    oracle = replace(job, oracle=acceptance != "useless")
+    return RunSpec(workload, name, oracle, acceptance, "auto" if mode == "auto" else BLOCK)
+
+
+def fit_costs(result: dict[str, Any]) -> Fit:
+    """The cost model that best explains the file's runs (relative least squares, every
+    parameter >= 0), its residuals and the ratios its replays give."""
+    specs = _calibrated(list(run_specs(result)))
+    fixed = {s: s.replay(_ZERO) for s, _ in specs if s.width != "auto"}  # the same under any
+    costs = _solve(_equations([(s, r) for s, r in specs if s in fixed], fixed, _ZERO))  # model
+    for _ in range(ROUNDS):
+        played = {s: fixed.get(s) or s.replay(costs) for s, _ in specs}
+        costs = _solve(_equations(specs, played, costs))
+    played = {s: fixed.get(s) or s.replay(costs) for s, _ in specs}
+    residuals = {}
+    for spec, run in specs:
+        replayed = played[spec]
+        for what, measured, steps in _measured(spec, run, replayed):
+            residuals[spec.workload, spec.name, what] = (
+                measured,
+                sum(costs.step(s) for s in steps) / len(steps),
+            )
+        residuals[spec.workload, spec.name, "job"] = (
+            1e3 * run["generation_seconds"],
+            1e3 * _seconds(replayed, costs, spec.job),
+        )
+    speeds = {
+        (s.workload, s.name): played[s].tokens / _run_seconds(played[s], costs, r) for s, r in specs
+    }
+    return Fit(costs, residuals, _ratios(result, speeds))
+
+
+def _run_seconds(replayed: Replay, costs: FittedCosts, run: dict[str, Any]) -> float:
+    """A run's seconds as replayed: its steps (the first aside: the engine counts no period
+    for it) and the time the run spent outside its counted steps, as measured (the pipeline's
+    start and end jitter by up to 0.1 s: 5% of a 1.8 s run, which no step model predicts)."""
+    outside = run["generation_seconds"] - sum(run["step_seconds"].values())
+    return sum(costs.step(s) for s, _ in replayed.steps[1:]) / 1e3 + outside
+
+
+def _seconds(replayed: Replay, costs: FittedCosts, job: Job) -> float:
+    """The replayed job's seconds under `costs` (its steps' widths replayed under another)."""
+    return sum(costs.step(s) for s, _ in replayed.steps) / 1e3 + costs.job_seconds(job.rows)
+
+
+Equation = tuple[np.ndarray, float]  # the features of a step or a job, its measured milliseconds
+
+
+def _equations(
+    specs: list[tuple[RunSpec, dict[str, Any]]], played: dict[RunSpec, Replay], costs: FittedCosts
+) -> list[Equation]:
+    """Per run: its mean step of each kind (and width) timed, and the whole job."""
+    out = []
+    for spec, run in specs:
+        replayed = played[spec]
+        for _, measured, steps in _measured(spec, run, replayed):
+            features = np.array([costs.features(s) for s in steps])
+            out.append((features.mean(axis=0), measured))
+        for width, (n, seconds) in (run.get("draft_seconds") or {}).items():
+            drafted = [s for s, _ in replayed.steps[1:] if s.drafting and s.width == int(width)]
+            if drafted and n and seconds > 0:
+                features = np.array([draft_features(s) for s in drafted])
+                out.append((features.mean(axis=0), 1e3 * seconds / n))
+        job = np.sum([costs.features(s) for s, _ in replayed.steps], axis=0)
+        job[len(STEP_PARTS) :] = [1e3 * f(spec.job) for f in JOB.values()]
+        out.append((job, 1e3 * run["generation_seconds"]))
+    return out
+
+
+def draft_features(step: ReplayStep) -> list[float]:
+    """A step's part of each parameter in its draft's own time (what the draft clock times)."""
+    parts = [f(step) if name in DRAFT_PARTS else 0.0 for name, f in STEP_PARTS.items()]
+    return parts + [0.0] * len(JOB)
+
+
+def _measured(
+    spec: RunSpec, run: dict[str, Any], played: Replay
+) -> Iterator[tuple[str, float, list[ReplayStep]]]:
+    """(what, measured ms of a mean step, the replay's steps of the same kind [and width]) of
+    each kind (and verify width, where recorded) the run's steps were timed in. The replay's
+    first step is left out, as the engine counts no period for it."""
+    by_kind: dict[str, list[ReplayStep]] = defaultdict(list)
+    by_width: dict[tuple[str, int], list[ReplayStep]] = defaultdict(list)
+    for step, _ in played.steps[1:]:
+        by_kind[step.kind].append(step)
+        by_width[step.kind, step.width].append(step)
+    widths = run.get("width_seconds") or {}
+    for kind, seconds in run["step_seconds"].items():
+        if kind == "prefill":  # a period overlapped with the step before: not its own cost
+            continue
+        count = run["steps"].get(kind, 0)
+        if kind in widths:
+            for width, (n, width_seconds) in widths[kind].items():
+                steps = by_width.get((kind, int(width)))
+                if steps and n and width_seconds > 0:
+                    yield f"{kind} w{width}", 1e3 * width_seconds / n, steps
+        elif by_kind.get(kind) and count and seconds > 0:
+            yield kind, 1e3 * seconds / count, by_kind[kind]
+
+
+def _solve(equations: list[Equation]) -> FittedCosts:
+    """Non-negative least squares over relative errors (each equation divided by its
+    measurement: a 7 ms step's 3% weighs as a 100 ms step's)."""
+    a = np.array([f / ms for f, ms in equations])
+    theta = nnls(a, np.ones(len(equations)))
+    # To 4 digits: another CPU's last bits of a float must not turn a replay's width choice.
+    return FittedCosts(*(float(f"{x:.4g}") for x in theta))
+
+
+def nnls(a: np.ndarray, b: np.ndarray, tolerance: float = 1e-12) -> np.ndarray:
+    """argmin |a x - b| over x >= 0 (Lawson and Hanson's active set), columns scaled to unit
+    norm so that parameters of different units compare."""
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
+    n = a.shape[1]
+    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
+    for _ in range(3 * n):
+        gradient = a.T @ (b - a @ x)
+        free = ~passive & (gradient > tolerance)
+        if not free.any():
+            break
+        passive[np.argmax(np.where(free, gradient, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            blocked = passive & (z <= 0)
+            step = np.min(x[blocked] / (x[blocked] - z[blocked]))
+            x = x + step * (z - x)
+            passive &= x > tolerance
+    return x / scale
+
+
+def _ratios(
+    result: dict[str, Any], speeds: dict[tuple[str, str], float]
+) -> dict[tuple[str, str], tuple[float, float]]:
+    """The file's ratios (bench/jobs.py's add_ratios) beside the same ratios of the replays."""
+    out = {}
+    for wname, entry in result["workloads"].items():
+        played = {n: tps for (w, n), tps in speeds.items() if w == wname}
+        if "none" not in played:
+            continue
+        for key, measured in entry["ratios"].items():
+            name, _, against = key.partition(" / ")
+            if name not in played:
+                continue
+            base = played["none"]
+            if against == "best of none and full":
+                base = max(base, played[name[: -len("auto")] + "full"])
+            elif against != "none":
+                continue
+            out[wname, key] = (measured, played[name] / base)
+    return out
+
+
+_ZERO = FittedCosts(*([0.0] * (len(STEP_PARTS) + len(JOB))))
