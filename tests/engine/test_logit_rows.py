@@ -21,7 +21,7 @@ from tests.helpers.engine_runs import cpu_engine, requests_of, run_to_end
 def args_of(prompt_len: int, budget: int) -> tuple[int, torch.Tensor | None]:
     scheduler = Scheduler(PagePool(64, 4), 4, budget, decode_width=1)
     scheduler.add(Request(0, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=4)))
-    plan = plan_step(scheduler.schedule().items, 1, 4)
+    plan = plan_step(scheduler.schedule().items, 4)
     return plan.num_rows, step_args(torch.from_numpy(plan.packed), plan).logit_rows
 
 
