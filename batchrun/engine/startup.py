@@ -1,13 +1,13 @@
-"""An engine's start-up, stage by stage: load the models, size the KV pool from memory, choose
-the attention backend (the runner and graphs follow in the engine). Under tensor parallelism
-every rank runs these in lockstep, and what memory or timings decide is agreed across ranks:
-the least pool, rank 0's backend. Each stage's seconds go to stats.json (`startup_seconds`) and
+"""An engine's start-up, stage by stage: load the models, choose the batch (unless given), size
+the KV pool from memory, choose the attention backend (the runner and graphs follow in the
+engine). Under tensor parallelism every rank runs these in lockstep, and what memory or timings
+decide is agreed across ranks: the least batch and pool, rank 0's backend. Each stage's seconds go to stats.json (`startup_seconds`) and
 `batchrun bench --jobs`: a job's start-up is part of what its user waits for."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -16,8 +16,11 @@ from transformers import PreTrainedTokenizerBase
 
 from batchrun.attention.base import AttentionBackend
 from batchrun.attention.choice import MEASURED_CONTEXT, Workload
+from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.engine.attention_backends import attention_backend
+from batchrun.engine.batch_choice import BatchChoice, RowTokens, choose_batch, decode_cost
 from batchrun.engine.config import EngineConfig
+from batchrun.engine.device_rates import measure_ceilings
 from batchrun.engine.memory import job_kv_pages, usable_context
 from batchrun.layers.ops import use_ops
 from batchrun.models.families import paged_layers
@@ -84,6 +87,42 @@ def load_models(
     return Models(model, draft, tokenizer, frozenset(eos))
 
 
+def choose_engine_batch(
+    config: EngineConfig,
+    models: Models,
+    rows: RowTokens | None,
+    tp: TensorParallel | None,
+    chosen: BatchChoice | None = None,
+) -> BatchChoice:
+    """The batch the engine runs: `chosen` (the runner's, from preflight) or the given
+    max_batch_size, else the rule's from the memory left beside the loaded weights and the
+    device's rates measured now; rows: the job's (None: the model's max positions). Under
+    tensor parallelism a chosen batch is the least over ranks."""
+    target = models.target
+    device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+    layout = models.draft_layout
+    max_len = min(config.max_model_len or target.shape.max_position_embeddings,
+                  target.shape.max_position_embeddings)  # fmt: skip
+    weights = sum(p.numel() * p.element_size() for m in (target, models.draft) if m is not None
+                  for p in m.parameters())  # fmt: skip
+    kv_element = kv_element_size(config.kv_cache_dtype, dtype.itemsize)
+    choice = chosen or choose_batch(
+        config.max_batch_size,
+        device,
+        rows or RowTokens.unknown(max_len),
+        lambda: decode_cost(
+            target.shape, weights, dtype.itemsize, kv_element, measure_ceilings(dtype, device)
+        ),
+        lambda batch: job_kv_pages(
+            replace(config, max_batch_size=batch), target.shape, layout, dtype, device
+        ),
+        config.page_size,
+    )
+    if tp is not None and choice.chosen:
+        choice = replace(choice, size=tp.minimum(choice.size))
+    return choice
+
+
 def size_memory(
     config: EngineConfig,
     models: Models,
@@ -130,7 +169,7 @@ def choose_backend(
         head_dim=shape.head_dim,
         dtype=str(target.lm_head.weight.dtype).removeprefix("torch."),
         page_size=config.page_size,
-        batch=config.max_batch_size,
+        batch=config.batch_size,
         block_size=block,
         num_layers=paged_layers(shape),
         draft_layers=draft.paged_layers + draft.ring_layers if draft else 0,

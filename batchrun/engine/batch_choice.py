@@ -1,0 +1,92 @@
+"""The batch a job runs at: the one it gives (--max-batch-size), else the one engine/batch_size.py's
+rule picks at start-up from the job's rows' length, the device's copy and matmul rates
+(engine/device_rates.py, measured) and the KV pages memory.py sizes for each batch it tries.
+
+A CPU's rates are not measured: its batch is CPU_BATCH_SIZE, the default before the rule (a CPU
+step's matmuls outlast its weights' reading from a few rows on, so past a handful of rows the
+rule would stop; 64 keeps CPU jobs as they ran)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchrun.engine.batch_size import DecodeCost, default_batch_size
+from batchrun.engine.device_rates import Ceilings
+from batchrun.models.families import paged_layers
+from batchrun.models.qwen3 import Qwen3Shape
+
+CPU_BATCH_SIZE = 64
+
+
+@dataclass(frozen=True)
+class RowTokens:
+    """How long the job's rows are: the longest prompt and max_tokens the rule sizes for, and
+    where they come from (the input's rows, or the model's max positions when unknown)."""
+
+    prompt: int
+    output: int
+    source: str
+
+    @classmethod
+    def unknown(cls, max_positions: int, max_tokens: int = 1) -> RowTokens:
+        """Rows of the model's full context (max_tokens of it output, as the job says; without
+        a job the longest prompt): a job whose input was not read."""
+        output = max(1, min(max_tokens, max_positions - 1))
+        return cls(max_positions - output, output, "the model's max positions")
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    size: int
+    chosen: bool  # picked by the rule (max_batch_size unset), else given
+    why: str  # one line: validate prints it
+
+    @classmethod
+    def given(cls, size: int) -> BatchChoice:
+        return cls(size, False, "given (max_batch_size)")
+
+    def record(self) -> dict[str, Any]:
+        """What stats.json says of it."""
+        return {"max_batch_size": self.size, "max_batch_size_chosen": self.chosen}
+
+
+def decode_cost(
+    target: Qwen3Shape, weight_bytes: int, element: int, kv_element: int, ceilings: Ceilings
+) -> DecodeCost:
+    """A decode step's parts at the device's rates: the weights read once, each K/V token of
+    the paged layers read, each row's matmuls two FLOPs a weight (a MoE's every expert: an
+    upper bound, so a batch stops no later than it should)."""
+    kv_per_token = paged_layers(target) * 2 * target.num_kv_heads * target.head_dim * kv_element
+    return DecodeCost.roofline(
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=kv_per_token,
+        flops_per_row=2 * weight_bytes / element,
+        bytes_per_s=ceilings.copy_bytes_per_s,
+        flops_per_s=ceilings.matmul_rate(target),
+    )
+
+
+def choose_batch(
+    given: int | None,
+    device: torch.device,
+    rows: RowTokens,
+    cost: Callable[[], DecodeCost],
+    pages_at: Callable[[int], int],
+    page_size: int,
+) -> BatchChoice:
+    """The given batch; else on a CPU CPU_BATCH_SIZE, on a GPU the rule's (cost: measures the
+    device's rates, asked only here)."""
+    if given is not None:
+        return BatchChoice.given(given)
+    if device.type != "cuda":
+        return BatchChoice(CPU_BATCH_SIZE, True, "chosen: a CPU's fixed batch")
+    size = default_batch_size(cost(), rows.prompt, rows.output, pages_at, page_size)
+    why = (
+        f"chosen from memory and step cost for rows of {rows.prompt} + {rows.output} tokens "
+        f"({rows.source})"
+    )
+    return BatchChoice(size, True, why)
