@@ -1,8 +1,9 @@
 """An engine's start-up, stage by stage: load the models, choose the batch (unless given), size
 the KV pool from memory, choose the attention backend (the runner and graphs follow in the
 engine). Under tensor parallelism every rank runs these in lockstep, and what memory or timings
-decide is agreed across ranks: the least batch and pool, rank 0's backend. Each stage's seconds go to stats.json (`startup_seconds`) and
-`batchrun bench --jobs`: a job's start-up is part of what its user waits for."""
+decide is agreed across ranks: the least batch and pool, rank 0's backend. Each stage's seconds
+go to stats.json (`startup_seconds`) and `batchrun bench --jobs`: a job's start-up is part of
+what its user waits for."""
 
 from __future__ import annotations
 
