@@ -355,6 +355,7 @@ def _figures(stats: dict[str, Any], bound: dict[str, float] | None) -> dict[str,
         "draft_seconds": stats.get("draft_seconds"),  # the draft's own, by width
         "verify_width_steps": stats["verify_width_steps"],
         "error_rows": stats["error_rows"],
+        "max_batch_size": stats["max_batch_size"],  # requests in flight
     }
     if bound is not None:
         run["fraction_of_bound"] = bound["bound_seconds"] / seconds

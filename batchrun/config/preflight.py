@@ -27,12 +27,12 @@ from batchrun.engine.attention_backends import (
     check_backend_dtype,
     check_backend_kv,
 )
-from batchrun.engine.batch_choice import BatchChoice, RowTokens, choose_batch, decode_cost
+from batchrun.engine.batch_choice import BatchChoice, RowTokens, job_batch
 from batchrun.engine.config import EngineConfig, check_batch_budget
-from batchrun.engine.device_rates import measure_ceilings
 from batchrun.engine.memory import (
     BatchFootprint,
     check_batch_memory,
+    context_limit,
     device_memory_bytes,
     job_kv_pages,
     usable_context,
@@ -145,44 +145,18 @@ def preflight(
         config.page_size,
         config.kv_cache_dtype,
     )
-    max_len = min(config.max_model_len or target.max_position_embeddings,
-                  target.max_position_embeddings)  # fmt: skip
+    max_len = context_limit(config, target)
     rows = sample(tokenizer, max_len, target.vocab_size) if sample is not None else None
     rows = rows or RowTokens.unknown(max_len, job.sampling.max_tokens)
-    batch = _choose_batch(config, target, draft, dtype, device, weights // job.run.tp, rows)
+    share = weights // job.run.tp  # a rank's (the draft's whole: less, a lower bound still)
+    memory = (device_memory_bytes(device), share) if device.type == "cuda" else None
+    batch = job_batch(config, target, draft, dtype, device, share, rows, memory)
     config = replace(config, max_batch_size=batch.size)
     check_batch_memory(footprint, batch.size, config.max_batched_tokens, device)
     _check_kv_pool(config, target, draft, dtype, device)
     family = str(target_config["model_type"])  # family_of has accepted it
     return Preflight(
         device, dtype, backend, target, family, tokenizer, checked, batch, tuple(skipped)
-    )
-
-
-def _choose_batch(
-    config: EngineConfig,
-    target: Qwen3Shape,
-    draft: DraftLayout | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    weight_bytes: int,
-    rows: RowTokens,
-) -> BatchChoice:
-    """The batch the engine will run (engine/batch_choice.py), with the memory its weights will
-    take in use; on a GPU its rates measured now."""
-    kv_element = kv_element_size(config.kv_cache_dtype, dtype.itemsize)
-    memory = (device_memory_bytes(device), weight_bytes) if device.type == "cuda" else None
-    return choose_batch(
-        config.max_batch_size,
-        device,
-        rows,
-        lambda: decode_cost(
-            target, weight_bytes, dtype.itemsize, kv_element, measure_ceilings(dtype, device)
-        ),
-        lambda batch: job_kv_pages(
-            replace(config, max_batch_size=batch), target, draft, dtype, device, memory
-        ),
-        config.page_size,
     )
 
 

@@ -9,15 +9,19 @@ rule would stop; 64 keeps CPU jobs as they ran)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.engine.batch_size import DecodeCost, default_batch_size
-from batchrun.engine.device_rates import Ceilings
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.device_rates import Ceilings, measure_ceilings
+from batchrun.engine.memory import job_kv_pages
 from batchrun.models.families import paged_layers
 from batchrun.models.qwen3 import Qwen3Shape
+from batchrun.spec_decode.method import DraftLayout
 
 CPU_BATCH_SIZE = 64
 
@@ -90,3 +94,32 @@ def choose_batch(
         f"({rows.source})"
     )
     return BatchChoice(size, True, why)
+
+
+def job_batch(
+    config: EngineConfig,
+    target: Qwen3Shape,
+    draft: DraftLayout | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    weight_bytes: int,
+    rows: RowTokens,
+    memory: tuple[int, int] | None = None,
+) -> BatchChoice:
+    """choose_batch for a job's engine: its given batch, or the rule's at the device's rates
+    (measured now, on a GPU) over the pages job_kv_pages sizes for each batch tried (memory: as
+    kv_pages's; preflight's: the weights' bytes in use before they load). weight_bytes: what a
+    decode step reads, the target's and the draft's (this rank's)."""
+    kv_element = kv_element_size(config.kv_cache_dtype, dtype.itemsize)
+    return choose_batch(
+        config.max_batch_size,
+        device,
+        rows,
+        lambda: decode_cost(
+            target, weight_bytes, dtype.itemsize, kv_element, measure_ceilings(dtype, device)
+        ),
+        lambda batch: job_kv_pages(
+            replace(config, max_batch_size=batch), target, draft, dtype, device, memory
+        ),
+        config.page_size,
+    )

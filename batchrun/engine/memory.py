@@ -145,13 +145,18 @@ def job_kv_pages(
     )
 
 
+def context_limit(config: EngineConfig, target: Qwen3Shape) -> int:
+    """The model's context, or max_model_len where that is shorter."""
+    model_len = target.max_position_embeddings
+    return min(config.max_model_len or model_len, model_len)
+
+
 def usable_context(
     config: EngineConfig, target: Qwen3Shape, num_pages: int, width: int, device: torch.device
 ) -> int:
     """The longest context a request may reach: the model's (or max_model_len) within what the
     pool holds beside the rows in flight. JobError when that is under 2 tokens."""
-    model_len = target.max_position_embeddings
-    limit = min(config.max_model_len or model_len, model_len)
+    limit = context_limit(config, target)
     context = min(limit, num_pages * config.page_size - IN_FLIGHT_STEPS * width)
     if context < 2:
         fraction = f" in gpu_memory_fraction {config.gpu_memory_fraction}"

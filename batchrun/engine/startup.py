@@ -17,12 +17,10 @@ from transformers import PreTrainedTokenizerBase
 
 from batchrun.attention.base import AttentionBackend
 from batchrun.attention.choice import MEASURED_CONTEXT, Workload
-from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.engine.attention_backends import attention_backend
-from batchrun.engine.batch_choice import BatchChoice, RowTokens, choose_batch, decode_cost
+from batchrun.engine.batch_choice import BatchChoice, RowTokens, job_batch
 from batchrun.engine.config import EngineConfig
-from batchrun.engine.device_rates import measure_ceilings
-from batchrun.engine.memory import job_kv_pages, usable_context
+from batchrun.engine.memory import context_limit, job_kv_pages, usable_context
 from batchrun.layers.ops import use_ops
 from batchrun.models.families import paged_layers
 from batchrun.models.loader import load_qwen3
@@ -99,29 +97,17 @@ def choose_engine_batch(
     max_batch_size, else the rule's from the memory left beside the loaded weights and the
     device's rates measured now; rows: the job's (None: the model's max positions). Under
     tensor parallelism a chosen batch is the least over ranks."""
-    target = models.target
-    device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
-    layout = models.draft_layout
-    max_len = min(config.max_model_len or target.shape.max_position_embeddings,
-                  target.shape.max_position_embeddings)  # fmt: skip
-    weights = sum(p.numel() * p.element_size() for m in (target, models.draft) if m is not None
-                  for p in m.parameters())  # fmt: skip
-    kv_element = kv_element_size(config.kv_cache_dtype, dtype.itemsize)
-    choice = chosen or choose_batch(
-        config.max_batch_size,
-        device,
-        rows or RowTokens.unknown(max_len),
-        lambda: decode_cost(
-            target.shape, weights, dtype.itemsize, kv_element, measure_ceilings(dtype, device)
-        ),
-        lambda batch: job_kv_pages(
-            replace(config, max_batch_size=batch), target.shape, layout, dtype, device
-        ),
-        config.page_size,
-    )
-    if tp is not None and choice.chosen:
-        choice = replace(choice, size=tp.minimum(choice.size))
-    return choice
+    if chosen is None:
+        target = models.target
+        device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+        loaded = [m for m in (target, models.draft) if m is not None]
+        weights = sum(p.numel() * p.element_size() for m in loaded for p in m.parameters())
+        rows = rows or RowTokens.unknown(context_limit(config, target.shape))
+        layout = models.draft_layout
+        chosen = job_batch(config, target.shape, layout, dtype, device, weights, rows)
+    if tp is not None and chosen.chosen:
+        chosen = replace(chosen, size=tp.minimum(chosen.size))
+    return chosen
 
 
 def size_memory(
