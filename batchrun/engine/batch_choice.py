@@ -2,9 +2,11 @@
 rule picks at start-up from the job's rows' length, the device's copy and matmul rates
 (engine/device_rates.py, measured) and the KV pages memory.py sizes for each batch it tries.
 
-A CPU's rates are not measured: its batch is CPU_BATCH_SIZE, the default before the rule (a CPU
-step's matmuls outlast its weights' reading from a few rows on, so past a handful of rows the
-rule would stop; 64 keeps CPU jobs as they ran)."""
+A CPU's rates are not measured (a measurement there moves with the threads other processes
+leave it): its batch is CPU_BATCH_SIZE, the default before the rule. The rule would stop a CPU
+sooner (its matmuls outlast the weights' reading past about 2 x FLOP rate / bandwidth rows,
+some 20 at 1 TFLOP/s and 100 GB/s), but a CPU job's rows are few and short: 64 keeps them as
+they ran."""
 
 from __future__ import annotations
 
