@@ -21,6 +21,7 @@ from batchrun.engine.batch_size import DecodeCost, default_batch_size
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.device_rates import Ceilings, measure_ceilings
 from batchrun.engine.memory import job_kv_pages
+from batchrun.errors import JobError
 from batchrun.models.families import paged_layers
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.spec_decode.method import DraftLayout
@@ -118,10 +119,22 @@ def job_batch(
         device,
         rows,
         lambda: decode_cost(
-            target, weight_bytes, dtype.itemsize, kv_element, measure_ceilings(dtype, device)
+            target, weight_bytes, dtype.itemsize, kv_element, _measured(dtype, device)
         ),
         lambda batch: job_kv_pages(
             replace(config, max_batch_size=batch), target, draft, dtype, device, memory
         ),
         config.page_size,
     )
+
+
+def _measured(dtype: torch.dtype, device: torch.device) -> Ceilings:
+    """The device's rates; a device without the 2 GiB the measurement takes refuses the job in
+    one line (a given batch measures nothing)."""
+    try:
+        return measure_ceilings(dtype, device)
+    except torch.OutOfMemoryError:
+        raise JobError(
+            f"{device} has no 2 GiB free to measure its rates for the default batch; "
+            "set --max-batch-size"
+        ) from None

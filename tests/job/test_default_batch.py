@@ -5,6 +5,7 @@ fingerprint does not hold it (a job resumes whatever its batch)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import batchrun.engine.batch_choice
 from batchrun.bench.replay.job import Job, replay
 from batchrun.bench.shapes import SHAPES
 from batchrun.config.job import JobSpec
@@ -21,9 +23,12 @@ from batchrun.engine.batch_choice import (
     RowTokens,
     choose_batch,
     decode_cost,
+    job_batch,
 )
 from batchrun.engine.batch_size import DecodeCost
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.device_rates import Ceilings
+from batchrun.errors import JobError
 from batchrun.runners.opened_job import open_job
 from tests.engine.test_batch_size import FIXTURES, WEIGHT_BYTES, h100_costs, h100_pages
 from tests.job.test_cli import invoke, write_prompts
@@ -75,6 +80,19 @@ def test_a_given_batch_wins_and_a_cpu_keeps_64() -> None:
     assert (given.size, given.chosen) == (128, False)
     cpu = choose_batch(None, torch.device("cpu"), rows, no_cost, h100_pages, page_size=16)
     assert (cpu.size, cpu.chosen) == (CPU_BATCH_SIZE, True) == (64, True)
+
+
+def test_a_gpu_without_room_to_measure_refuses_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(*_: object) -> Ceilings:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(batchrun.engine.batch_choice, "measure_ceilings", full)
+    config = EngineConfig(target=Path("unused"))
+    rows = RowTokens(1024, 256, "W1")
+    with pytest.raises(JobError, match="no 2 GiB free .*; set --max-batch-size$"):
+        job_batch(config, SHAPES["qwen3-8b"], None, torch.bfloat16, CUDA, WEIGHT_BYTES, rows)
+    given = replace(config, max_batch_size=32)
+    assert job_batch(given, SHAPES["qwen3-8b"], None, torch.bfloat16, CUDA, 0, rows).size == 32
 
 
 def write_job(tmp_path: Path, model: Path, extra: str = "") -> Path:
