@@ -207,7 +207,6 @@ def bench(
             "shared_prefix": shared_prefix,
             "n": n,
             "max_tokens": max_tokens,
-            "max_batch_size": config.max_batch_size,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__,

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from batchrun.bench.roofline import time_ms
 from batchrun.bench.shapes import FP8_BLOCK, FP8_SCALE, random_fp8
+from batchrun.engine.device_rates import time_ms
 from batchrun.kernels.triton_fp8 import Tile, fp8_block_matmul, tile_for
 from batchrun.layers.fp8_linear import cublas_blockwise, cublas_matmul, fp8_matmul
 from batchrun.models.qwen3 import Qwen3Shape

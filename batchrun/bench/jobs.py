@@ -29,16 +29,17 @@ import torch
 from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.bench.hooks import BenchHooks, installed
 from batchrun.bench.oracle import AcceptanceOracle, check_scenarios
-from batchrun.bench.roofline import job_bound, measure_ceilings
+from batchrun.bench.roofline import job_bound
 from batchrun.bench.scratch_models import write_scratch_models
 from batchrun.bench.shapes import DRAFT_LAYERS
 from batchrun.bench.workloads import Workload
 from batchrun.config.job import JobSpec, load_job
-from batchrun.config.parts import EnginePart
+from batchrun.engine.device_rates import measure_ceilings
 from batchrun.engine.engine import Engine
 from batchrun.engine.heap import collect_everything
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.runners.local import run_job
+from batchrun.runners.startup import check_start
 from batchrun.spec_decode.registry import METHODS
 
 ORACLE_LABEL = (
@@ -78,9 +79,6 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
     cuda = device.type == "cuda"
     fp8 = plan.shape.fp8_block is not None
     ceilings = measure_ceilings(dtype, device, fp8=fp8) if cuda else None
-    if plan.default_batch:  # every workload at the batch a job gets when none is set
-        batch = EnginePart(target="").max_batch_size  # the declared default
-        plan = replace(plan, workloads=tuple(replace(w, batch=batch) for w in plan.workloads))
     started = time.perf_counter()
     # z-lab's 5-layer draft; a target too shallow for its feature layers (a test's) gets one.
     layers = DRAFT_LAYERS if plan.shape.num_layers >= 2 * DRAFT_LAYERS else 1
@@ -106,9 +104,13 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
         "startup": {},
         "workloads": {},
     }
-    inputs, row_budgets = {}, {}
+    inputs = {w.name: _write_inputs(plan, w) for w in plan.workloads}
+    if plan.default_batch:  # every workload at the batch a job gets when none is set
+        chosen = {w.name: _default_batch(plan, target, w, inputs) for w in plan.workloads}
+        workloads = tuple(replace(w, batch=chosen[w.name]) for w in plan.workloads)
+        plan = replace(plan, workloads=workloads)
+    row_budgets = {}
     for w in plan.workloads:
-        inputs[w.name] = _write_inputs(plan, w)
         prompts, budgets = w.rows_of(plan.shape.vocab_size, 0)
         row_budgets[w.name] = dict(enumerate(budgets))  # what a scenario's oracle reads
         entry: dict[str, Any] = {"workload": asdict(w), "runs": {}}
@@ -288,6 +290,14 @@ def _job(
     )
 
 
+def _default_batch(
+    plan: JobsPlan, target: Path, w: Workload, inputs: dict[str, tuple[Path, Path, Path]]
+) -> int:
+    """The batch `batchrun run` chooses for the workload's job without a draft (its start-up
+    checks choose it: engine/batch_choice.py)."""
+    return check_start(_job(plan, target, None, "none", w, inputs, "none")).found.batch.size
+
+
 def _run(
     engine: Engine, job: JobSpec, batch: int, oracle: AcceptanceOracle | None
 ) -> dict[str, Any]:
@@ -345,6 +355,7 @@ def _figures(stats: dict[str, Any], bound: dict[str, float] | None) -> dict[str,
         "draft_seconds": stats.get("draft_seconds"),  # the draft's own, by width
         "verify_width_steps": stats["verify_width_steps"],
         "error_rows": stats["error_rows"],
+        "max_batch_size": stats["max_batch_size"],  # requests in flight
     }
     if bound is not None:
         run["fraction_of_bound"] = bound["bound_seconds"] / seconds

@@ -1,14 +1,12 @@
-"""The ceilings a step is held against, measured in the same run: device copy bandwidth and
-matmul rate; and what one step must at least move and compute. A hybrid target's step moves
+"""What one step must at least move and compute. A hybrid target's step moves
 the KV of its full-attention layers only (a quarter of Qwen3.5's) and its requests' linear
 state: read and written by a decode step, read once more by a verify step's commit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from batchrun.engine.device_rates import Ceilings
 from batchrun.models.families import paged_layers
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.models.qwen3_5 import (
@@ -20,58 +18,6 @@ from batchrun.models.qwen3_5 import (
 
 # The model dtype of an element size: the linear state's conv part is kept in it.
 _DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
-
-
-@dataclass(frozen=True)
-class Ceilings:
-    copy_bytes_per_s: float  # bytes read plus written per second, device to device
-    matmul_flops_per_s: float  # dense matmul in the model's dtype
-    # FP8 matmul (one scale a tensor, cuBLAS's fastest); measured for a model with FP8 weights
-    fp8_matmul_flops_per_s: float | None = None
-
-    def matmul_rate(self, shape: Qwen3Shape) -> float:
-        """The rate the shape's matmuls are held to: FP8's for a checkpoint with FP8 weights."""
-        if shape.fp8_block is not None and self.fp8_matmul_flops_per_s is not None:
-            return self.fp8_matmul_flops_per_s
-        return self.matmul_flops_per_s
-
-
-def time_ms(fn: object, warmup: int = 3, repeat: int = 10) -> float:
-    """Median milliseconds of fn() on the GPU, timed with CUDA events after warm-up."""
-    assert callable(fn)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def measure_ceilings(dtype: torch.dtype, device: torch.device, fp8: bool = False) -> Ceilings:
-    n = 1 << 30  # 1 GiB each way: far past the L2
-    buffers = [torch.empty(n, dtype=torch.uint8, device=device).random_() for _ in range(2)]
-    copy_ms = time_ms(lambda: buffers[1].copy_(buffers[0]))
-    buffers.clear()
-    size = 8192
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
-    mm_ms = time_ms(lambda: a @ b)
-    fp8_rate = None
-    if fp8:  # else an FP8 job's compute floor, at bf16's rate, is twice too high
-        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major
-        one = torch.ones((), device=device)
-        fp8_ms = time_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=dtype))
-        fp8_rate = 2 * size**3 / (fp8_ms / 1e3)
-    return Ceilings(
-        copy_bytes_per_s=2 * n / (copy_ms / 1e3),
-        matmul_flops_per_s=2 * size**3 / (mm_ms / 1e3),
-        fp8_matmul_flops_per_s=fp8_rate,
-    )
 
 
 def weight_bytes(

@@ -27,11 +27,12 @@ from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.bench.hf_baseline import decode_ms_per_step
 from batchrun.bench.hooks import BenchHooks, installed
 from batchrun.bench.prompts import random_prompts
-from batchrun.bench.roofline import Ceilings, measure_ceilings, step_floor_ms
+from batchrun.bench.roofline import step_floor_ms
 from batchrun.bench.shapes import DRAFT_BLOCK, hf_twin, random_draft, random_target
 from batchrun.bench.steady import profile_point, start_decoding, sync
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.core.requests import Request
+from batchrun.engine.device_rates import Ceilings, measure_ceilings
 from batchrun.engine.engine import Engine
 from batchrun.engine.heap import collect_everything
 from batchrun.engine.startup import Models
@@ -229,7 +230,7 @@ def _result(
 
 def _pages(config: EngineConfig, max_len: int, width: int) -> int:
     per_request = -(-(max_len + width) // config.page_size) + 1
-    return config.max_batch_size * per_request
+    return config.batch_size * per_request
 
 
 def _hf_baselines(plan: SweepPlan, hf: torch.nn.Module) -> Iterator[dict[str, Any]]:

@@ -87,7 +87,8 @@ def _model_lines(job: JobSpec, found: Preflight) -> list[str]:
         f"draft: {job.engine.draft} ({draft.describe()})" if draft is not None else "draft: none",
         f"device: {found.device}, dtype: {str(found.dtype).removeprefix('torch.')}, "
         f"attention backend: {found.attention_backend}, KV cache: {_kv_line(job, found)}",
-        f"batch: {engine.max_batch_size} requests, {engine.max_batched_tokens} tokens per forward",
+        f"batch: {found.batch.size} requests ({found.batch.why}), "
+        f"{engine.max_batched_tokens} tokens per forward",
     ] + ([f"target: not run: {', '.join(found.skipped)}"] if found.skipped else [])
 
 

@@ -6,13 +6,14 @@ function the engine itself calls while it loads (device, attention backend, targ
 dtype, draft fit, batch budget, verify width, tokenizer, end-of-sequence ids, and the weights'
 names and shapes, which load_weights checks here against tensors of the checkpoints' headers on
 the meta device), so the two cannot drift apart either; and the batch limits are held to what
-the device's memory could run at all (engine/memory.py, check_batch_memory).
+the device's memory could run at all (engine/memory.py, check_batch_memory). An unset
+max_batch_size is chosen here (engine/batch_choice.py), so validate says the batch run uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +27,13 @@ from batchrun.engine.attention_backends import (
     check_backend_dtype,
     check_backend_kv,
 )
+from batchrun.engine.batch_choice import BatchChoice, RowTokens, job_batch
 from batchrun.engine.config import EngineConfig, check_batch_budget
 from batchrun.engine.memory import (
     BatchFootprint,
     check_batch_memory,
+    context_limit,
+    device_memory_bytes,
     job_kv_pages,
     usable_context,
 )
@@ -61,6 +65,9 @@ if TYPE_CHECKING:
 
     from batchrun.config.job import JobSpec
 
+# The job's rows' length, from its input (tokenizer, max_model_len, vocab size; None: not known).
+RowSample = Callable[["PreTrainedTokenizerBase", int, int], RowTokens | None]
+
 
 @dataclass(frozen=True)
 class Preflight:
@@ -73,6 +80,7 @@ class Preflight:
     family: str  # the target's model_type (models/families.py)
     tokenizer: PreTrainedTokenizerBase
     checked: CheckedDraft | None  # the draft, checked by its speculation method
+    batch: BatchChoice  # the batch the engine runs, given or chosen
     skipped: tuple[str, ...] = ()  # parts of the target's checkpoint not run (vision tower)
 
     @property
@@ -85,9 +93,13 @@ class Preflight:
         return self.checked.layout.block_size if self.checked is not None else None
 
 
-def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
+def preflight(
+    job: JobSpec, prompt: PromptColumn | None = None, sample: RowSample | None = None
+) -> Preflight:
     """Check everything the engine checks while it loads, without loading weights; with the
-    input's prompt column, also that the tokenizer can render it. Raises JobError."""
+    input's prompt column, also that the tokenizer can render it; and choose the batch (unless
+    the job gives it) for the rows `sample` finds (None, or it finds none: the model's max
+    positions). Raises JobError."""
     config = job.engine_config()
     device = resolve_device(config.device)
     backend = backend_name(config.attention_backend, device)
@@ -133,10 +145,19 @@ def preflight(job: JobSpec, prompt: PromptColumn | None = None) -> Preflight:
         config.page_size,
         config.kv_cache_dtype,
     )
-    check_batch_memory(footprint, config.max_batch_size, config.max_batched_tokens, device)
+    max_len = context_limit(config, target)
+    rows = sample(tokenizer, max_len, target.vocab_size) if sample is not None else None
+    rows = rows or RowTokens.unknown(max_len, job.sampling.max_tokens)
+    share = weights // job.run.tp  # a rank's (the draft's whole: less, a lower bound still)
+    memory = (device_memory_bytes(device), share) if device.type == "cuda" else None
+    batch = job_batch(config, target, draft, dtype, device, share, rows, memory)
+    config = replace(config, max_batch_size=batch.size)
+    check_batch_memory(footprint, batch.size, config.max_batched_tokens, device)
     _check_kv_pool(config, target, draft, dtype, device)
     family = str(target_config["model_type"])  # family_of has accepted it
-    return Preflight(device, dtype, backend, target, family, tokenizer, checked, tuple(skipped))
+    return Preflight(
+        device, dtype, backend, target, family, tokenizer, checked, batch, tuple(skipped)
+    )
 
 
 def _check_kv_pool(

@@ -23,6 +23,14 @@ class EngineConfig(EngineOptions):
     # Score each prompt token and its K most probable (turns prefix caching off); None: off.
     prompt_logprobs: int | None = None
 
+    @property
+    def batch_size(self) -> int:
+        """max_batch_size, given or chosen at start-up (engine/batch_choice.py), which comes
+        before anything is sized by it."""
+        if self.max_batch_size is None:
+            raise JobError("max_batch_size is read before start-up has chosen it")
+        return self.max_batch_size
+
 
 def check_batch_budget(max_batched_tokens: int, width: int) -> None:
     """Refuses a token budget that cannot hold one decode/verify step of `width` rows (1, or

@@ -25,6 +25,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from batchrun.device import resolve_device
+from batchrun.engine.batch_choice import BatchChoice, RowTokens
 from batchrun.engine.compiling import Compiling, GrammarsOnce
 from batchrun.engine.config import EngineConfig, check_batch_budget
 from batchrun.engine.core.page_pool import PagePool
@@ -36,7 +37,14 @@ from batchrun.engine.heap import collect_everything, freeze_heap
 from batchrun.engine.host_memory import keep_freed_memory
 from batchrun.engine.in_flight import Launched
 from batchrun.engine.model_runner import RunnerSizes
-from batchrun.engine.startup import Models, StartupClock, choose_backend, load_models, size_memory
+from batchrun.engine.startup import (
+    Models,
+    StartupClock,
+    choose_backend,
+    choose_engine_batch,
+    load_models,
+    size_memory,
+)
 from batchrun.engine.worker import Worker
 from batchrun.errors import JobError
 from batchrun.layers.moe import fused_kernel
@@ -55,12 +63,16 @@ class Engine:
         tp: TensorParallel | None = None,
         models: Models | None = None,
         num_pages: int | None = None,
+        rows: RowTokens | None = None,
+        batch: BatchChoice | None = None,
     ) -> None:
         """Loads the models (unless given) and builds the engine in named stages
         (`startup_seconds`). With tp, this tensor-parallel rank's share of the target (on the
         group's device) and the whole draft; every rank runs the engine in lockstep (the same
         requests, the same schedule), so what memory or timings decide is agreed across ranks.
-        num_pages: the KV pool's size (default: what memory holds)."""
+        num_pages: the KV pool's size (default: what memory holds). rows: the job's rows'
+        length, which an unset max_batch_size is chosen for (None: the model's max positions);
+        batch: the runner's choice, made by preflight before the weights loaded."""
         device = tp.device if tp is not None else resolve_device(config.device)
         if device.type == "cuda":  # a dropped engine's KV pools, freed before these are sized
             collect_everything()
@@ -68,6 +80,9 @@ class Engine:
             keep_freed_memory()
         clock = StartupClock(device)
         models = models or load_models(config, tokenizer, device, tp, clock)
+        self.batch = choose_engine_batch(config, models, rows, tp, batch)
+        config = replace(config, max_batch_size=self.batch.size)
+        clock.lap("choose_batch")
         self.config, self.tp, self.model = config, tp, models.target
         self.device = self.model.lm_head.weight.device
         self._tokenizer = models.tokenizer
@@ -86,7 +101,7 @@ class Engine:
             draft=models.draft,
             backends=DraftBackends(backend, choice.window_backend),
             widths=verify_widths(config.verify_width, layout),
-            max_batch_size=config.max_batch_size,
+            max_batch_size=self.batch.size,
             tp=tp,
         )
         self.worker = Worker(self.model, backend, sizes, config, speculate, set(models.eos))
@@ -103,7 +118,7 @@ class Engine:
         # (A hybrid target's reuse restarts its linear layers from state snapshots.)
         self.whole_prompts = config.prompt_logprobs is not None
         self.prefix_caching = config.prefix_caching and not self.whole_prompts
-        self.built_batch_size = config.max_batch_size  # graphs and slots exist up to it
+        self.built_batch_size = self.batch.size  # graphs and slots exist up to it
         self.stopper = Stopper(models.tokenizer, set(models.eos), self.max_model_len)
         self._grammars = GrammarsOnce(self._make_grammars)
         self._start_job()
@@ -114,7 +129,7 @@ class Engine:
     def capture_graphs(self) -> None:
         """The steady-state step's CUDA graphs, the target's and the speculator's (off a GPU
         they are emulated: the tests run them so)."""
-        self.worker.capture_graphs(self.config.max_batch_size)
+        self.worker.capture_graphs(self.config.batch_size)
 
     def new_job(self, max_batch_size: int | None = None) -> None:
         """Start as a fresh engine: no cached prefixes, no width measurements, no counts. The
@@ -123,7 +138,10 @@ class Engine:
         if self.num_unfinished:
             raise JobError("an engine starts a new job only when the last one has finished")
         built = self.built_batch_size
-        self.config = replace(self.config, max_batch_size=min(max_batch_size or built, built))
+        size = min(max_batch_size or built, built)
+        if size != self.batch.size:
+            self.batch = BatchChoice.given(size)
+        self.config = replace(self.config, max_batch_size=size)
         self._start_job()
 
     def _start_job(self) -> None:
@@ -136,17 +154,22 @@ class Engine:
         tail = self.max_model_len if self.whole_prompts else speculator.recompute_tail
         self.scheduler = Scheduler(
             self.pool,
-            config.max_batch_size,
+            config.batch_size,
             config.max_batched_tokens,
             decode_width=speculator.block_size,
             min_width=speculator.widths[0],
             recompute_tail=tail,
             recorded=Recorded(self.block_size, config.logprobs, config.prompt_logprobs),
         )
-        self.worker.start_job(config.max_batch_size, config.max_batched_tokens)
+        self.worker.start_job(config.batch_size, config.max_batched_tokens)
         # Constrained requests waiting for their grammar; the scheduler fails those with none.
         self.compiling = Compiling(self.tp, self.scheduler.fail)
         self._launched: Launched | None = None
+
+    @property
+    def max_batch_size(self) -> int:
+        """Requests in flight: the job's given or chosen batch (self.batch says which)."""
+        return self.config.batch_size
 
     @property
     def block_size(self) -> int | None:
@@ -161,20 +184,24 @@ class Engine:
 
     def info(self) -> dict[str, Any]:
         config = self.config
-        return {
-            "target": str(config.target),
-            "draft": str(config.draft) if config.draft else None,
-            "dtype": str(self.model.lm_head.weight.dtype).removeprefix("torch."),
-            "device": str(self.device),
-            "tensor_parallel": self.tp.world_size if self.tp is not None else 1,
-            "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
-            # What speculation buys: tokens a decoding request commits per target forward.
-            "tokens_per_target_forward": self.scheduler.tokens_per_round,
-            "prefix_caching": self.prefix_caching,  # off for prompt logprobs
-            "prefix_cache_hit_rate": self.pool.hit_rate,
-            "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
-            "startup_seconds": self.startup_seconds,
-        } | self.worker.info()
+        return (
+            {
+                "target": str(config.target),
+                "draft": str(config.draft) if config.draft else None,
+                "dtype": str(self.model.lm_head.weight.dtype).removeprefix("torch."),
+                "device": str(self.device),
+                "tensor_parallel": self.tp.world_size if self.tp is not None else 1,
+                "attention_backend_ms": self.backend_ms,  # `auto`'s measurement, when it chose
+                # What speculation buys: tokens a decoding request commits per target forward.
+                "tokens_per_target_forward": self.scheduler.tokens_per_round,
+                "prefix_caching": self.prefix_caching,  # off for prompt logprobs
+                "prefix_cache_hit_rate": self.pool.hit_rate,
+                "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
+                "startup_seconds": self.startup_seconds,
+            }
+            | self.batch.record()
+            | self.worker.info()
+        )
 
     @property
     def num_unfinished(self) -> int:

@@ -100,10 +100,8 @@ def kv_pages(
             memory = torch.cuda.mem_get_info(device)[1], torch.cuda.memory_reserved(device)
         total, in_use = memory
         eager_rows = config.max_batched_tokens
-        graph_rows = config.max_batch_size * width
-        reserve = activation_bytes(
-            target, eager_rows, config.max_batch_size, feature_layers, element
-        )
+        graph_rows = config.batch_size * width
+        reserve = activation_bytes(target, eager_rows, config.batch_size, feature_layers, element)
         if config.cuda_graphs:  # the graphs' pool holds the largest graph's activations
             reserve += activation_bytes(target, graph_rows, graph_rows, feature_layers, element)
             reserve += graph_outputs_bytes(config, target, widths, feature_layers, element)
@@ -112,7 +110,7 @@ def kv_pages(
         budget = CPU_KV_BUDGET_BYTES - rings
     budget -= slot_bytes
     per_request = -(-(target.max_position_embeddings + width + 64) // config.page_size)
-    want = config.max_batch_size * per_request
+    want = config.batch_size * per_request
     return max(1, min(want, budget // bytes_per_page))
 
 
@@ -122,11 +120,13 @@ def job_kv_pages(
     draft: DraftLayout | None,
     dtype: torch.dtype,
     device: torch.device,
+    memory: tuple[int, int] | None = None,
 ) -> int:
     """kv_pages for a job's engine (dtype: the model's): with a draft (its method's layout,
     loaded or checked), its paged layers, its ring layers' rings (one per slot and the scratch
     slot), its block and the verify widths graphs are made for; a hybrid target's state slots
-    and verify scratch (engine/linear_slots.py: what LinearSlots allocates)."""
+    and verify scratch (engine/linear_slots.py: what LinearSlots allocates). memory: as
+    kv_pages's (preflight's: the weights' bytes in use, before they load)."""
     width = draft.block_size if draft is not None else 1
     rings = draft.ring_pages(config.page_size) if draft is not None else 0
     return kv_pages(
@@ -138,10 +138,17 @@ def job_kv_pages(
         width,
         device,
         draft_paged_layers=draft.paged_layers if draft is not None else 0,
-        ring_pages=rings * (config.max_batch_size + 1),
+        ring_pages=rings * (config.batch_size + 1),
         widths=verify_widths(config.verify_width, draft),
-        slot_bytes=linear_memory_bytes(target, dtype, config.max_batch_size, width),
+        slot_bytes=linear_memory_bytes(target, dtype, config.batch_size, width),
+        memory=memory,
     )
+
+
+def context_limit(config: EngineConfig, target: Qwen3Shape) -> int:
+    """The model's context, or max_model_len where that is shorter."""
+    model_len = target.max_position_embeddings
+    return min(config.max_model_len or model_len, model_len)
 
 
 def usable_context(
@@ -149,8 +156,7 @@ def usable_context(
 ) -> int:
     """The longest context a request may reach: the model's (or max_model_len) within what the
     pool holds beside the rows in flight. JobError when that is under 2 tokens."""
-    model_len = target.max_position_embeddings
-    limit = min(config.max_model_len or model_len, model_len)
+    limit = context_limit(config, target)
     context = min(limit, num_pages * config.page_size - IN_FLIGHT_STEPS * width)
     if context < 2:
         fraction = f" in gpu_memory_fraction {config.gpu_memory_fraction}"
@@ -172,7 +178,7 @@ def graph_outputs_bytes(
 ) -> int:
     """What stays allocated for the graphs' replays: the logits buffer they share (float32, the
     largest graph's rows) and each graph's own captured features."""
-    batch, tokens = config.max_batch_size, config.max_batched_tokens
+    batch, tokens = config.batch_size, config.max_batched_tokens
     largest = graph_rows(batch, widths, tokens)
     rows = sum(sum(graph_sizes(batch, w, tokens)) * w for w in widths)
     return largest * target.vocab_size * 4 + rows * feature_layers * target.hidden_size * element

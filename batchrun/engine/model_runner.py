@@ -88,7 +88,7 @@ class RunnerSizes:
         return cls(
             num_pages=num_pages,
             page_size=config.page_size,
-            max_batch_size=config.max_batch_size,
+            max_batch_size=config.batch_size,
             max_batched_tokens=config.max_batched_tokens,
             max_model_len=max_model_len,
             block_size=block_size,

@@ -115,14 +115,17 @@ class EngineOptions:
         help="Tokens verified per request and step with a draft: auto (chosen each step from "
         "measured costs and acceptance), full (the block) or 1 .. the draft's block size.",
     )
-    max_batch_size: int = option(
-        64,
+    # Unset: chosen at start-up (engine/batch_choice.py); stats.json records the batch and how.
+    max_batch_size: int | None = option(
+        None,
         kind=Kind.INT,
         low=1,
         high=MAX_BATCH_SIZE,
         doc=f"Requests in flight in the engine at once (at most {MAX_BATCH_SIZE}, and what the "
-        "device's memory holds).",
-        help="Requests in flight.",
+        "device's memory holds). Unset: chosen at start-up from the KV cache memory holds and "
+        "the decode step's cost (docs/jobs.md); 64 on a CPU.",
+        help="Requests in flight (unset: chosen at start-up from memory and step cost).",
+        unset="auto",
     )
     max_batched_tokens: int = option(  # prefill chunks + decode/verify rows
         4096,

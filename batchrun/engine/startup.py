@@ -1,13 +1,14 @@
-"""An engine's start-up, stage by stage: load the models, size the KV pool from memory, choose
-the attention backend (the runner and graphs follow in the engine). Under tensor parallelism
-every rank runs these in lockstep, and what memory or timings decide is agreed across ranks:
-the least pool, rank 0's backend. Each stage's seconds go to stats.json (`startup_seconds`) and
-`batchrun bench --jobs`: a job's start-up is part of what its user waits for."""
+"""An engine's start-up, stage by stage: load the models, choose the batch (unless given), size
+the KV pool from memory, choose the attention backend (the runner and graphs follow in the
+engine). Under tensor parallelism every rank runs these in lockstep, and what memory or timings
+decide is agreed across ranks: the least batch and pool, rank 0's backend. Each stage's seconds
+go to stats.json (`startup_seconds`) and `batchrun bench --jobs`: a job's start-up is part of
+what its user waits for."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,8 +18,9 @@ from transformers import PreTrainedTokenizerBase
 from batchrun.attention.base import AttentionBackend
 from batchrun.attention.choice import MEASURED_CONTEXT, Workload
 from batchrun.engine.attention_backends import attention_backend
+from batchrun.engine.batch_choice import BatchChoice, RowTokens, job_batch
 from batchrun.engine.config import EngineConfig
-from batchrun.engine.memory import job_kv_pages, usable_context
+from batchrun.engine.memory import context_limit, job_kv_pages, usable_context
 from batchrun.layers.ops import use_ops
 from batchrun.models.families import paged_layers
 from batchrun.models.loader import load_qwen3
@@ -84,6 +86,30 @@ def load_models(
     return Models(model, draft, tokenizer, frozenset(eos))
 
 
+def choose_engine_batch(
+    config: EngineConfig,
+    models: Models,
+    rows: RowTokens | None,
+    tp: TensorParallel | None,
+    chosen: BatchChoice | None = None,
+) -> BatchChoice:
+    """The batch the engine runs: `chosen` (the runner's, from preflight) or the given
+    max_batch_size, else the rule's from the memory left beside the loaded weights and the
+    device's rates measured now; rows: the job's (None: the model's max positions). Under
+    tensor parallelism a chosen batch is the least over ranks."""
+    if chosen is None:
+        target = models.target
+        device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+        loaded = [m for m in (target, models.draft) if m is not None]
+        weights = sum(p.numel() * p.element_size() for m in loaded for p in m.parameters())
+        rows = rows or RowTokens.unknown(context_limit(config, target.shape))
+        layout = models.draft_layout
+        chosen = job_batch(config, target.shape, layout, dtype, device, weights, rows)
+    if tp is not None and chosen.chosen:
+        chosen = replace(chosen, size=tp.minimum(chosen.size))
+    return chosen
+
+
 def size_memory(
     config: EngineConfig,
     models: Models,
@@ -130,7 +156,7 @@ def choose_backend(
         head_dim=shape.head_dim,
         dtype=str(target.lm_head.weight.dtype).removeprefix("torch."),
         page_size=config.page_size,
-        batch=config.max_batch_size,
+        batch=config.batch_size,
         block_size=block,
         num_layers=paged_layers(shape),
         draft_layers=draft.paged_layers + draft.ring_layers if draft else 0,

@@ -12,6 +12,7 @@ from batchrun.sampling.grammar import Grammars
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from batchrun.engine.batch_choice import BatchChoice
     from batchrun.parallel.group import TensorParallel
 
 QUEUE_FACTOR = 4  # requests queued in the engine, per unit of max_batch_size
@@ -25,6 +26,9 @@ class EngineLike(Protocol):
 
     max_model_len: int  # prompt + output tokens must fit
     vocab_size: int  # valid token ids: 0 <= id < vocab_size
+
+    @property
+    def max_batch_size(self) -> int: ...  # requests in flight: given, or chosen at start-up
 
     @property
     def block_size(self) -> int | None: ...  # DFlash block size; None without a draft
@@ -48,12 +52,13 @@ def build_engine(
     job: JobSpec,
     tokenizer: PreTrainedTokenizerBase | None = None,
     tp: TensorParallel | None = None,
+    batch: BatchChoice | None = None,
 ) -> EngineLike:
     """The job's engine (with tp, this rank's); `tokenizer`, when preflight has loaded it
-    already, is not loaded again."""
+    already, is not loaded again, nor the batch it has chosen (None: the engine chooses)."""
     from batchrun.engine.engine import Engine  # the model stack loads only when a job runs
 
-    return Engine(job.engine_config(), tokenizer, tp)
+    return Engine(job.engine_config(), tokenizer, tp, batch=batch)
 
 
 def generate(

@@ -93,12 +93,15 @@ def _run_job(
     if engine is None and found is None:
         from batchrun.config.preflight import preflight  # needs transformers, as the engine does
 
-        found = preflight(job, opened.prompt)  # what validate checks, before any weights load
+        found = preflight(
+            job, opened.prompt, opened.row_tokens
+        )  # what validate checks, before any weights load
     if leads:
         opened.out.acquire()  # before loading the model: a second run stops at once
     try:
         if engine is None:
-            engine = build_engine(job, found.tokenizer if found is not None else None, tp)
+            tokenizer, batch = (found.tokenizer, found.batch) if found is not None else (None, None)
+            engine = build_engine(job, tokenizer, tp, batch)
         clock.engine_ready()  # tokens/s counts generation only, not start-up and model loading
         builder = request_builder(job, opened.prompt, opened.source.schema, engine, True)
         if leads:
@@ -167,7 +170,10 @@ class LocalRun:
         self.share = share or RowShare(self.job_rows, self.sink.committed_before)
         if source is None:
             source = FixedRows(opened.source, RowSelection(self.sink.done, opened.rows))
-        self.source, self.pace = source, pace if pace is not None else Pace.of(self.job)
+        self.source, self.pace = (
+            source,
+            pace if pace is not None else Pace.of(self.job, engine.max_batch_size),
+        )
         self.pipeline = RowPipeline(self.job, engine, self.pace.window)
         # Rows admitted whose samples have not all finished: their input columns.
         self.row_inputs: dict[int, pa.RecordBatch] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -14,9 +14,15 @@ from batchrun.config.job import JobSpec
 from batchrun.errors import JobError
 from batchrun.io.input.prompts import PromptColumn, find_id_column, find_prompt_column
 from batchrun.io.input.reader import InputSource, open_input
+from batchrun.io.input.row_tokens import sample_row_tokens
 from batchrun.io.input.shards import shard_rows
 from batchrun.io.output.directory import DAMAGED_DIR, PROGRESS_DIR, OutputDir
 from batchrun.io.output.sink import SinkTarget
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from batchrun.engine.batch_choice import RowTokens
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,20 @@ class OpenedJob:
                 f"{PROGRESS_DIR}/{DAMAGED_DIR}/ ({', '.join(damaged)}); their rows are redone",
                 file=sys.stderr,
             )
+
+    def row_tokens(
+        self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, vocab_size: int
+    ) -> RowTokens | None:
+        """How long this run's rows are, from its first rows (io/input/row_tokens.py)."""
+        return sample_row_tokens(
+            self.source,
+            self.rows,
+            self.prompt,
+            self.job.row_defaults(),
+            tokenizer,
+            max_model_len,
+            vocab_size,
+        )
 
     def committed_rows(self) -> int:
         """The rows of this run's range (its shard's, or every row) in committed parts."""

@@ -79,9 +79,9 @@ class Pace:
     window: int
 
     @classmethod
-    def of(cls, job: JobSpec) -> Pace:
-        """A job's own pace."""
-        queued = QUEUE_FACTOR * job.engine.max_batch_size
+    def of(cls, job: JobSpec, batch: int) -> Pace:
+        """A job's own pace, with its engine's batch."""
+        queued = QUEUE_FACTOR * batch
         return cls(PREFETCH_ROWS, queued, job.run.schedule_window)
 
 

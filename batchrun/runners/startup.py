@@ -43,7 +43,7 @@ def check_start(job: JobSpec) -> StartChecks:
     opened = open_job(job)
     if job.run.tp > 1:  # before preflight: a rank's device is the reason, said as such
         check_tp(job)
-    found = preflight(job, opened.prompt)
+    found = preflight(job, opened.prompt, opened.row_tokens)
     return StartChecks(opened, found, devices)
 
 

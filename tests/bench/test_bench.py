@@ -171,8 +171,9 @@ def test_the_roofline_counts_fp8_projections_and_experts_at_a_byte() -> None:
 def test_a_moe_job_bound_counts_the_experts_a_token_and_a_step_use() -> None:
     """Qwen3-30B-A3B: a token's matmuls use its 8 experts (about 3B parameters, not 30B); a
     decode step at batch 128 reads nearly every expert."""
-    from batchrun.bench.roofline import Ceilings, job_bound, weight_bytes
+    from batchrun.bench.roofline import job_bound, weight_bytes
     from batchrun.bench.shapes import shape_from_flags
+    from batchrun.engine.device_rates import Ceilings
 
     s = shape_from_flags("qwen3-30b-a3b")
     ceilings = Ceilings(copy_bytes_per_s=1e12, matmul_flops_per_s=1e15)
@@ -185,8 +186,9 @@ def test_a_moe_job_bound_counts_the_experts_a_token_and_a_step_use() -> None:
 
 def test_an_fp8_job_is_held_to_fp8_ceilings() -> None:
     """FP8 weights: compute at the FP8 matmul rate; an FP8 KV cache: a byte per K/V element."""
-    from batchrun.bench.roofline import Ceilings, job_bound
+    from batchrun.bench.roofline import job_bound
     from batchrun.bench.shapes import shape_from_flags
+    from batchrun.engine.device_rates import Ceilings
 
     bf16, fp8 = shape_from_flags("qwen3-8b"), shape_from_flags("qwen3-8b", fp8_weights=True)
     ceilings = Ceilings(copy_bytes_per_s=1e12, matmul_flops_per_s=1e15, fp8_matmul_flops_per_s=2e15)

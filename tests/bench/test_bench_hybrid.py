@@ -12,11 +12,12 @@ import torch
 from click.testing import CliRunner
 
 from batchrun.bench.jobs import JobsPlan, outputs, run_jobs
-from batchrun.bench.roofline import Ceilings, job_bound, state_bytes, step_floor_ms
+from batchrun.bench.roofline import job_bound, state_bytes, step_floor_ms
 from batchrun.bench.scratch_models import write_target
 from batchrun.bench.shapes import SHAPES, shape_from_flags
 from batchrun.bench.workloads import WORKLOADS
 from batchrun.cli import cli
+from batchrun.engine.device_rates import Ceilings
 from batchrun.models.loader import qwen3_shape, read_config
 from batchrun.models.qwen3_5 import Qwen3_5Shape, linear_state_bytes
 

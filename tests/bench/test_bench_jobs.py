@@ -247,3 +247,22 @@ def test_a_workload_at_another_batch() -> None:
     assert swept.rows == WORKLOADS["w1"].rows and named_workload("w1") is WORKLOADS["w1"]
     assert named_workload("w1@0") is None and named_workload("w9") is None
     assert named_workload("w1@x") is None
+
+
+def test_the_default_batch_is_the_one_run_chooses(tmp_path: Path) -> None:
+    """--jobs-default-batch runs each workload at the batch `batchrun run` chooses for it when
+    the job sets none: on a CPU, 64 (engine/batch_choice.py)."""
+    plan = JobsPlan(
+        shape_name="tiny",
+        shape=TINY,
+        workloads=(WORKLOADS["w2"].scaled(0.05),),
+        taus=(),
+        widths=(),
+        scratch=tmp_path,
+        dtype="float32",
+        device="cpu",
+        default_batch=True,
+    )
+    entry = run_jobs(plan, lambda _: None)["workloads"]["w2"]
+    assert entry["workload"]["batch"] == 64
+    assert entry["runs"]["none"]["max_batch_size"] == 64

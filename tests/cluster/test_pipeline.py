@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from batchrun.config.job import JobSpec
 from batchrun.engine.core.requests import Request, Status, sample_requests
 from batchrun.errors import JobError
-from batchrun.runners.engine_feed import EngineLike
+from batchrun.runners.engine_feed import QUEUE_FACTOR, EngineLike
 from batchrun.runners.local import run_job
 
 
@@ -53,6 +53,10 @@ class FakeEngine:
             "device": "cpu",
             "attention_backend": "torch",
         }
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch
 
     @property
     def num_unfinished(self) -> int:
@@ -212,7 +216,7 @@ def test_every_row_comes_out_exactly_once(
         assert (row["finish_reason"], row["error"], row["spec_rounds"]) == ("length", None, 0)
         assert row["spec_accept_hist"] is None and row["acceptance_length"] is None
     assert engine.added == source.num_rows - len(BAD_ROWS)
-    assert engine.max_unfinished <= 4 * 2  # the queue stays bounded
+    assert engine.max_unfinished <= QUEUE_FACTOR * engine.max_batch_size  # the queue is bounded
     assert stats == json.loads((tmp_path / "out/stats.json").read_text())
     ok = [r for r in out.to_pylist() if r["error"] is None]
     assert (stats["rows"], stats["ok_rows"], stats["error_rows"]) == (40, 40 - 4, 4)

@@ -207,6 +207,9 @@ class StatsAccumulator:
             "width_seconds": info.get("width_seconds"),  # by kind and width: [steps, seconds]
             "draft_seconds": info.get("draft_seconds"),  # the draft's own, by width
             "startup_seconds": info.get("startup_seconds"),  # the engine's, by stage
+            # Requests in flight, and whether start-up chose them (max_batch_size unset).
+            "max_batch_size": info.get("max_batch_size"),
+            "max_batch_size_chosen": info.get("max_batch_size_chosen"),
             # Whether prefix caching ran: off when asked, and with prompt logprobs.
             "prefix_caching": info.get("prefix_caching"),
             "prefix_cache_hit_rate": info.get("prefix_cache_hit_rate"),

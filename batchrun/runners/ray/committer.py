@@ -50,7 +50,8 @@ def commit_outputs(
     """The driver's side of a run: claim the output, then commit the tables that
     outputs(done) yields (output rows, by row_index; done: the committed rows, not called
     when every row is) as parts, then end the job (the sink's finish). found: what preflight
-    found (target, draft, device, dtype, attention_backend, kv_cache_dtype, block_size)."""
+    found (target, draft, device, dtype, attention_backend, kv_cache_dtype, block_size, the
+    batch and whether it was chosen)."""
     opened.out.acquire()  # before any actor starts: a second run on this output stops at once
     try:
         opened.prepare_output()

@@ -83,7 +83,7 @@ class BatchrunProcessor:
         that creates this file exits mid-batch, as a killed actor would."""
         self.job = processor_job({"target": target, **settings})
         self.engine = _engine if _engine is not None else build_engine(self.job)
-        self.pace = Pace.of(self.job)
+        self.pace = Pace.of(self.job, self.engine.max_batch_size)
         self.pipeline = RowPipeline(self.job, self.engine, self.pace.window)
         self.crash_once = _crash_once
         self.builders: dict[pa.Schema, RequestBuilder] = {}

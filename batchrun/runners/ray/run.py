@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from batchrun.io.input.listing import resolve_input_paths
 from batchrun.io.input.openai_batch import is_request_file
 from batchrun.io.input.prompts import PromptColumn, find_prompt_column
 from batchrun.io.input.reader import open_input
+from batchrun.io.input.row_tokens import sample_row_tokens
 from batchrun.io.output.stats import RunClock
 from batchrun.io.store import is_uri
 from batchrun.runners.engine_feed import QUEUE_FACTOR
@@ -104,11 +106,14 @@ def run_job_ray(
     if job.engine.dtype == "auto":  # the fingerprint holds the dtype the actors resolve, not ours
         engine = dataclasses.replace(job.engine, dtype=found["dtype"])
         job = dataclasses.replace(job, engine=engine)
+    # Every actor runs the batch the probe chose (a batch is in no fingerprint).
+    engine = dataclasses.replace(job.engine, max_batch_size=found["max_batch_size"])
+    job = dataclasses.replace(job, engine=engine)
     opened = open_job(job)
     count = replicas or max(gpus, 1)
 
     def outputs(done: np.ndarray) -> Iterable[pa.Table]:
-        dataset = _dataset(ray, opened, done, count, resources)
+        dataset = _dataset(ray, opened, done, count, resources, found["max_batch_size"])
         batches: Iterable[pa.Table] = dataset.iter_batches(batch_format="pyarrow", batch_size=None)
         return batches
 
@@ -137,7 +142,9 @@ def preflight_info(job: JobSpec, prompt: PromptColumn) -> dict[str, Any]:
     from batchrun.attention.kv_dtype import kv_dtype
     from batchrun.config.preflight import preflight
 
-    found = preflight(job, prompt)
+    source = open_input(job.input.path, exclude=Path(job.output.directory))
+    rows = partial(sample_row_tokens, source, range(source.total_rows), prompt, job.row_defaults())
+    found = preflight(job, prompt, rows)
     return {
         "target": job.engine.target,
         "draft": job.engine.draft,
@@ -148,7 +155,7 @@ def preflight_info(job: JobSpec, prompt: PromptColumn) -> dict[str, Any]:
             "torch."
         ),
         "block_size": found.block_size,
-    }
+    } | found.batch.record()
 
 
 def read_row_groups(units: pa.Table) -> Iterator[pa.Table]:
@@ -160,9 +167,15 @@ def read_row_groups(units: pa.Table) -> Iterator[pa.Table]:
 
 
 def _dataset(
-    ray: Any, opened: OpenedJob, done: np.ndarray, replicas: int, resources: dict[str, Any]
+    ray: Any,
+    opened: OpenedJob,
+    done: np.ndarray,
+    replicas: int,
+    resources: dict[str, Any],
+    batch: int,
 ) -> Any:
-    """The read and generate stages over the rows not done."""
+    """The read and generate stages over the rows not done, `batch` requests in flight in each
+    actor."""
     ray.data.DataContext.get_current().enable_progress_bars = False  # batchrun draws its own
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # not each dataset's plan
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
@@ -178,7 +191,7 @@ def _dataset(
     return reads.map_batches(
         BatchrunProcessor,
         fn_constructor_kwargs=settings,
-        batch_size=QUEUE_FACTOR * opened.job.engine.max_batch_size,
+        batch_size=QUEUE_FACTOR * batch,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=replicas),
         **resources,

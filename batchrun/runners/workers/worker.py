@@ -110,8 +110,8 @@ def work(task: WorkerTask, conn: Connection) -> int:
         opened = dataclasses.replace(opened, out=out)
         from batchrun.config.preflight import preflight  # needs transformers, as the engine does
 
-        found = preflight(job, opened.prompt)
-        engine = build_engine(job, found.tokenizer, None)
+        found = preflight(job, opened.prompt, opened.row_tokens)
+        engine = build_engine(job, found.tokenizer, None, found.batch)
         clock.engine_ready()
         builder = request_builder(job, opened.prompt, opened.source.schema, engine, True)
         total = opened.source.total_rows
@@ -124,7 +124,7 @@ def work(task: WorkerTask, conn: Connection) -> int:
         # (nor, in a small job, than half a worker's share: a worker that starts late finds
         # rows), and rows reordered for admission within that many only.
         half_share = -(-total // (2 * task.count))
-        max_queued = max(1, min(job.engine.max_batch_size, half_share))
+        max_queued = max(1, min(engine.max_batch_size, half_share))
         window = min(job.run.schedule_window, max(max_queued, task.chunk_rows))
         pace = Pace(task.chunk_rows, max_queued, window)
         run = LocalRun(
