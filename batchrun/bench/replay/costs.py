@@ -19,8 +19,8 @@ class Costs(Protocol):
 class H200Costs:
     """Milliseconds of a step: weights and K/V read (memory-bound) or its rows' matmuls
     (compute-bound), whichever is longer, plus the draft's forward over the whole block per
-    drafting request (a row verifying above width 1), the draft's context written without
-    drafting, for a width-1 row while the speculator writes it (10.6 against
+    drafting request (a row verifying above width 1), the draft's context written in a step
+    that drafts nothing while the speculator writes it (10.6 against
     10.43 ms a width-1 step at batch 128 on the H200; 1.6% of a prefill row: the draft's 126M
     parameters against the target's 8B) and a constrained row's mask."""
 

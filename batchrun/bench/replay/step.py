@@ -66,14 +66,13 @@ class ReplayStep:
 
     @property
     def context_writes(self) -> int:
-        """Decoding requests whose new token the drafter writes into its context without
-        drafting: the width-1 rows of a step that drafts others (always), every row of a
-        width-1 step while the speculator keeps its context."""
-        if not self.drafter:
-            return 0
-        if self.max_width > 1:
-            return self.num_decoding - self.drafting
-        return self.num_decoding if self.writes_context else 0
+        """Decoding requests whose new token the drafter writes into its context in a step
+        that drafts nothing, while the speculator keeps its context. A width-1 row beside
+        drafting ones has its context written in that step too, priced in the drafter's
+        per-step part (context_ms_per_request is fitted on width-1 steps, whose graphs capture
+        the features that a drafting step captures anyway)."""
+        writes = self.drafter and self.writes_context and self.max_width == 1
+        return self.num_decoding if writes else 0
 
     @property
     def draft_prefill_rows(self) -> int:

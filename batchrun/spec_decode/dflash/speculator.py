@@ -166,9 +166,11 @@ class DFlashSpeculator(Speculator):
                 policy.record_round(w, a)
                 if self.rows is not None:
                     self.rows.record(slot, w, a)
-        bucket = self.target.graphs.bucket(step.num_live, self.max_batch_size)
-        if draft_ms is not None and step.uniform:
-            policy.record_draft(bucket, draft_ms)
+        graphs = self.target.graphs
+        bucket = graphs.bucket(step.num_live, self.max_batch_size)
+        if draft_ms is not None and step.uniform:  # the draft's time is its drafting rows'
+            drafting = sum(w > 1 for w in step.widths)
+            policy.record_draft(graphs.bucket(drafting, self.max_batch_size), draft_ms)
         if seconds <= 0:
             return
         policy.record_elapsed(seconds * 1e3)
