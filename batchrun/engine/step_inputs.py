@@ -76,7 +76,7 @@ class StepPlan:
 
     @property
     def drafting(self) -> bool:
-        """Some decoding request verifies drafts (every decoding request is drafted for)."""
+        """Some decoding request verifies drafts (those above width 1 are drafted for)."""
         return self.max_width > 1
 
     @property

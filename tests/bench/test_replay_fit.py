@@ -34,6 +34,11 @@ MISSES = {
     ("b1", "mixed rows auto / best of none and full"),
     ("w2", "oracle tau 6.5 full / none"),
     ("w2", "mixed rows full / none"),
+    # The file's engine drafted every decoding row once any verified drafts; the replay drafts
+    # only the rows above width 1, as the engine now does: at w2 the adaptive run's rows at width
+    # 1 no longer pay the drafter (0.906 replayed against 0.873 measured, +3.8%).
+    ("w2", "mixed rows auto / none"),
+    ("w2", "mixed rows auto / best of none and full"),
 }
 
 

@@ -19,7 +19,8 @@ class Costs(Protocol):
 class H200Costs:
     """Milliseconds of a step: weights and K/V read (memory-bound) or its rows' matmuls
     (compute-bound), whichever is longer, plus the draft's forward over the whole block per
-    drafting request, the draft's context written while the speculator writes it (10.6 against
+    drafting request (a row verifying above width 1), the draft's context written in a step
+    that drafts nothing while the speculator writes it (10.6 against
     10.43 ms a width-1 step at batch 128 on the H200; 1.6% of a prefill row: the draft's 126M
     parameters against the target's 8B) and a constrained row's mask."""
 
@@ -54,8 +55,8 @@ class DemoCpuCosts:
     demo job's step times (48 rows, every width, engine/host_memory.py's allocator settings): a
     fixed part, a part per row, a part per request and token of context (the torch backend gathers
     each request's K/V once a layer: 2.8x a width-1 step over the job), the draft's forward
-    over the block (its logits and its own context: 2.4 width-1 steps at first, 1.3 by the
-    end) and its context writes at width 1 (5% of a step)."""
+    over the drafting requests' blocks (its logits and their own context: 2.4 width-1 steps at
+    first, 1.3 by the end) and its context writes at width 1 (5% of a step)."""
 
     fixed_ms: float = 6.35
     ms_per_row: float = 0.049
@@ -69,7 +70,7 @@ class DemoCpuCosts:
         if not step.drafting:
             return 0.0
         return self.draft_ms_per_request * step.drafting + (
-            self.draft_ms_per_context_token * step.context
+            self.draft_ms_per_context_token * step.drafting_context
         )
 
     def step(self, step: ReplayStep) -> float:

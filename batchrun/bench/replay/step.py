@@ -54,14 +54,23 @@ class ReplayStep:
 
     @property
     def drafting(self) -> int:
-        """Requests the drafter proposes a block for: every decoding one, once any row verifies
-        more than one (the engine drafts the whole batch)."""
-        return self.num_decoding if self.max_width > 1 else 0
+        """Requests the drafter proposes a block for: those verifying above width 1 (a row at
+        width 1 decodes beside them undrafted)."""
+        return sum(w > 1 for w in self.widths)
+
+    @property
+    def drafting_context(self) -> int:
+        """Tokens of K/V the drafting requests read (the step's context split by its rows'
+        share: the replay's requests of a step run at about one length)."""
+        return self.context * self.drafting // max(self.num_decoding, 1)
 
     @property
     def context_writes(self) -> int:
-        """Decoding requests whose new token the drafter writes into its context without
-        drafting (a width-1 row while the speculator keeps its context)."""
+        """Decoding requests whose new token the drafter writes into its context in a step
+        that drafts nothing, while the speculator keeps its context. A width-1 row beside
+        drafting ones has its context written in that step too, priced in the drafter's
+        per-step part (context_ms_per_request is fitted on width-1 steps, whose graphs capture
+        the features that a drafting step captures anyway)."""
         writes = self.drafter and self.writes_context and self.max_width == 1
         return self.num_decoding if writes else 0
 

@@ -16,6 +16,7 @@ import torch
 
 from batchrun.attention.base import AttentionBackend
 from batchrun.attention.meta import AttentionMeta, allocate_kv, row_starts
+from batchrun.device import put
 from batchrun.models.dflash import DFlashDraft
 from batchrun.parallel.group import TensorParallel
 from batchrun.spec_decode.acceptance import accepted_lengths
@@ -165,9 +166,11 @@ class DFlashSpeculator(Speculator):
                 policy.record_round(w, a)
                 if self.rows is not None:
                     self.rows.record(slot, w, a)
-        bucket = self.target.graphs.bucket(step.num_live, self.max_batch_size)
-        if draft_ms is not None and step.uniform:
-            policy.record_draft(bucket, draft_ms)
+        graphs = self.target.graphs
+        bucket = graphs.bucket(step.num_live, self.max_batch_size)
+        if draft_ms is not None and step.uniform:  # the draft's time is its drafting rows'
+            drafting = sum(w > 1 for w in step.widths)
+            policy.record_draft(graphs.bucket(drafting, self.max_batch_size), draft_ms)
         if seconds <= 0:
             return
         policy.record_elapsed(seconds * 1e3)
@@ -190,8 +193,9 @@ class DFlashSpeculator(Speculator):
 
     @torch.inference_mode()
     def propose(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor | None:
-        """Drafts one block per decoding request, after storing the context K/V of the rows
-        their last verify committed; at width 1 it only stores those."""
+        """Drafts one block per decoding request verifying above width 1, after storing the
+        context K/V of the rows every decoding request's last verify committed; a step at
+        width 1 only stores those."""
         d = step.num_decoding
         if not d:
             return None
@@ -244,17 +248,43 @@ class DFlashSpeculator(Speculator):
         self._verified_unstored = self.context.commit(slots, accepted, widths, drafted)
 
     def _draft_step(self, step: StepShape, slots: torch.Tensor) -> torch.Tensor:
+        """The step's drafts [D, B-1] in the buffer the target's graphs read: a block for each
+        request verifying above width 1 (a width-1 row's drafts are read by none: zeros), after
+        the context of every decoding request's last verify is stored (a width-1 row's without
+        drafting, as a step that drafts nothing stores it)."""
         d = step.num_decoding
-        graphs = self.graphs
-        graphed = graphs is not None and graphs.replayable(step)
-        slots = slots if graphed else slots[:d]
-        context = self._verified_context(slots)
+        decoding = slots[:d]
+        drafting = [r for r, w in enumerate(step.widths) if w > 1]
+        index = None
+        if len(drafting) < d:
+            device = slots.device
+            rest = [r for r, w in enumerate(step.widths) if w == 1]
+            self._store_verified(decoding[put(rest, torch.int64, device)])
+            index = put(drafting, torch.int64, device)
+            decoding = decoding[index]
+        context = self._verified_context(decoding)
         self._verified_unstored = False
-        if graphed:
+        graphs = self.graphs
+        size = graphs.size(len(drafting)) if graphs is not None else None
+        if size is not None:
             assert graphs is not None
-            return graphs.replay(step.num_requests, context, slots)[:d]
-        # Eager: the blocks end by the step's longest context, with a block, not the graphs'.
-        return self._draft(slots, context, step.max_kv - min(step.widths) + self.block_size)
+            drafted = graphs.replay(size, context, decoding)
+        else:  # eager: the blocks end by the step's longest context, with a block
+            max_kv = step.max_kv - min(step.widths) + self.block_size
+            drafted = self._draft(decoding, context, max_kv)
+        drafts = self.drafts[:d]
+        if index is None:
+            drafts.copy_(drafted)
+        else:
+            drafts.zero_()
+            drafts.index_copy_(0, index, drafted)
+            self._place(index, len(drafting))
+        return drafts
+
+    def _place(self, index: torch.Tensor, num_drafted: int) -> None:
+        """After a step drafted only its decoding requests at `index` (in that order, first in
+        the per-request buffers): what a method keeps per drafted request moves to its
+        request's row (DFlash's drafts are placed by _draft_step)."""
 
     def _store_verified(self, slots: torch.Tensor) -> None:
         """The draft context of the last verify's committed rows, without drafting."""
@@ -332,7 +362,6 @@ class DFlashSpeculator(Speculator):
             draft=self._draft,
             backends=self._graph_backends(),
             metas=self._metas,
-            drafts=self.drafts,
             context=torch.zeros(
                 max_batch_size * block,
                 hidden * len(self.capture_layers),
@@ -340,6 +369,8 @@ class DFlashSpeculator(Speculator):
                 device=target.device,
             ),
             block_size=block,
+            max_batch_size=max_batch_size,
+            scratch_slot=target.state.num_slots,
         )
         self.graphs.capture(target.graphs.sizes(max_batch_size, min(drafting)), pool)
 

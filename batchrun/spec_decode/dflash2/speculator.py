@@ -1,7 +1,7 @@
 """The DFlash2 speculator: DFlash's (spec_decode/dflash/speculator.py: the draft's context, K/V,
-rings, graphs and width policy, all unchanged) with the block's tokens chosen by the candidate
-selector's walk (walk.py) instead of an argmax per row. The walk runs on the device inside the
-drafting CUDA graph, over buffers of fixed shape.
+rings, graphs, width policy and drafting of only the rows verifying above width 1) with the
+block's tokens chosen by the candidate selector's walk (walk.py) instead of an argmax per row.
+The walk runs on the device inside the drafting CUDA graph, over buffers of fixed shape.
 
 A greedy request walks greedily; a sampled one (temperature > 0) draws each draft from the
 walk's softmax with its own Philox uniforms (sampling/draft_verify.py's proposal stream, keyed
@@ -75,6 +75,12 @@ class DFlash2Speculator(DFlashSpeculator):
         self.q[:n].copy_(walked.q)
         self.candidates[:n].copy_(block.candidates)
         return walked.tokens
+
+    def _place(self, index: torch.Tensor, num_drafted: int) -> None:
+        """The walk's q and candidates of the drafted requests to their requests' rows (a
+        width-1 row's are read by none)."""
+        for kept in (self.q, self.candidates):
+            kept.index_copy_(0, index, kept[:num_drafted].clone())
 
     def proposal(self, step: StepShape) -> tuple[torch.Tensor, torch.Tensor]:
         d = step.num_decoding
