@@ -1,4 +1,4 @@
-"""Each decoding row's verify width within a step (issue 46): the step's width W comes from the
+"""Each decoding row's verify width within a step: the step's width W comes from the
 batch (width_policy.py: measured step costs, the batch's acceptance, probes, dormancy), and each
 row then verifies at W, or at width 1 when its own acceptance says its drafts earn under
 ROW_MIN_GAIN of what the batch's do at W. A row the drafter knows verifies W rows while one it
