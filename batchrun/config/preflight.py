@@ -27,7 +27,7 @@ from batchrun.engine.attention_backends import (
     check_backend_dtype,
     check_backend_kv,
 )
-from batchrun.engine.batch_choice import BatchChoice, RowTokens, job_batch
+from batchrun.engine.batch_choice import BatchChoice, RowTokens, job_batch, rule_applies
 from batchrun.engine.config import EngineConfig, check_batch_budget
 from batchrun.engine.memory import (
     BatchFootprint,
@@ -146,7 +146,9 @@ def preflight(
         config.kv_cache_dtype,
     )
     max_len = context_limit(config, target)
-    rows = sample(tokenizer, max_len, target.vocab_size) if sample is not None else None
+    rows = None
+    if sample is not None and rule_applies(config.max_batch_size, device):
+        rows = sample(tokenizer, max_len, target.vocab_size)  # read once more: only for the rule
     rows = rows or RowTokens.unknown(max_len, job.sampling.max_tokens)
     share = weights // job.run.tp  # a rank's (the draft's whole: less, a lower bound still)
     memory = (device_memory_bytes(device), share) if device.type == "cuda" else None

@@ -77,6 +77,12 @@ def decode_cost(
     )
 
 
+def rule_applies(given: int | None, device: torch.device) -> bool:
+    """Whether the batch comes from the rule (and needs the rows' length): none given, on a
+    GPU. Otherwise nothing reads the input for it."""
+    return given is None and device.type == "cuda"
+
+
 def choose_batch(
     given: int | None,
     device: torch.device,
