@@ -221,23 +221,6 @@ def test_bad_bench_arguments_are_one_line(args: list[str]) -> None:
     assert len(result.output.strip().splitlines()) == 1, result.output
 
 
-def test_default_batch_jobs_set_no_batch_and_run_at_the_jobs_default(tmp_path: Path) -> None:
-    plan = JobsPlan(
-        shape_name="tiny",
-        shape=TINY,
-        workloads=(WORKLOADS["w2"].scaled(0.1),),
-        taus=(),
-        widths=(),
-        scratch=tmp_path,
-        dtype="float32",
-        device="cpu",
-        default_batch=True,
-    )
-    entry = run_jobs(plan, lambda _: None)["workloads"]["w2"]
-    assert entry["workload"]["batch"] == 64  # run's default, not the workload's 32
-    assert entry["runs"]["none"]["error_rows"] == 0
-
-
 def test_a_workload_at_another_batch() -> None:
     """NAME@B: the workload at batch B (a batch sweep), named so in the result file."""
     from batchrun.bench.workloads import WORKLOADS, named_workload
@@ -264,5 +247,6 @@ def test_the_default_batch_is_the_one_run_chooses(tmp_path: Path) -> None:
         default_batch=True,
     )
     entry = run_jobs(plan, lambda _: None)["workloads"]["w2"]
-    assert entry["workload"]["batch"] == 64
+    assert entry["workload"]["batch"] == 64  # run's choice, not the workload's 32
     assert entry["runs"]["none"]["max_batch_size"] == 64
+    assert entry["runs"]["none"]["error_rows"] == 0
