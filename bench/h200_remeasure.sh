@@ -55,9 +55,10 @@ for stage in ${STAGES:-nodraft}; do
     fp8)  # FP8 weights and FP8 KV on W1, against the bf16 W1 of stage nodraft (same call)
         jobs jobs-w1-fp8-weights-fp8-kv w1 --widths '' --tau '' --fp8-weights \
             --kv-cache-dtype fp8 --scratch /tmp/bj8 ;;
-    default-batch)  # W1 as a user who sets no --max-batch-size runs it
+    default-batch)  # W1 as a user who sets no --max-batch-size runs it, and at 64, 128, 256
         jobs jobs-w1-default-batch w1 --widths '' --tau '' --jobs-default-batch \
-            --scratch /tmp/bj ;;
+            --scratch /tmp/bj
+        jobs jobs-w1-batch-sweep w1@64,w1,w1@256 --widths '' --tau '' --scratch /tmp/bj ;;
     moe)  # the MoE shape's W1 (24 layers), bf16 then FP8 weights and KV (disk: one at a time)
         rm -rf /tmp/bj /tmp/bj8
         jobs jobs-moe-w1-bf16 w1 --shape qwen3-30b-a3b --num-layers 24 --widths '' --tau '' \
@@ -69,7 +70,7 @@ for stage in ${STAGES:-nodraft}; do
         jobs jobs-w1-w2-b1-drafts w1,w2,b1 --tau 3,6.5 --scenarios 'collapse,mixed rows' \
             --widths auto,full --scratch /tmp/bj ;;
     drafts-policy)  # the width policy's contract on a short call: tau 6.5 and the scenarios
-        jobs jobs-w1-w2-b1-policy w1,w2,b1 --tau 6.5 --scenarios 'collapse,mixed rows' \
+        jobs jobs-w1-w2-b1-j1-policy w1,w2,b1,j1 --tau 6.5 --scenarios 'collapse,mixed rows' \
             --widths auto,full --scratch /tmp/bj ;;
     drafts-short)  # the policy on the two short workloads (a last call's budget)
         jobs jobs-w2-b1-drafts w2,b1 --tau 6.5 --scenarios 'collapse,mixed rows' \
@@ -90,8 +91,9 @@ for stage in ${STAGES:-nodraft}; do
             --scratch /tmp/bh ;;
     dflash2)  # DFlash2 against DFlash at the Qwen3-8B shape, the oracle at tau 6.5: what the
         # selector and the convolutions add to a round (method_costs)
+        # and each run's kernels (an untimed repeat): where the extra time goes
         jobs jobs-b1-w2-dflash2 b1,w2 --tau 6.5 --widths full --draft-methods dflash,dflash2 \
-            --scratch /tmp/bj ;;
+            --profile-jobs b1,w2 --scratch /tmp/bj ;;
     gpu-tests)  # at most GPU_TESTS_BUDGET seconds (default: what is left)
         budget=$(left)
         budget=$((budget < ${GPU_TESTS_BUDGET:-$budget} ? budget : ${GPU_TESTS_BUDGET:-$budget}))

@@ -265,7 +265,7 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
 @click.option(
     "--profile-jobs",
     default="",
-    help="--jobs: profile the no-draft run of these workloads (a kernel table of the whole job).",
+    help="--jobs: profile every run of these workloads (an untimed repeat: its kernels by time).",
 )
 @click.option(
     "--scratch",

@@ -42,6 +42,8 @@ from batchrun.runners.local import run_job
 from batchrun.runners.startup import check_start
 from batchrun.spec_decode.registry import METHODS
 
+PROFILED_KERNELS = 60  # a profile's kernels kept by name (its table shows the top 25)
+EXTRA_KERNELS = 15  # method_costs: the kernels whose time differs most between two runs
 ORACLE_LABEL = (
     "benchmark-only acceptance oracle: the draft's forward runs, then its proposals are the "
     "target's own continuation (from this run's no-draft job), each kept right with the "
@@ -63,7 +65,7 @@ class JobsPlan:
     hf_workloads: tuple[str, ...] = ()  # also run generate() on these
     max_batched_tokens: int | None = None  # None: the job default
     default_batch: bool = False  # set no max_batch_size: the job default, as a user who sets none
-    profiled: tuple[str, ...] = ()  # profile the no-draft run of these
+    profiled: tuple[str, ...] = ()  # profile every run of these (an untimed repeat each)
     kv_cache_dtype: str = "auto"  # the target's KV cache: auto (the model dtype) or fp8
     scenarios: tuple[str, ...] = ()  # oracle runs whose acceptance changes (oracle.SCENARIOS)
     # The speculation methods whose scratch drafts run (spec_decode/registry.py's names): the
@@ -208,12 +210,15 @@ class _Mode:
                 if marks:
                     oracle = self._oracle(continuations[w.name], self.budgets[w.name], marks)
                 entry = self.result["workloads"][w.name]
-                if self.mode == "none" and w.name in self.plan.profiled:
-                    stats, entry["profile"] = _profiled(
-                        partial(_run, self.engine, job, w.batch, None), self.engine.device
+                stats = _run(self.engine, job, w.batch, oracle)
+                if w.name in self.plan.profiled:  # a repeat, so the timed run pays no profiler
+                    again = marks and self._oracle(
+                        continuations[w.name], self.budgets[w.name], marks
                     )
-                else:
-                    stats = _run(self.engine, job, w.batch, oracle)
+                    entry.setdefault("profiles", {})[name] = _profiled(
+                        partial(_run, self.engine, job, w.batch, again or None),
+                        self.engine.device,
+                    )
                 if self.mode == "none":  # a constrained workload's oracle replays "json"
                     continuations[w.name] = outputs(Path(job.output.directory))
                 run = _figures(stats, entry.get("bound")) | marks
@@ -306,9 +311,7 @@ def _run(
         return run_job(job, engine=engine)
 
 
-def _profiled(
-    run: Callable[[], dict[str, Any]], device: torch.device
-) -> tuple[dict[str, Any], dict[str, Any]]:
+def _profiled(run: Callable[[], dict[str, Any]], device: torch.device) -> dict[str, Any]:
     """A whole job under the profiler: its kernels by total time (graph replays included), and
     how much of the job the device was busy (the rest is the host or the pipeline's gaps)."""
     from torch.profiler import ProfilerActivity, profile
@@ -320,13 +323,16 @@ def _profiled(
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     busy = sum(getattr(e, key) for e in events) / 1e6
-    table = events.table(
-        sort_by=key.replace("device", "cuda"), row_limit=25, max_name_column_width=70
-    )
-    return stats, {
+    ranked = sorted(events, key=lambda e: -getattr(e, key))
+    return {
+        "generation_seconds": stats["generation_seconds"],
         "kernel_seconds": busy,
         "busy_fraction": busy / stats["generation_seconds"],
-        "table": table,
+        # name -> [seconds, calls]: what method_costs compares between two runs
+        "kernels": {e.key: [getattr(e, key) / 1e6, e.count] for e in ranked[:PROFILED_KERNELS]},
+        "table": events.table(
+            sort_by=key.replace("device", "cuda"), row_limit=25, max_name_column_width=70
+        ),
     }
 
 
@@ -402,13 +408,29 @@ def add_method_costs(entry: dict[str, Any], methods: tuple[str, ...]) -> None:
                 continue
             step = run["generation_seconds"] / steps
             base_step = base["generation_seconds"] / base_steps
-            costs[f"{name} vs {' '.join(words)}"] = {
+            cost = costs[f"{name} vs {' '.join(words)}"] = {
                 "step_ms": 1e3 * step,
                 "base_step_ms": 1e3 * base_step,
                 "extra_share_of_round": (step - base_step) / step,
             }
+            profiles = entry.get("profiles", {})
+            if name in profiles and " ".join(words) in profiles:
+                cost["extra_kernels_ms_per_step"] = kernel_difference(
+                    profiles[name]["kernels"], profiles[" ".join(words)]["kernels"], steps
+                )
     if costs:
         entry["method_costs"] = costs
+
+
+def kernel_difference(
+    kernels: dict[str, list[float]], base: dict[str, list[float]], steps: int
+) -> dict[str, float]:
+    """Kernel name -> ms per step that one profiled run spends beyond the other (negative: less),
+    the largest differences first: where a method's extra share of a round goes."""
+    names = set(kernels) | set(base)
+    extra = {n: kernels.get(n, [0.0])[0] - base.get(n, [0.0])[0] for n in names}
+    ranked = sorted(extra.items(), key=lambda item: -abs(item[1]))[:EXTRA_KERNELS]
+    return {n: 1e3 * seconds / steps for n, seconds in ranked}
 
 
 def _line(run: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from batchrun.bench.jobs import JobsPlan, outputs, run_jobs
+from batchrun.bench.jobs import JobsPlan, kernel_difference, outputs, run_jobs
 from batchrun.bench.workloads import WORKLOADS
 from batchrun.models.qwen3 import Qwen3Shape
 
@@ -47,9 +47,12 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
     assert "oracle" in result["oracle"]
     for mode in ("none", "auto", "full"):
         assert result["startup"][mode]["stages"]["load_target"] >= 0
-    profile = result["workloads"]["w2"]["profile"]  # the no-draft run's kernels
-    assert profile["kernel_seconds"] > 0 and "aten::" in profile["table"]
-    assert "profile" not in result["workloads"]["w3"]
+    profiles = result["workloads"]["w2"]["profiles"]  # every run's, an untimed repeat each
+    assert set(profiles) == set(result["workloads"]["w2"]["runs"])
+    for profile in profiles.values():
+        assert profile["kernel_seconds"] > 0 and "aten::" in profile["table"]
+        assert all(seconds >= 0 and calls > 0 for seconds, calls in profile["kernels"].values())
+    assert "profiles" not in result["workloads"]["w3"]
     for name, entry in result["workloads"].items():
         runs = entry["runs"]
         assert set(runs) == {
@@ -98,6 +101,7 @@ def test_a_second_draft_method_runs_beside_the_first(tmp_path: Path) -> None:
         dtype="float32",
         device="cpu",
         draft_methods=("dflash", "dflash2"),
+        profiled=("w2",),
     )
     entry = run_jobs(plan, lambda _: None)["workloads"]["w2"]
     runs = entry["runs"]
@@ -113,8 +117,23 @@ def test_a_second_draft_method_runs_beside_the_first(tmp_path: Path) -> None:
     assert all(o == written["none"] for o in written.values())
     cost = entry["method_costs"]["oracle tau 6.5 dflash2 full vs oracle tau 6.5 full"]
     assert cost["step_ms"] > 0 and cost["base_step_ms"] > 0 and cost["extra_share_of_round"] < 1
+    # where the extra time goes: the selector's top-K is DFlash2's alone (DFlash takes argmax)
+    extra = cost["extra_kernels_ms_per_step"]
+    assert (
+        extra["aten::topk"] > 0
+        and "aten::topk" not in entry["profiles"]["oracle tau 6.5 full"]["kernels"]
+    )
     config = (tmp_path / "models" / "draft-DFlash2DraftModel" / "config.json").read_text()
     assert '"selector_top_k": 16' in config
+
+
+def testkernel_difference_ranks_what_one_run_spends_beyond_the_other() -> None:
+    kernels = {"topk": [0.3, 10], "gemm": [1.0, 10], "conv": [0.2, 40]}
+    base = {"gemm": [1.1, 10], "argmax": [0.05, 10]}
+    extra = kernel_difference(kernels, base, steps=10)
+    assert list(extra) == ["topk", "conv", "gemm", "argmax"]  # by size of the difference
+    assert extra["topk"] == pytest.approx(30.0) and extra["gemm"] == pytest.approx(-10.0)
+    assert extra["argmax"] == pytest.approx(-5.0)
 
 
 def test_a_json_schema_workload_runs_constrained_beside_unconstrained(tmp_path: Path) -> None:
