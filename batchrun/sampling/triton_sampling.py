@@ -78,6 +78,19 @@ def _row_words(seed_ptr, step_ptr, row, ids):
 
 
 @triton.jit
+def stream_uniform(seed, step, STREAM: tl.constexpr):
+    """draft_verify.stream_uniform of one int64 seed and step: word 0 of Philox-4x32-10 at
+    counter (step, 0, STREAM) under the seed's key, as a float32 in (0, 1), bit for bit."""
+    k0 = (seed & _MASK32).to(tl.uint32)
+    k1 = ((seed >> 32) & _MASK32).to(tl.uint32)
+    s0 = (step & _MASK32).to(tl.uint32)
+    s1 = ((step >> 32) & _MASK32).to(tl.uint32)
+    zero = s0 * 0
+    x0 = _philox_4x32_10(s0, s1, zero, zero + STREAM, k0, k1)[0]
+    return tl.maximum((x0 >> 8).to(tl.float32), 0.5) * 5.9604644775390625e-08  # 2^-24, exact
+
+
+@triton.jit
 def _gumbel(x0, LIBDEVICE: tl.constexpr):
     """float32 standard Gumbel noise from Philox word 0, as sampler.gumbel_noise computes it."""
     u = tl.maximum((x0 >> 8).to(tl.float32), 0.5) * 5.9604644775390625e-08  # 2^-24, exact

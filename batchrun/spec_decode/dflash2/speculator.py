@@ -14,7 +14,6 @@ import torch
 
 from batchrun.models.dflash2 import DFlash2Draft
 from batchrun.parallel.group import TensorParallel
-from batchrun.sampling.draft_verify import proposal_uniforms
 from batchrun.spec_decode.base import StepShape, TargetView
 from batchrun.spec_decode.dflash.inputs import DraftInputs
 from batchrun.spec_decode.dflash.speculator import DFlashSpeculator
@@ -57,10 +56,6 @@ class DFlash2Speculator(DFlashSpeculator):
         anchors = inputs.block_ids.view(n, self.block_size)[:, 0]
         state = self.target.state
         tables = state.sampling.tables
-        # Draft j is verified at the row that samples output token out_len + j.
-        uniforms = proposal_uniforms(
-            tables["seed"][slots], state.out_len[slots], self.block_size - 1
-        )
         selector = draft.candidate_selector
         walked = walk(
             block.unary,
@@ -70,7 +65,8 @@ class DFlash2Speculator(DFlashSpeculator):
             selector.predecessor_codebook,
             selector.successor_codebook,
             tables["temperature"][slots],
-            uniforms,
+            tables["seed"][slots],
+            state.out_len[slots],  # draft j is verified at the row that samples token out_len + j
         )
         self.q[:n].copy_(walked.q)
         self.candidates[:n].copy_(block.candidates)

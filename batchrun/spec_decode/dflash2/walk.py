@@ -17,8 +17,8 @@ position, and q is that softmax: the verifier (sampling/draft_verify.py) needs i
 target's distribution.
 
 Batched on the device with static shapes and no host sync, so it captures in a CUDA graph: on
-CUDA, when triton imports, one Triton program per row (kernels/triton_dflash2_walk.py); the torch
-version below is the reference and the CPU path.
+CUDA, when triton imports, one Triton program per row (triton_walk.py, which also draws the
+uniforms); the torch version below is the reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+
+from batchrun.sampling.draft_verify import proposal_uniforms
 
 
 class Walk(NamedTuple):
@@ -46,14 +48,19 @@ def walk(
     predecessor: torch.Tensor,
     successor: torch.Tensor,
     temperature: torch.Tensor,
-    uniforms: torch.Tensor,
+    seed: torch.Tensor,
+    first_step: torch.Tensor,
 ) -> Walk:
     """unary f32[N, P, K] (sorted descending), candidates i64[N, P, K], hidden_proj f32[N, P, R],
     anchors i64[N], predecessor and successor [V, R] (any float dtype), temperature f32[N] (0 =
-    greedy), uniforms f32[N, P] in (0, 1) -> Walk. The Triton kernel on CUDA, else walk_torch."""
-    args = (unary, candidates, hidden_proj, anchors, predecessor, successor, temperature, uniforms)
+    greedy), the rows' seed and first_step i64[N]: position j's uniform is the proposal stream's
+    at step first_step + j (sampling/draft_verify.py). The Triton kernel on CUDA (it draws the
+    uniforms itself), else walk_torch."""
+    args = (unary, candidates, hidden_proj, anchors, predecessor, successor, temperature)
     kernel = _kernel(unary)
-    return walk_torch(*args) if kernel is None else Walk(*kernel(*args))
+    if kernel is None:
+        return walk_torch(*args, proposal_uniforms(seed, first_step, unary.shape[1]))
+    return Walk(*kernel(*args, seed=seed.contiguous(), first_step=first_step.contiguous()))
 
 
 def _kernel(unary: torch.Tensor) -> WalkKernel | None:
@@ -63,7 +70,7 @@ def _kernel(unary: torch.Tensor) -> WalkKernel | None:
 @functools.cache
 def _import_kernel() -> WalkKernel | None:
     try:
-        from batchrun.kernels.triton_dflash2_walk import walk_triton
+        from batchrun.spec_decode.dflash2.triton_walk import walk_triton
     except ImportError:
         return None
     return walk_triton

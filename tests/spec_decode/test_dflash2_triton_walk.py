@@ -1,6 +1,7 @@
-"""The candidate selector's walk kernel (kernels/triton_dflash2_walk.py) against the torch walk it
-replaces (spec_decode/dflash2/walk.py's walk_torch): the same tokens, greedy and sampled, and q to
-a tolerance; walk() choosing the kernel on CUDA; a CUDA graph replay.
+"""The candidate selector's walk kernel (spec_decode/dflash2/triton_walk.py) against the torch
+walk it replaces (walk.py's walk_torch): the same tokens, greedy and sampled, and q to a
+tolerance; the uniforms the kernel draws itself; walk() choosing the kernel on CUDA; a CUDA
+graph replay.
 
 Without CUDA the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
 imported) at tiny shapes. Exact tokens need exact scores whatever the summation order: the
@@ -20,7 +21,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from batchrun.kernels.triton_dflash2_walk import walk_triton  # noqa: E402
+from batchrun.sampling.draft_verify import proposal_uniforms  # noqa: E402
+from batchrun.spec_decode.dflash2.triton_walk import walk_triton  # noqa: E402
 from batchrun.spec_decode.dflash2.walk import Walk, walk, walk_torch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -118,12 +120,56 @@ def test_the_kernel_reads_strided_inputs_and_bfloat16_codebooks() -> None:
     assert_same_walk(walk_triton(**strided), walk_torch(**x))
 
 
+def coin_inputs(n: int, p: int, seed: int) -> dict[str, torch.Tensor]:
+    """Sampled rows whose every position has two candidates of equal score: q = (1/2, 1/2)
+    exactly, so a position takes its second candidate exactly when its uniform is >= 1/2 (the
+    CDF's first step is 1/2, its total 1: no rounding) and the tokens spell the uniforms' top
+    bits. Seeds span all 64 bits and steps pass 2^32, as the counter's words do."""
+    x = make_inputs(n, p, 2, 4, 40, seed=seed, temperature=[1.0] * n)
+    x["unary"] = torch.zeros_like(x["unary"])
+    x["successor"] = torch.zeros_like(x["successor"])
+    gen = torch.Generator().manual_seed(seed)
+    del x["uniforms"]
+    x["seed"] = torch.randint(-(2**63), 2**63 - 1, (n,), generator=gen).to(DEVICE)
+    steps = torch.randint(0, 2**40, (n,), generator=gen)
+    steps[0] = 2**32 - 2  # its positions cross into the counter's high word
+    x["first_step"] = steps.to(DEVICE)
+    return x
+
+
+def test_the_kernel_draws_the_proposal_streams_uniforms_itself() -> None:
+    """Given seeds and steps instead of uniforms, the kernel's draws are those of
+    proposal_uniforms (sampling/draft_verify.py), position by position."""
+    x = coin_inputs(6, 5, seed=3)
+    tokens, q = walk_triton(**x)
+    assert torch.equal(q, torch.full_like(q, 0.5))
+    second = proposal_uniforms(x["seed"], x["first_step"], 5) >= 0.5
+    assert torch.equal(
+        tokens, torch.where(second, x["candidates"][..., 1], x["candidates"][..., 0])
+    )
+    assert 0 < int(second.sum()) < second.numel()  # both halves drawn: the bits are compared
+
+
+def walk_inputs(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """walk()'s arguments of a case with uniforms: any seeds (the draws differ from the case's)."""
+    args = {name: t for name, t in x.items() if name != "uniforms"}
+    n = x["unary"].shape[0]
+    args["seed"] = torch.arange(n, device=DEVICE) * 977 + 5
+    args["first_step"] = torch.arange(n, device=DEVICE) * 3
+    return args
+
+
 @pytest.mark.gpu
 def test_walk_takes_the_kernel_on_cuda() -> None:
-    x = centred(make_inputs(8, 5, 16, 64, 1000, seed=1))
-    got = walk(**x)
+    x = make_inputs(8, 5, 16, 64, 1000, seed=1, temperature=[0.0] * 8)
+    got = walk(**walk_inputs(x))
     assert isinstance(got, Walk)
     assert_same_walk((got.tokens, got.q), walk_torch(**x))
+    coins = coin_inputs(32, 15, seed=8)
+    drawn = walk(**coins)
+    second = proposal_uniforms(coins["seed"], coins["first_step"], 15) >= 0.5
+    want = torch.where(second, coins["candidates"][..., 1], coins["candidates"][..., 0])
+    assert torch.equal(drawn.tokens, want)
 
 
 @pytest.mark.gpu
@@ -139,7 +185,7 @@ def test_the_real_selector_shape(n: int) -> None:
 
 @pytest.mark.gpu
 def test_the_walk_replays_in_a_cuda_graph() -> None:
-    x = centred(make_inputs(16, 15, 16, 256, 5000, seed=4))
+    x = walk_inputs(make_inputs(16, 15, 16, 256, 5000, seed=4, temperature=[0.0] * 16))
     static = {name: t.clone() for name, t in x.items()}
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -150,8 +196,8 @@ def test_the_walk_replays_in_a_cuda_graph() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = walk(**static)
-    fresh = centred(make_inputs(16, 15, 16, 256, 5000, seed=5))
-    for name, t in fresh.items():
+    fresh = make_inputs(16, 15, 16, 256, 5000, seed=5, temperature=[0.0] * 16)
+    for name, t in walk_inputs(fresh).items():
         static[name].copy_(t)
     graph.replay()
     torch.cuda.synchronize()

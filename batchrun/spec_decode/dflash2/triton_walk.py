@@ -5,6 +5,11 @@ Token for token what the DFlash2 method's walk_torch (its walk.py) computes, up 
 summation order (so the same greedy tokens unless two edge scores differ in their last bits), and
 the same rules: ties to the lower candidate index, inverse CDF scaled by the row's own total.
 
+Given the rows' seeds and first steps instead of uniforms, the kernel draws each sampled
+position's uniform itself (sampling/draft_verify.py's proposal stream, bit for bit): the torch
+Philox is some eight int64 kernels a drafting step, 3% of a round at batch 1 on an H100
+(bench/results/jobs-h100-b1-w2-dflash2-profile.json).
+
 The grid and every tensor are sized from shapes only and the kernel reads nothing back to the
 host, so it captures in a CUDA graph.
 """
@@ -14,6 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from batchrun.sampling.draft_verify import PROPOSAL_STREAM
+from batchrun.sampling.triton_sampling import stream_uniform
 
 __all__ = ["walk_triton"]
 
@@ -30,6 +38,8 @@ def _walk_kernel(
     succ_ptr,
     temp_ptr,
     u_ptr,
+    seed_ptr,
+    step_ptr,
     tokens_ptr,
     q_ptr,
     P,
@@ -59,6 +69,7 @@ def _walk_kernel(
     s_qk,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    DRAW: tl.constexpr,  # draw the uniforms from seed_ptr, step_ptr (else read u_ptr)
 ):
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(temp_ptr + row * s_t)
@@ -68,6 +79,9 @@ def _walk_kernel(
     kmask = ks < K
     rs = tl.arange(0, BLOCK_R)
     previous = tl.load(anchors_ptr + row * s_an).to(tl.int64)
+    if DRAW:
+        seed = tl.load(seed_ptr + row).to(tl.int64)
+        first_step = tl.load(step_ptr + row).to(tl.int64)
     for j in range(P):
         cand = tl.load(cand_ptr + row * s_cn + j * s_cp + ks * s_ck, mask=kmask, other=0)
         cand = cand.to(tl.int64)
@@ -92,7 +106,10 @@ def _walk_kernel(
         soft = e / tl.sum(e, axis=0)
         cdf = tl.cumsum(soft, axis=0)
         total = tl.max(tl.where(kmask, cdf, 0.0), axis=0)
-        u = tl.load(u_ptr + row * s_rn + j * s_rp)
+        if DRAW:
+            u = stream_uniform(seed, first_step + j, PROPOSAL_STREAM)
+        else:
+            u = tl.load(u_ptr + row * s_rn + j * s_rp)
         below = (cdf < u * total) & kmask
         drawn = tl.minimum(tl.sum(below.to(tl.int32), axis=0), K - 1)
         choice = tl.where(sampled, drawn, greedy)
@@ -110,12 +127,22 @@ def walk_triton(
     predecessor: torch.Tensor,
     successor: torch.Tensor,
     temperature: torch.Tensor,
-    uniforms: torch.Tensor,
+    uniforms: torch.Tensor | None = None,
+    *,
+    seed: torch.Tensor | None = None,
+    first_step: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """walk_torch's arguments and results (tokens [N, P] int64, q [N, P, K] float32), any
-    strides, the codebooks in any float dtype."""
+    strides, the codebooks in any float dtype; instead of `uniforms`, the rows' seed and
+    first_step [N] int64 (contiguous): the kernel draws proposal_uniforms(seed, first_step, P)."""
     n, p, k = unary.shape
     r = hidden_proj.shape[-1]
+    draw = uniforms is None
+    if draw:
+        assert seed is not None and first_step is not None, "uniforms or seed and first_step"
+        uniforms = unary  # unread: its strides fill the unused arguments
+    else:
+        seed = first_step = anchors  # unread
     tokens = torch.empty(n, p, dtype=torch.int64, device=unary.device)
     q = torch.empty(n, p, k, dtype=torch.float32, device=unary.device)
     if n == 0 or p == 0:
@@ -129,6 +156,8 @@ def walk_triton(
         successor,
         temperature,
         uniforms,
+        seed,
+        first_step,
         tokens,
         q,
         p,
@@ -141,11 +170,12 @@ def walk_triton(
         *hidden_proj.stride(),
         *predecessor.stride(),
         *successor.stride(),
-        *uniforms.stride(),
+        *uniforms.stride()[:2],
         *tokens.stride(),
         *q.stride(),
         BLOCK_K=triton.next_power_of_2(k),
         BLOCK_R=min(triton.next_power_of_2(r), _MAX_BLOCK_R),
+        DRAW=draw,
         num_warps=4,
     )
     return tokens, q
