@@ -138,7 +138,7 @@ def walk_triton(
     n, p, k = unary.shape
     r = hidden_proj.shape[-1]
     draw = uniforms is None
-    if draw:
+    if uniforms is None:
         assert seed is not None and first_step is not None, "uniforms or seed and first_step"
         uniforms = unary  # unread: its strides fill the unused arguments
     else:
