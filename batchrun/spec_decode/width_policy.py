@@ -130,12 +130,9 @@ def step_width(
     bucket is `bucket`): measured only in a step of decode rows alone, and no wider than the
     token budget holds."""
     running = max(running, 1)
-    return policy.choose(
-        bucket,
-        measure=not prefill_pending,
-        max_width=max_batched_tokens // running,
-        requests=running,
-    )
+    if prefill_pending:
+        return policy.mixed_width(bucket, max_width=max_batched_tokens // running, requests=running)
+    return policy.choose(bucket, max_width=max_batched_tokens // running, requests=running)
 
 
 class WidthPolicy:
@@ -158,10 +155,10 @@ class WidthPolicy:
     chunks show it early), so a verify that turns compute-bound is ruled out unmeasured.
 
     Only steps in which every request decodes measure a width. The other steps (prefill chunks
-    mixed in) decode one row per request: they are compute-bound, so a verify row costs what a
-    prefill row does, while its chance of being kept is below one. The engine
-    drops the time of a step whose width differs from the step before: a switch costs the
-    pipeline more than the width does. The best width also falls as the batch grows (wide
+    mixed in) are compute-bound: there a verify row costs what a prefill row does, and a width
+    drafts only where its drafts earn more than that time would in decode steps (mixed_width).
+    The engine drops the time of a step whose width differs from the step before: a switch
+    costs the pipeline more than the width does. The best width also falls as the batch grows (wide
     verifies turn compute-bound first), so a bucket only considers widths between the choices
     of the nearest larger and smaller buckets chosen."""
 
@@ -239,16 +236,13 @@ class WidthPolicy:
         self,
         bucket: int,
         *,
-        measure: bool = True,
         max_width: int | None = None,
         requests: int | None = None,
     ) -> int:
-        """The width of the next step. measure: every request decodes in it (its time tells
-        the width's cost; else width 1); max_width: the widest whose rows fit the step's token
-        budget; requests: how many decode in it (default: the bucket's size)."""
+        """The width of the next step, in which every request decodes (a step with prefill
+        chunks: mixed_width); max_width: the widest whose rows fit the step's token budget;
+        requests: how many decode in it (default: the bucket's size)."""
         self._step += 1
-        if not measure:
-            return 1
         probe_ms = self._probe_ms(bucket, requests or bucket)
         stale = self._since_round_ms > PROBE_EVERY * probe_ms
         if any(self.trials) and (stale or self._fresh >= (requests or bucket)):
@@ -274,6 +268,32 @@ class WidthPolicy:
         if held and self.trials[0] >= PROBE_ROUNDS and not self.hits[0]:
             self._ones = DORMANT_AFTER  # a probe saw nothing accepted: back to sleep at once
         return width
+
+    def mixed_width(self, bucket: int, *, max_width: int, requests: int) -> int:
+        """The width of a step with prefill chunks (compute-bound: measured by no width). Its
+        `requests` decoding rows verify at width w > 1 only where their drafts' expected tokens
+        beat what the time they add, requests * (w - 1) rows at the compute-bound rate per row
+        plus the draft's forward, commits in the bucket's best decode steps: on an H100 a
+        width-16 verify added ~12% to W2's mixed steps and committed ~5 tokens a row more
+        (bench/results/jobs-h100-w1-w2-b1-policy.json). Width 1 until the drafter is known,
+        both rates are measured and the drafter is awake (a probe or a dormant drafter's holes
+        are for decode steps to settle)."""
+        self._step += 1
+        ms_per_row = min(self._ms_per_row, default=0.0)
+        draft = self._draft_least(bucket)
+        accept, share = self.accept(), self.row_share
+        known = {w: c for w in self.widths if (c := self.cost(w, bucket)) is not None}
+        if self.probing or self.dormant or not any(self.trials) or not ms_per_row or not known:
+            return 1
+        decode_rate = max(step_tokens(accept, w, share) / c for w, c in known.items())
+
+        def net(w: int) -> float:  # tokens per request beyond what the time buys in decode
+            added = requests * (w - 1) * ms_per_row + draft
+            return step_tokens(accept, w, share) - 1.0 - decode_rate * added
+
+        drafting = [w for w in self.widths if 1 < w <= max_width]
+        best = max(drafting, key=net, default=1)
+        return best if best > 1 and net(best) > 0 else 1
 
     def _probe_ms(self, bucket: int, requests: int) -> float:
         """What a probe (PROBE_ROUNDS rounds at the narrowest drafting width) costs over as many

@@ -14,6 +14,7 @@ from batchrun.spec_decode.width_policy import (
     best_width,
     candidate_widths,
     expected_tokens,
+    step_width,
 )
 
 WIDTHS = (1, 2, 4, 8, 16)
@@ -119,11 +120,35 @@ def test_a_probe_launches_no_more_rounds_than_it_needs(requests: int) -> None:
     assert set(launched[probe_steps:]) == {1}
 
 
-def test_steps_with_prefill_decode_one_row() -> None:
-    """Compute-bound: a verify row costs what a prefill row does and is kept with chance < 1."""
+def test_a_step_with_prefill_drafts_where_its_drafts_pay_for_their_rows() -> None:
+    """A step with prefill chunks is compute-bound: its verify rows cost the measured time per
+    row, and a width drafts there only if its tokens beat what that time (and the draft's
+    forward) commits in the bucket's decode steps. The H100's W2 (32 requests, 0.016 ms a
+    prefill row, a 3 ms draft, 12 of 15 drafts accepted) drafts at the full block; a
+    compute rate 20x slower, or a drafter accepting nothing, decodes one row per request."""
+
+    def trained(ms_per_row: float, accepted: int) -> WidthPolicy:
+        policy = WidthPolicy(16, WIDTHS)
+        _measure(policy, {1: 8.7, 2: 11.0, 4: 12.0, 8: 15.8, 16: 19.2}, accepted, steps=16)
+        policy.record_draft(32, 3.0)
+        policy.record_rows(4096, 4096 * ms_per_row)
+        return policy
+
+    assert trained(0.016, accepted=12).mixed_width(32, max_width=128, requests=32) == 16
+    assert trained(0.016, accepted=12).mixed_width(32, max_width=8, requests=32) == 8  # budget
+    assert trained(0.32, accepted=12).mixed_width(32, max_width=128, requests=32) == 1
+    assert trained(0.016, accepted=0).mixed_width(32, max_width=128, requests=32) == 1
+    unknown = WidthPolicy(16, WIDTHS)  # nothing measured, nothing accepted yet
+    unknown.record_rows(4096, 60.0)
+    assert unknown.mixed_width(32, max_width=128, requests=32) == 1
+
+
+def test_the_step_width_of_a_step_with_prefill_is_the_mixed_width() -> None:
     policy = WidthPolicy(16, WIDTHS)
     _measure(policy, COSTS, accepted=15, steps=12)
-    assert policy.choose(32) > 1 and policy.choose(32, measure=False) == 1
+    policy.record_rows(4096, 40.0)
+    mixed = step_width(policy, bucket=32, running=32, prefill_pending=True, max_batched_tokens=4096)
+    assert mixed == policy.mixed_width(32, max_width=128, requests=32) > 1
     assert policy.choose(32, max_width=2) in (1, 2)  # no wider than the token budget holds
 
 
