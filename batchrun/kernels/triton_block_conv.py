@@ -1,5 +1,5 @@
 """A dynamic depthwise convolution along blocks of rows in one launch (the DFlash2 drafter's
-BlockConv, models/dflash2.py, whose torch version is the reference and the CPU path):
+BlockConv in its model file, whose block_conv_torch is the reference and the CPU path):
 
     out[t, c] = sum over taps o of (base[o, c] + dynamic[t, o, c // group]) * x[t - o, c]
 
