@@ -13,6 +13,9 @@ whose context K/V, attention and caches it keeps, with two additions.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +34,9 @@ class BlockConv(nn.Module):
     out[t, c] = sum over taps o of (base[o, c] + dynamic[t, o, c // group]) * x[t - o, c],
     x[t - o] zero where t - o < 0 in the block. `prepare` convolves the sublayer's input with
     kernel 0 and keeps kernel 1's dynamic part for `finish`, which convolves its output; both
-    dynamic parts are projected from the sublayer's (normed) input."""
+    dynamic parts are projected from the sublayer's (normed) input. On CUDA, when triton imports,
+    one Triton kernel convolves (kernels/triton_block_conv.py); block_conv_torch is the
+    reference and the CPU path."""
 
     def __init__(self, hidden_size: int, group_size: int, block_size: int) -> None:
         super().__init__()
@@ -55,15 +60,42 @@ class BlockConv(nn.Module):
         return self._convolve(y, dynamic, self.base_kernel[1])
 
     def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        rows, hidden = x.shape
-        blocks = x.view(rows // self.block_size, self.block_size, self.groups, self.group_size)
-        dynamic = dynamic.view(blocks.shape[0], self.block_size, CONV_TAPS, self.groups, 1)
-        base = base.view(CONV_TAPS, self.groups, self.group_size)
-        out = (base[0] + dynamic[:, :, 0]) * blocks
-        for tap in range(1, CONV_TAPS):  # row t reads row t - tap of its own block
-            shifted = F.pad(blocks[:, :-tap], (0, 0, 0, 0, tap, 0))
-            out = out + (base[tap] + dynamic[:, :, tap]) * shifted
-        return out.view(rows, hidden)
+        kernel = _kernel(x)
+        convolve = block_conv_torch if kernel is None else kernel
+        return convolve(x, dynamic, base, self.block_size, self.group_size)
+
+
+BlockConvKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+
+
+def _kernel(x: torch.Tensor) -> BlockConvKernel | None:
+    return _import_kernel() if x.is_cuda else None
+
+
+@functools.cache
+def _import_kernel() -> BlockConvKernel | None:
+    try:
+        from batchrun.kernels.triton_block_conv import block_conv_triton
+    except ImportError:
+        return None
+    return block_conv_triton
+
+
+def block_conv_torch(
+    x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
+) -> torch.Tensor:
+    """BlockConv's convolution, the reference (kernels/triton_block_conv.py fuses it on CUDA):
+    x [rows, H], dynamic [rows, taps, H / group_size], base [taps, H] -> [rows, H]."""
+    rows, hidden = x.shape
+    taps, groups = base.shape[0], hidden // group_size
+    blocks = x.view(rows // block_size, block_size, groups, group_size)
+    dynamic = dynamic.view(blocks.shape[0], block_size, taps, groups, 1)
+    base = base.view(taps, groups, group_size)
+    out = (base[0] + dynamic[:, :, 0]) * blocks
+    for tap in range(1, taps):  # row t reads row t - tap of its own block
+        shifted = F.pad(blocks[:, :-tap], (0, 0, 0, 0, tap, 0))
+        out = out + (base[tap] + dynamic[:, :, tap]) * shifted
+    return out.view(rows, hidden)
 
 
 class DFlash2Layer(DraftLayer):
