@@ -1,21 +1,23 @@
-"""Row-wise top-K over a vocabulary of logits ([N, V], V up to 2^31 - 1, any V) in two launches,
-read once from memory: torch.topk's values exactly, with indices that point at them.
+"""Row-wise top-K over a vocabulary of logits ([N, V], V up to 2^31 - 1, any V) in two launches
+that read the row once, plus K small groups again: torch.topk's values exactly, with indices
+that point at them.
 
 Each element becomes one int64 rank key: its float32 bits made order-preserving in the high word
 (-0.0 read as +0.0; every NaN as the positive quiet NaN, above +inf, where torch.topk ranks NaN),
-2^31 - 1 - its index in the low word. Keys are unique per row, so one integer max per round both
-picks the best element and names it, and masking the key equal to it removes exactly that one.
+2^31 - 1 - its index in the low word. Keys are unique per row, so Triton's bitonic tl.topk over
+keys selects elements and names them at once, and masked slots take a key below every element's.
 
 The row is cut into aligned groups of _GROUP elements, a group ranked by its best key. The top K
 elements lie in the top K groups (each group above an element's own holds a distinct element
 above it), and a chunk's top K groups hold every global top-K group of that chunk. So
-  stage 1, a program per (row, chunk of CHUNK elements): the groups' best keys, then K rounds of
-           max / mask over them: the chunk's top K group keys, into a fixed [N, chunks, K] buffer;
-  stage 2, a program per row: K rounds over its chunks' group keys, the K best groups' elements
-           read again (K * _GROUP of them), K rounds over those: the row's top K, decoded.
-Every pass over the whole row is one integer max per group; the rounds run over small tiles.
-Shapes and the grid follow from N, V and K alone and nothing is read back to the host, so both
-launches capture in a CUDA graph.
+  stage 1, a program per (row, chunk of CHUNK elements): each group's best key (an integer max),
+           then the top K of those: the chunk's K best groups, into a fixed [N, chunks, K] buffer;
+  stage 2, a program per row: the top K of its chunks' groups, those groups' K * _GROUP elements
+           read again, and the top K of them: the row's top K, decoded.
+The selections run on tiles of CHUNK / _GROUP keys or fewer; the whole row meets only the
+conversion to keys and the group maxima (on sm_90, ~15 instructions an element). Shapes and the
+grid follow from N, V and K alone and nothing is read back to the host, so both launches capture
+in a CUDA graph.
 
 Ties: equal values rank the lower index first (the larger low word). torch.topk documents no
 order among ties; any consistent one is lossless for DFlash2, whose walk reads the candidates in
@@ -31,9 +33,10 @@ import triton.language as tl
 
 __all__ = ["MAX_K", "supports_k", "topk_triton"]
 
-MAX_K = 64  # the tiles of K rounds stay small; DFlash2 publishes K = 16
+MAX_K = 64  # the selections' tiles stay small; DFlash2 publishes K = 16
 _GROUP = 16  # elements ranked together by their best key in stage 1
 _CHUNK = 4096  # elements per stage-1 program: ~40 programs per row at a 152k vocabulary
+_WARPS = 4
 _LOWEST: tl.constexpr = tl.constexpr(-(2**63))  # below every element's key: masked out
 
 
@@ -66,18 +69,6 @@ def _key_value(key):
 
 
 @triton.jit
-def _top_keys(keys, K: tl.constexpr):
-    """The K largest of a 1-D tile of unique keys, descending (_LOWEST past its real ones)."""
-    ranks = tl.arange(0, K)
-    top = tl.full([K], _LOWEST, tl.int64)
-    for i in range(K):
-        best = tl.max(keys, axis=0)
-        top = tl.where(ranks == i, best, top)
-        keys = tl.where(keys == best, _LOWEST, keys)
-    return top
-
-
-@triton.jit
 def _chunk_groups_kernel(
     x_ptr,
     groups_ptr,
@@ -97,7 +88,7 @@ def _chunk_groups_kernel(
     inside = index < V
     x = tl.load(x_ptr + row * s_xn + index.to(tl.int64) * s_xv, mask=inside, other=0.0)
     keys = tl.where(inside, _rank_keys(x, index), _LOWEST)
-    top = _top_keys(tl.max(keys, axis=1), K)
+    top = tl.topk(tl.max(keys, axis=1), K)
     tl.store(groups_ptr + row * s_gn + chunk * s_gc + tl.arange(0, K), top)
 
 
@@ -121,14 +112,14 @@ def _row_topk_kernel(
     row = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, BLOCK_C)
     group_keys = tl.load(groups_ptr + row * s_gn + slots, mask=slots < C * K, other=_LOWEST)
-    best_groups = _top_keys(group_keys, K)
+    best_groups = tl.topk(group_keys, K)
     # A group's best key names its best element, hence the group.
     starts = _key_index(best_groups) // GROUP * GROUP
     index = starts[:, None] + tl.arange(0, GROUP)[None, :]
     inside = (best_groups != _LOWEST)[:, None] & (index < V)
     x = tl.load(x_ptr + row * s_xn + index * s_xv, mask=inside, other=0.0)
     keys = tl.where(inside, _rank_keys(x, index), _LOWEST)
-    top = _top_keys(tl.reshape(keys, [K * GROUP]), K)
+    top = tl.topk(tl.reshape(keys, [K * GROUP]), K)
     ranks = tl.arange(0, K)
     tl.store(values_ptr + row * s_vn + ranks, _key_value(top).to(values_ptr.dtype.element_ty))
     tl.store(indices_ptr + row * s_in + ranks, _key_index(top))
@@ -139,8 +130,8 @@ def topk_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V] (a float dtype, V >= k) -> (values [..., k] in logits' dtype, descending;
     indices [..., k] int64), as torch.topk(logits, k, dim=-1). k: supports_k. chunk: elements
-    per stage-1 program, a power of two >= _GROUP (smaller only to test several chunks on a
-    small V)."""
+    per stage-1 program, a power of two (smaller only to test several chunks on a small V),
+    raised to k * _GROUP."""
     *lead, v = logits.shape
     if not supports_k(k):
         raise ValueError(f"top-K kernel: k must be a power of two in 1..{MAX_K}, not {k}")
@@ -153,16 +144,17 @@ def topk_triton(
     values = torch.empty(n, k, dtype=logits.dtype, device=logits.device)
     indices = torch.empty(n, k, dtype=torch.int64, device=logits.device)
     if n > 0:
-        chunk = min(chunk, max(_GROUP, triton.next_power_of_2(v)))
+        # tl.topk needs K groups a chunk; a chunk past a small row only masks loads.
+        chunk = max(min(chunk, triton.next_power_of_2(v)), k * _GROUP)
         chunks = triton.cdiv(v, chunk)
         groups = torch.empty(n, chunks, k, dtype=torch.int64, device=logits.device)
         _chunk_groups_kernel[(n, chunks)](
             rows, groups, v, *rows.stride(), groups.stride(0), groups.stride(1),
-            K=k, CHUNK=chunk, GROUP=_GROUP, num_warps=4,
+            K=k, CHUNK=chunk, GROUP=_GROUP, num_warps=_WARPS,
         )  # fmt: skip
         _row_topk_kernel[(n,)](
             rows, groups, values, indices, v, chunks, *rows.stride(), groups.stride(0),
             values.stride(0), indices.stride(0),
-            K=k, GROUP=_GROUP, BLOCK_C=triton.next_power_of_2(chunks * k), num_warps=4,
+            K=k, GROUP=_GROUP, BLOCK_C=triton.next_power_of_2(chunks * k), num_warps=_WARPS,
         )  # fmt: skip
     return values.view(*lead, k), indices.view(*lead, k)

@@ -10,6 +10,9 @@ With CUDA, the cases marked `gpu` add DFlash2's shapes (V 151936 bf16, N 16 and 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -18,6 +21,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from batchrun.kernels import compile_check  # noqa: E402
 from batchrun.kernels.triton_topk import MAX_K, supports_k, topk_triton  # noqa: E402
 from batchrun.layers import top_k as top_k_module  # noqa: E402
 from batchrun.layers.top_k import top_k  # noqa: E402
@@ -49,11 +53,11 @@ def assert_ties_ascending(values: torch.Tensor, indices: torch.Tensor) -> None:
 @pytest.mark.parametrize(
     ("n", "v", "k", "chunk"),
     [
-        (3, 300, 16, 64),  # five chunks, the last 44 elements
-        (4, 1000, 1, 128),
-        (2, 1000, 4, 256),  # 16 groups a chunk: the group pruning at work
-        (3, 37, 16, 16),  # V a prime, barely above K
-        (2, 16, 16, 4096),  # V == K, one chunk wider than the row
+        (3, 600, 16, 256),  # three chunks, the last 88 elements
+        (4, 1000, 1, 64),
+        (2, 1000, 4, 256),  # 16 groups a chunk, 4 kept: the group pruning at work
+        (3, 37, 16, 16),  # V a prime, barely above K: one chunk, mostly masked
+        (2, 16, 16, 4096),  # V == K
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,32 +72,32 @@ def test_the_kernel_keeps_torch_topks_values(
 def test_repeated_values_rank_the_lower_index_first(k: int) -> None:
     gen = torch.Generator().manual_seed(k)
     x = torch.randint(0, 3, (4, 500), generator=gen).float().to(DEVICE)  # ~170 ties per value
-    x[1, 250:] = 5.0  # the top K all equal, past the first chunks
-    got = topk_triton(x, k, chunk=64)
+    x[1, 300:] = 5.0  # the top K all equal, past the first chunk
+    got = topk_triton(x, k, chunk=256)
     assert_topk(x, k, got)
     assert_ties_ascending(*got)
-    assert torch.equal(got[1][1], torch.arange(250, 250 + k, device=DEVICE))
+    assert torch.equal(got[1][1], torch.arange(300, 300 + k, device=DEVICE))
 
 
 def test_minus_infinity_ranks_below_every_finite_value() -> None:
-    x = torch.full((3, 200), float("-inf"), device=DEVICE)
-    x[0, [5, 70, 199]] = torch.tensor([1.0, -3.0, 2.0], device=DEVICE)  # three finite, K 16
-    x[1] = logits(1, 200, seed=3)[0]
+    x = torch.full((3, 600), float("-inf"), device=DEVICE)
+    x[0, [5, 270, 599]] = torch.tensor([1.0, -3.0, 2.0], device=DEVICE)  # three finite, K 16
+    x[1] = logits(1, 600, seed=3)[0]
     x[1, ::2] = float("-inf")
-    values, indices = topk_triton(x, 16, chunk=32)  # row 2: all -inf
+    values, indices = topk_triton(x, 16, chunk=256)  # row 2: all -inf
     assert_topk(x, 16, (values, indices))
-    assert torch.equal(indices[0, :3], torch.tensor([199, 5, 70], device=DEVICE))
+    assert torch.equal(indices[0, :3], torch.tensor([599, 5, 270], device=DEVICE))
     assert_ties_ascending(values, indices)
 
 
 def test_signed_zeros_tie_and_nan_ranks_first_as_in_torch() -> None:
-    x = torch.full((2, 40), -1.0, device=DEVICE)
-    x[0, [3, 9, 30]] = torch.tensor([-0.0, 0.0, -0.0], device=DEVICE)
-    x[1, 21] = float("nan")
-    values, indices = topk_triton(x, 4, chunk=16)
-    assert torch.equal(indices[0, :3], torch.tensor([3, 9, 30], device=DEVICE))
+    x = torch.full((2, 150), -1.0, device=DEVICE)
+    x[0, [3, 70, 130]] = torch.tensor([-0.0, 0.0, -0.0], device=DEVICE)
+    x[1, 121] = float("nan")
+    values, indices = topk_triton(x, 4, chunk=64)
+    assert torch.equal(indices[0, :3], torch.tensor([3, 70, 130], device=DEVICE))
     assert torch.equal(values[0], torch.tensor([0.0, 0.0, 0.0, -1.0], device=DEVICE))
-    assert indices[1, 0] == 21 and values[1, 0].isnan()
+    assert indices[1, 0] == 121 and values[1, 0].isnan()
     torch.testing.assert_close(values, x.topk(4).values, equal_nan=True, atol=0, rtol=0)
 
 
@@ -101,7 +105,7 @@ def test_the_kernel_keeps_leading_dimensions_and_reads_strided_rows() -> None:
     wide = logits(6, 150, seed=7)
     x = wide[:, :130].reshape(2, 3, 130)  # [R, B-1, V], rows 150 apart
     assert not x.is_contiguous()
-    values, indices = topk_triton(x, 8, chunk=32)
+    values, indices = topk_triton(x, 8, chunk=128)
     assert values.shape == (2, 3, 8)
     assert_topk(x, 8, (values, indices))
 
@@ -126,6 +130,23 @@ def test_top_k_on_the_cpu_is_torch_topk() -> None:
     want = x.topk(5, dim=-1)
     values, indices = top_k(x, 5)
     assert torch.equal(values, want.values) and torch.equal(indices, want.indices)
+
+
+@pytest.mark.skipif(not compile_check.available(), reason="Triton's NVIDIA tools are missing")
+def test_the_kernel_compiles_for_sm90_without_spills() -> None:
+    """DFlash2's case (bf16, K 16, V 151936) compiles for Hopper ahead of time, no GPU needed;
+    `python -m batchrun.kernels.compile_check --top-k` checks every K and dtype."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "batchrun.kernels.compile_check", "--top-k", "--quick"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("ok top-K") == 2, run.stdout
 
 
 @pytest.mark.gpu
