@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -60,9 +61,9 @@ def main() -> None:
             "rows": n,
             "vocab": args.vocab,
             "k": args.k,
-            "triton_topk_ms": graph_ms(lambda x=x: topk_triton(x, args.k)),
-            "torch_topk_ms": graph_ms(lambda x=x: x.topk(args.k)),
-            "argmax_ms": graph_ms(lambda x=x: x.argmax(dim=-1)),
+            "triton_topk_ms": graph_ms(partial(topk_triton, x, args.k)),
+            "torch_topk_ms": graph_ms(partial(torch.topk, x, args.k)),
+            "argmax_ms": graph_ms(partial(torch.argmax, x, dim=-1)),
             "logits_read_gb": x.numel() * x.element_size() / 1e9,
         }
         points.append(point)
