@@ -2,7 +2,7 @@
 and reports each configuration's registers, stack frame (spills), shared memory and matrix
 instructions, from the ptxas and cuobjdump that Triton's wheel carries.
 
-    python -m batchrun.kernels.compile_check [--quick]
+    python -m batchrun.kernels.compile_check [--quick | --top-k]
 
 Exit status 1 when a configuration fails to compile or spills (a stack frame over 16 bytes). Run
 it after changing tile shapes: GPU time is short, this costs none. Integer arguments are
@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 
 from batchrun.kernels import triton_attention as ta
 from batchrun.kernels import triton_fused as fused
+from batchrun.kernels import triton_topk as topk
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 MAX_STACK = 16  # bytes; a few words of stack are not spills
@@ -45,6 +46,7 @@ class Case:
     num_warps: int
     num_stages: int = 2
     unaligned: tuple[str, ...] = ()  # integer arguments not known divisible by 16
+    aligned: tuple[str, ...] = ()  # integer arguments, not named stride*, divisible by 16
 
 
 def _tool(name: str) -> str:
@@ -66,7 +68,7 @@ def compile_case(case: Case, arch: int = 90) -> dict[str, Any]:
             signature[name] = "*" + case.pointers[name]
         else:
             signature[name] = "fp32" if name in case.floats else "i32"
-        aligned = name.startswith("stride") and name not in case.unaligned
+        aligned = name in case.aligned or (name.startswith("stride") and name not in case.unaligned)
         if signature[name].startswith("*") or aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=case.fn, signature=signature, constexprs=case.constants, attrs=attrs)
@@ -149,6 +151,40 @@ def attention_case(
     )
 
 
+def topk_cases(quick: bool) -> Iterator[Case]:
+    """The vocabulary top-K's two stages at a 152k vocabulary, K 1, 16 (DFlash2's) and 64 (quick:
+    bf16 and K 16 only). The launcher specializes a unit element stride to 1 and finds V
+    (151936) divisible by 16, which lets the row's loads be 16 bytes wide."""
+    dtypes, ks = (
+        ([torch.bfloat16], [16])
+        if quick
+        else ([torch.bfloat16, torch.float32], [1, 16, topk.MAX_K])
+    )
+    for dtype, k in itertools.product(dtypes, ks):
+        t = _TYPES[dtype]
+        chunks = -(-151_936 // topk._CHUNK)
+        # the groups' buffer [N, chunks, K]: its strides as the launcher finds them
+        grouped = tuple(n for n, d in (("s_gn", chunks * k), ("s_gc", k)) if d % 16 == 0)
+        yield Case(
+            f"top-K chunks {t} K={k} CHUNK={topk._CHUNK}",
+            topk._chunk_groups_kernel,
+            dict(x_ptr=t, groups_ptr="i64"),
+            (),
+            dict(K=k, CHUNK=topk._CHUNK, GROUP=topk._GROUP, s_xv=1),
+            topk._WARPS,
+            aligned=("V", "s_xn", *grouped),
+        )
+        yield Case(
+            f"top-K rows {t} K={k} chunks={chunks}",
+            topk._row_topk_kernel,
+            dict(x_ptr=t, groups_ptr="i64", values_ptr=t, indices_ptr="i64"),
+            (),
+            dict(K=k, GROUP=topk._GROUP, BLOCK_C=triton.next_power_of_2(chunks * k), s_xv=1),
+            topk._WARPS,
+            aligned=("V", "s_xn", *grouped),
+        )
+
+
 def cases(quick: bool) -> Iterator[Case]:
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
     dims = [128] if quick else [64, 128, 256]
@@ -167,6 +203,7 @@ def cases(quick: bool) -> Iterator[Case]:
             yield attention_case(dtype, dim, group, max_q, causal, splits, kv_fp8=True)
     if quick:
         return
+    yield from topk_cases(quick=False)
     for dtype, heads, dim, splits in [
         (torch.bfloat16, 32, 128, 4),
         (torch.float32, 32, 128, 16),
@@ -245,6 +282,11 @@ def cases(quick: bool) -> Iterator[Case]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="Qwen3-8B attention shapes only")
+    parser.add_argument(
+        "--top-k",
+        action="store_true",
+        help="the vocabulary top-K's stages only (with --quick: DFlash2's)",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter compiles nothing", file=sys.stderr)
@@ -253,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         print("Triton's NVIDIA backend tools (ptxas, cuobjdump) are not installed", file=sys.stderr)
         return 2
     bad = 0
-    for case in cases(args.quick):
+    for case in topk_cases(args.quick) if args.top_k else cases(args.quick):
         try:
             r = compile_case(case)
         except Exception as e:  # a compile error is a finding, report it and go on
