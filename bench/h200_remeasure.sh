@@ -93,7 +93,9 @@ for stage in ${STAGES:-nodraft}; do
         # selector and the convolutions add to a round (method_costs)
         # and each run's kernels (an untimed repeat): where the extra time goes
         jobs jobs-b1-w2-dflash2 b1,w2 --tau 6.5 --widths full --draft-methods dflash,dflash2 \
-            --profile-jobs b1,w2 --scratch /tmp/bj ;;
+            --profile-jobs ${DFLASH2_PROFILED:-b1,w2} --scratch /tmp/bj ;;
+    dflash2-kernels)  # the selector's top-K (Triton) against torch.topk and argmax, in graphs
+        timeout "$(left)" python3 bench/topk.py --out "$OUT/topk.json" 2>&1 | tee -a "$LOG" ;;
     gpu-tests)  # at most GPU_TESTS_BUDGET seconds (default: what is left)
         budget=$(left)
         budget=$((budget < ${GPU_TESTS_BUDGET:-$budget} ? budget : ${GPU_TESTS_BUDGET:-$budget}))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from batchrun.bench.provenance import provenance
 from batchrun.kernels.triton_topk import topk_triton
 
 REPEATS = 20  # calls per graph: one replay's launch cost spread over them
@@ -69,7 +70,7 @@ def main() -> None:
         points.append(point)
         print(point, flush=True)
     if args.out:
-        result = {"device": torch.cuda.get_device_name(), "points": points}
+        result = {"points": points, "provenance": provenance()}
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
