@@ -95,7 +95,8 @@ for stage in ${STAGES:-nodraft}; do
         jobs jobs-b1-w2-dflash2 b1,w2 --tau 6.5 --widths full --draft-methods dflash,dflash2 \
             --profile-jobs ${DFLASH2_PROFILED:-b1,w2} --scratch /tmp/bj ;;
     dflash2-kernels)  # the selector's top-K (Triton) against torch.topk and argmax, in graphs
-        timeout "$(left)" python3 bench/topk.py --out "$OUT/topk.json" 2>&1 | tee -a "$LOG" ;;
+        PYTHONPATH=.:$PYTHONPATH timeout "$(left)" python3 bench/topk.py --out "$OUT/topk.json" \
+            2>&1 | tee -a "$LOG" ;;
     gpu-tests)  # at most GPU_TESTS_BUDGET seconds (default: what is left)
         budget=$(left)
         budget=$((budget < ${GPU_TESTS_BUDGET:-$budget} ? budget : ${GPU_TESTS_BUDGET:-$budget}))

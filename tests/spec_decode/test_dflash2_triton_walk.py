@@ -13,6 +13,9 @@ selector's shapes (K 16, R 256, V 152k, P 15, N 1..128)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -21,6 +24,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from batchrun.kernels import compile_check  # noqa: E402
 from batchrun.sampling.draft_verify import proposal_uniforms  # noqa: E402
 from batchrun.spec_decode.dflash2.triton_walk import walk_triton  # noqa: E402
 from batchrun.spec_decode.dflash2.walk import Walk, walk, walk_torch  # noqa: E402
@@ -157,6 +161,24 @@ def walk_inputs(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     args["seed"] = torch.arange(n, device=DEVICE) * 977 + 5
     args["first_step"] = torch.arange(n, device=DEVICE) * 3
     return args
+
+
+@pytest.mark.skipif(not compile_check.available(), reason="Triton's NVIDIA tools are missing")
+def test_the_kernel_compiles_for_sm90_without_spills() -> None:
+    """The compiler, not the interpreter: it refuses what the interpreter runs (a global that
+    is no constexpr broke the kernel on the H100 once, with every interpreted test passing)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    run = subprocess.run(
+        [sys.executable, str(root / "tests/helpers/compile_dflash2_walk.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("'stack': 0") == 2, run.stdout
 
 
 @pytest.mark.gpu

@@ -25,6 +25,7 @@ from batchrun.sampling.triton_sampling import stream_uniform
 
 __all__ = ["walk_triton"]
 
+_PROPOSAL_STREAM = tl.constexpr(PROPOSAL_STREAM)  # a kernel reads only constexpr globals
 _MAX_BLOCK_R = 256  # a 16 x 256 float32 tile per loop step: the real selector's rank in one
 
 
@@ -107,7 +108,7 @@ def _walk_kernel(
         cdf = tl.cumsum(soft, axis=0)
         total = tl.max(tl.where(kmask, cdf, 0.0), axis=0)
         if DRAW:
-            u = stream_uniform(seed, first_step + j, PROPOSAL_STREAM)
+            u = stream_uniform(seed, first_step + j, _PROPOSAL_STREAM)
         else:
             u = tl.load(u_ptr + row * s_rn + j * s_rp)
         below = (cdf < u * total) & kmask
