@@ -94,7 +94,7 @@ for stage in ${STAGES:-nodraft}; do
         # and each run's kernels (an untimed repeat): where the extra time goes
         jobs jobs-${DFLASH2_JOBS:-b1,w2}-dflash2 ${DFLASH2_JOBS:-b1,w2} --tau 6.5 --widths full \
             --draft-methods dflash,dflash2 \
-            --profile-jobs ${DFLASH2_PROFILED:-b1,w2} --scratch /tmp/bj ;;
+            --profile-jobs "${DFLASH2_PROFILED-b1,w2}" --scratch /tmp/bj ;;
     dflash2-kernels)  # the selector's top-K (Triton) against torch.topk and argmax, in graphs
         PYTHONPATH=.:$PYTHONPATH timeout "$(left)" python3 bench/topk.py --out "$OUT/topk.json" \
             2>&1 | tee -a "$LOG" ;;
