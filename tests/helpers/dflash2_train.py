@@ -17,15 +17,15 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers.dflash2_models import make_tiny_dflash2
 from tests.helpers.dflash2_reference import block_logits, edges, read_draft2
-from tests.helpers.dflash_reference import load_target, one_thread, target_pass
+from tests.helpers.dflash_reference import load_target, one_thread
 from tests.helpers.dflash_train import (
     LEARNING_RATE,
     POSITION_DECAY,
     TRAIN_SEED,
     TRAINED_BLOCK_SIZE,
     TRAINED_LAYER_IDS,
-    greedy_continuation,
-    training_prompts,
+    AnchorBatches,
+    save_trained,
 )
 
 TRAIN_STEPS = 300
@@ -34,15 +34,8 @@ TRAIN_STEPS = 300
 def train_dflash2(target_dir: Path | str, draft_dir: Path | str, *, steps: int, seed: int) -> Path:
     """Train the DFlash2 drafter in draft_dir in place; returns draft_dir."""
     target, draft = load_target(target_dir), read_draft2(draft_dir)
-    width, layer_ids = draft.base.block_size, draft.base.target_layer_ids
-    prompts = training_prompts(seed)
-    sequences = [greedy_continuation(target, prompt) for prompt in prompts]
-    features = [target_pass(target, s, layer_ids)[1] for s in sequences]
-    by_position: dict[int, list[int]] = {}
-    for i, (prompt, seq) in enumerate(zip(prompts, sequences, strict=True)):
-        for p in range(len(prompt), len(seq) - width + 1):
-            by_position.setdefault(p, []).append(i)
-    positions = sorted(by_position)
+    width = draft.base.block_size
+    data = AnchorBatches(target, draft.base.target_layer_ids, width, seed)
     rng = random.Random(seed)
     weights = draft.base.weights
     params = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in weights.items()}
@@ -51,10 +44,7 @@ def train_dflash2(target_dir: Path | str, draft_dir: Path | str, *, steps: int, 
     decay = POSITION_DECAY ** torch.arange(width - 1, dtype=torch.float32)
     with one_thread():
         for _ in range(steps):
-            p = rng.choice(positions)
-            rows = by_position[p]
-            ctx = torch.stack([features[i][:p] for i in rows])
-            block = torch.tensor([sequences[i][p : p + width] for i in rows])  # anchor, labels
+            ctx, block = data.sample(rng)  # anchor, labels
             labels = block[:, 1:]
             logits, proj = block_logits(trainable, target, ctx, block[:, 0])
             head = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
@@ -73,10 +63,7 @@ def train_dflash2(target_dir: Path | str, draft_dir: Path | str, *, steps: int, 
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-    file = Path(draft_dir) / "model.safetensors"
-    stored = load_file(str(file))
-    save_file({k: params[k].detach().to(v.dtype) for k, v in stored.items()}, str(file))
-    return Path(draft_dir)
+    return save_trained(draft_dir, params)
 
 
 def _start_as_dflash(draft_dir: Path) -> None:

@@ -73,6 +73,47 @@ def continuation_vocab(target_dir: Path | str, seed: int, size: int) -> list[int
     return sorted(seen) + others[: size - len(seen)]
 
 
+class AnchorBatches:
+    """What a tiny drafter trains on: the target's greedy continuations of
+    training_prompts(seed, ids), their target features, and the anchor positions where
+    generation puts them (from the first generated token on). One batch holds every sequence
+    at one anchor position, so their contexts share a length."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        layer_ids: list[int],
+        width: int,
+        seed: int,
+        ids: tuple[int, int] = PROMPT_IDS,
+    ) -> None:
+        prompts = training_prompts(seed, ids)
+        self.width = width
+        self.sequences = [greedy_continuation(target, prompt) for prompt in prompts]
+        self.features = [target_pass(target, s, layer_ids)[1] for s in self.sequences]
+        self.by_position: dict[int, list[int]] = {}
+        for i, (prompt, seq) in enumerate(zip(prompts, self.sequences, strict=True)):
+            for p in range(len(prompt), len(seq) - width + 1):
+                self.by_position.setdefault(p, []).append(i)
+        self.positions = sorted(self.by_position)
+
+    def sample(self, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+        """(context features [rows, p, F], blocks [rows, width]: the anchor, then the labels)
+        at a random anchor position p."""
+        p = rng.choice(self.positions)
+        rows = self.by_position[p]
+        ctx = torch.stack([self.features[i][:p] for i in rows])
+        return ctx, torch.tensor([self.sequences[i][p : p + self.width] for i in rows])
+
+
+def save_trained(draft_dir: Path | str, params: dict[str, torch.Tensor]) -> Path:
+    """The trained tensors over draft_dir's model.safetensors, each in its stored dtype."""
+    file = Path(draft_dir) / "model.safetensors"
+    stored = load_file(str(file))
+    save_file({k: params[k].detach().to(v.dtype) for k, v in stored.items()}, str(file))
+    return Path(draft_dir)
+
+
 def train_draft(
     target_dir: Path | str,
     draft_dir: Path | str,
@@ -84,18 +125,7 @@ def train_draft(
     """Train the draft in draft_dir (written by make_tiny_draft, in either format) in place:
     its float tensors; a reduced vocabulary's maps stay. Returns draft_dir."""
     target, draft = load_target(target_dir), read_draft(draft_dir)
-    width, layer_ids = draft.block_size, draft.target_layer_ids
-    prompts = training_prompts(seed, ids)
-    sequences = [greedy_continuation(target, prompt) for prompt in prompts]
-    features = [target_pass(target, s, layer_ids)[1] for s in sequences]
-    # Anchors where generation puts them: from the first generated token on. One step trains
-    # every sequence at one anchor position p, so their contexts share a length and batch.
-    by_position: dict[int, list[int]] = {}
-    for i, (prompt, seq) in enumerate(zip(prompts, sequences, strict=True)):
-        for p in range(len(prompt), len(seq) - width + 1):
-            by_position.setdefault(p, []).append(i)
-    positions = sorted(by_position)
-
+    data = AnchorBatches(target, draft.target_layer_ids, draft.block_size, seed, ids)
     # Labels in the draft's vocabulary (a reduced one: the draft id of each target id, -100
     # for those it lacks).
     to_draft = torch.full((target.config.vocab_size,), -100)
@@ -106,27 +136,20 @@ def train_draft(
     params = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in draft.weights.items()}
     trainable = dataclasses.replace(draft, weights=params)
     optimizer = torch.optim.Adam([v for v in params.values() if v.requires_grad], lr=LEARNING_RATE)
-    decay = POSITION_DECAY ** torch.arange(width - 1, dtype=torch.float32)
+    decay = POSITION_DECAY ** torch.arange(draft.block_size - 1, dtype=torch.float32)
     with one_thread():
         for _ in range(steps):
-            p = rng.choice(positions)
-            rows = by_position[p]
-            ctx = torch.stack([features[i][:p] for i in rows])
-            anchors = torch.tensor([sequences[i][p] for i in rows])
-            labels = to_draft[torch.tensor([sequences[i][p + 1 : p + width] for i in rows])]
-            logits = draft_block_logits(trainable, target, ctx, anchors)
+            ctx, block = data.sample(rng)
+            labels = to_draft[block[:, 1:]]
+            logits = draft_block_logits(trainable, target, ctx, block[:, 0])
             per_row = F.cross_entropy(
                 logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-100
             )
-            loss = (per_row.view(len(rows), -1) * decay).sum(-1).mean() / decay.sum()
+            loss = (per_row.view(len(block), -1) * decay).sum(-1).mean() / decay.sum()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-
-    weights = Path(draft_dir) / "model.safetensors"
-    stored = load_file(str(weights))
-    save_file({k: params[k].detach().to(v.dtype) for k, v in stored.items()}, str(weights))
-    return Path(draft_dir)
+    return save_trained(draft_dir, params)
 
 
 # The target the DFlash tests share (conftest's `target` fixture).
