@@ -93,9 +93,9 @@ def choose_batch(
 ) -> BatchChoice:
     """The given batch; else on a CPU CPU_BATCH_SIZE, on a GPU the rule's (cost: measures the
     device's rates, asked only here)."""
-    if given is not None:
-        return BatchChoice.given(given)
-    if device.type != "cuda":
+    if not rule_applies(given, device):
+        if given is not None:
+            return BatchChoice.given(given)
         return BatchChoice(CPU_BATCH_SIZE, True, "chosen: a CPU's fixed batch")
     size = default_batch_size(cost(), rows.prompt, rows.output, pages_at, page_size)
     why = (
