@@ -76,6 +76,7 @@ PARAMETERS = (*STEP_PARTS, *JOB)  # the order of an equation's features
 CALIBRATION_STEPS = 10  # bisections of an oracle scenario's divergence chance
 MAX_HAZARD = 0.004  # per output token (bisected to 4e-6)
 START_SCALES = (0.5, 2.0)
+ROBUST = 0.05  # relative error beyond which an equation's counts linearly (_weights)
 BOUND_ROUNDS = 6  # solves a fit takes to find each step's bound (2 or 3 settle it)
 ROUNDS = 6  # fits, the adaptive runs replayed under each: their widths settle in 2 or 3
 
@@ -323,15 +324,32 @@ def _settled(
     specs: list[tuple[RunSpec, dict[str, Any]]], played: dict[RunSpec, Replay], costs: FittedCosts
 ) -> FittedCosts:
     """The rooflines' bounds found: each step priced by the side that bounds it under `costs`,
-    solved, and again under the solution (BOUND_ROUNDS times); a step near its bound's edge
-    may flip back and forth, so the solution that prices the runs best is kept."""
-    best, best_error = costs, _error(_equations(specs, played, costs), costs)
+    solved (each equation weighed by its error under `costs`: _weights), and again under the
+    solution (BOUND_ROUNDS times); a step near its bound's edge may flip back and forth, so
+    the solution that prices the runs best is kept."""
+    equations = _equations(specs, played, costs)
+    best, best_error = costs, _error(equations, costs)
     for _ in range(BOUND_ROUNDS):
-        costs = _solve(_equations(specs, played, costs))
-        error = _error(_equations(specs, played, costs), costs)
+        costs = _solve(equations, _weights(equations, costs))
+        equations = _equations(specs, played, costs)
+        error = _error(equations, costs)
         if error < best_error:
             best, best_error = costs, error
     return best
+
+
+def _relative_errors(equations: list[Equation], costs: FittedCosts) -> np.ndarray:
+    theta = np.array([getattr(costs, name) for name in PARAMETERS])
+    return np.array([float(f @ theta) / ms - 1 for f, ms in equations])
+
+
+def _weights(equations: list[Equation], costs: FittedCosts) -> np.ndarray:
+    """Huber's weights: 1 for an equation within ROBUST of its measurement under `costs`, less
+    beyond (its error then counts linearly), so an equation whose replayed steps are not the
+    GPU's (an adaptive run whose widths the replay chose otherwise) moves the prices less
+    than its square would. Under the zero model every equation weighs 1."""
+    errors = np.abs(_relative_errors(equations, costs)) if any(costs.parameters().values()) else 0
+    return np.sqrt(np.minimum(1.0, ROBUST / np.maximum(errors, 1e-12)))
 
 
 def _started(
@@ -350,17 +368,19 @@ def _started(
 
 
 def _error(equations: list[Equation], costs: FittedCosts) -> float:
-    """The sum of squared relative errors of the equations under `costs` (their features
-    taken under `costs` too: each step priced by the side that bounds it)."""
-    theta = np.array([getattr(costs, name) for name in PARAMETERS])
-    return sum((float(f @ theta) / ms - 1) ** 2 for f, ms in equations)
+    """Huber's loss of the equations' relative errors under `costs` (their features taken
+    under `costs` too: each step priced by the side that bounds it): squares within ROBUST,
+    linear beyond."""
+    errors = np.abs(_relative_errors(equations, costs))
+    return float(np.where(errors <= ROBUST, errors**2, 2 * ROBUST * errors - ROBUST**2).sum())
 
 
-def _solve(equations: list[Equation]) -> FittedCosts:
+def _solve(equations: list[Equation], weights: np.ndarray | None = None) -> FittedCosts:
     """Non-negative least squares over relative errors (each equation divided by its
-    measurement: a 7 ms step's 3% weighs as a 100 ms step's)."""
-    a = np.array([f / ms for f, ms in equations])
-    theta = nnls(a, np.ones(len(equations)))
+    measurement: a 7 ms step's 3% weighs as a 100 ms step's), each times its weight."""
+    w = np.ones(len(equations)) if weights is None else weights
+    a = np.array([f / ms for f, ms in equations]) * w[:, None]
+    theta = nnls(a, w)
     # To 4 digits: another CPU's last bits of a float must not turn a replay's width choice.
     return FittedCosts(
         **{name: float(f"{x:.4g}") for name, x in zip(PARAMETERS, theta, strict=True)}
