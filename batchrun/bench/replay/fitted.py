@@ -27,37 +27,57 @@ from batchrun.bench.replay.scenarios import scenario
 from batchrun.bench.replay.step import BLOCK, ReplayStep
 from batchrun.config.parts import EnginePart
 
-# What a step's milliseconds are made of, a parameter of FittedCosts each, summed: reading the
-# weights and K/V (MEMORY), the rows' matmuls (COMPUTE; engine/batch_size.py weighs the two
-# against each other), the drafter's work and the benchmark oracle's (EXTRA). Summed: the larger
-# of MEMORY and COMPUTE (a roofline) fitted the H100 file worse, its steps' bound flipping
-# between fits.
-MEMORY: dict[str, Callable[[ReplayStep], float]] = {
+Parts = dict[str, Callable[[ReplayStep], float]]
+Rooflines = tuple[tuple[Parts, Parts], ...]
+
+# What a step's milliseconds are made of, a parameter of FittedCosts each: the larger of reading
+# the weights and K/V (MEMORY) and the rows' matmuls (COMPUTE), a roofline as engine/
+# batch_size.py weighs them, plus the work outside both (EXTRA: the verify's own, the drafter's,
+# the benchmark oracle's, a change of width). A sum of MEMORY and COMPUTE cannot price the H100's
+# verify steps: at width 16 a step of 128 requests costs 3.5x one of 32 (2,048 and 512 rows),
+# not the 2.7x that a part per step and one per row give, as the matmuls hide the reading.
+MEMORY: Parts = {
     "weights_ms": lambda s: 1.0,  # the target's weights, read once a step
     "ms_per_kv_token": lambda s: s.context,  # K/V tokens the decoding requests read
 }
-COMPUTE: dict[str, Callable[[ReplayStep], float]] = {
-    "ms_per_row": lambda s: s.num_rows,  # rows verified (the sum of widths) and prefilled
+COMPUTE: Parts = {
+    "compute_ms": lambda s: 1.0,  # what a compute-bound step spends beside its rows
+    "ms_per_row": lambda s: s.target_rows,  # rows the target runs (a graph's padded ones)
 }
-EXTRA: dict[str, Callable[[ReplayStep], float]] = {
+EXTRA: Parts = {
     "ms_per_prefill_token": lambda s: s.prefill_rows,  # a prompt's attention, its K/V written
-    "draft_ms_per_step": lambda s: float(s.drafting > 0),  # the drafter's weights and logits
-    "draft_ms_per_request": lambda s: s.drafting,  # its forward over a request's block
+    "verify_ms_per_step": lambda s: float(s.max_width > 1),  # acceptance and commit of drafts
     "context_ms_per_request": lambda s: s.context_writes,  # its context written at width 1,
     "eager_context_ms_per_request": lambda s: s.context_writes * (s.prefill_rows > 0),  # and so
     "context_ms_per_prefill_token": lambda s: s.draft_prefill_rows,  # and over the prompts
     # The benchmark's oracle (its runs only): the target's continuation copied in as drafts.
     "oracle_ms_per_step": lambda s: float(s.oracle and s.drafting > 0),
     "oracle_ms_per_request": lambda s: s.oracle * s.drafting,
+    "switch_ms": lambda s: float(s.switched),  # the pipeline's stall at a change of width
 }
+# The drafter's forward, a roofline of its own (what the draft clock times): reading its weights
+# and the target's head (DRAFT_MEMORY) or its blocks' matmuls (DRAFT_COMPUTE). On the H100 it
+# takes 1.6 ms for one request, 3.2 for 32 and 11.0 for 128.
+DRAFT_MEMORY: Parts = {
+    "draft_ms_per_step": lambda s: float(s.drafting > 0),
+}
+DRAFT_COMPUTE: Parts = {
+    "draft_compute_ms": lambda s: float(s.drafting > 0),
+    "draft_ms_per_request": lambda s: s.draft_requests,  # a block each (a graph's padded ones)
+}
+DRAFT_ROOFLINE = ((DRAFT_MEMORY, DRAFT_COMPUTE),)
+ROOFLINES = ((MEMORY, COMPUTE), *DRAFT_ROOFLINE)
 JOB: dict[str, Callable[[Job], float]] = {  # seconds of a job outside its steps (the first
     "job_fixed_seconds": lambda job: 1.0,  # step, whose period the engine does not count, the
     "job_seconds_per_row": lambda job: job.rows,  # pipeline's start and end)
 }
-STEP_PARTS = {**MEMORY, **COMPUTE, **EXTRA}
-DRAFT_PARTS = ("draft_ms_per_step", "draft_ms_per_request")  # what the draft clock times
+STEP_PARTS = {**MEMORY, **COMPUTE, **DRAFT_MEMORY, **DRAFT_COMPUTE, **EXTRA}
+PARAMETERS = (*STEP_PARTS, *JOB)  # the order of an equation's features
 CALIBRATION_STEPS = 10  # bisections of an oracle scenario's divergence chance
 MAX_HAZARD = 0.004  # per output token (bisected to 4e-6)
+START_SCALES = (0.5, 2.0)
+ROBUST = 0.05  # relative error beyond which an equation's counts linearly (_weights)
+BOUND_ROUNDS = 6  # solves a fit takes to find each step's bound (2 or 3 settle it)
 ROUNDS = 6  # fits, the adaptive runs replayed under each: their widths settle in 2 or 3
 
 
@@ -68,33 +88,49 @@ class FittedCosts:
 
     weights_ms: float
     ms_per_kv_token: float
+    compute_ms: float
     ms_per_row: float
     ms_per_prefill_token: float
     draft_ms_per_step: float
+    draft_compute_ms: float
     draft_ms_per_request: float
+    verify_ms_per_step: float
     context_ms_per_request: float
     eager_context_ms_per_request: float  # in a step with prefill chunks (no CUDA graph)
     context_ms_per_prefill_token: float
     oracle_ms_per_step: float
     oracle_ms_per_request: float
+    switch_ms: float
     job_fixed_seconds: float
     job_seconds_per_row: float
 
-    def _sum(self, parts: dict[str, Callable[[ReplayStep], float]], step: ReplayStep) -> float:
+    def _sum(self, parts: Parts, step: ReplayStep) -> float:
         return sum(getattr(self, name) * f(step) for name, f in parts.items())
 
+    def _bound(self, memory: Parts, compute: Parts, step: ReplayStep) -> float:
+        return max(self._sum(memory, step), self._sum(compute, step))
+
     def step(self, step: ReplayStep) -> float:
-        return self._sum(STEP_PARTS, step)
+        rooflines = sum(self._bound(memory, compute, step) for memory, compute in ROOFLINES)
+        return rooflines + self._sum(EXTRA, step)
 
     def draft(self, step: ReplayStep) -> float:
-        return sum(getattr(self, name) * EXTRA[name](step) for name in DRAFT_PARTS)
+        return self._bound(DRAFT_MEMORY, DRAFT_COMPUTE, step)
 
     def job_seconds(self, rows: int) -> float:
         return self.job_fixed_seconds + self.job_seconds_per_row * rows
 
-    def features(self, step: ReplayStep) -> list[float]:
-        """The step's part of each step parameter, then 0 for the job's."""
-        return [f(step) for f in STEP_PARTS.values()] + [0.0] * len(JOB)
+    def features(self, step: ReplayStep, rooflines: Rooflines = ROOFLINES) -> list[float]:
+        """The step's part of each step parameter, then 0 for the job's: EXTRA's, and of each
+        roofline's two sides only the one that bounds it under these costs (both while neither
+        is priced: the first fit, from which the bounds are then found). rooflines: those
+        priced (the draft's alone: what the draft clock times)."""
+        parts: Parts = {} if rooflines is not ROOFLINES else {**EXTRA}
+        for memory, compute in rooflines:
+            read, run = self._sum(memory, step), self._sum(compute, step)
+            parts.update({**(memory if read >= run else {}), **(compute if run >= read else {})})
+        features = [f(step) if name in parts else 0.0 for name, f in STEP_PARTS.items()]
+        return features + [0.0] * len(JOB)
 
     def parameters(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -198,10 +234,11 @@ def fit_costs(result: dict[str, Any]) -> Fit:
     parameter >= 0), its residuals and the ratios its replays give."""
     specs = _calibrated(list(run_specs(result)))
     fixed = {s: s.replay(_ZERO) for s, _ in specs if s.width != "auto"}  # the same under any
-    costs = _solve(_equations([(s, r) for s, r in specs if s in fixed], fixed, _ZERO))  # model
+    known = [(s, r) for s, r in specs if s in fixed]  # model
+    costs = _started(known, fixed)
     for _ in range(ROUNDS):
         played = {s: fixed.get(s) or s.replay(costs) for s, _ in specs}
-        costs = _solve(_equations(specs, played, costs))
+        costs = _settled(specs, played, costs)
     played = {s: fixed.get(s) or s.replay(costs) for s, _ in specs}
     residuals = {}
     for spec, run in specs:
@@ -250,18 +287,12 @@ def _equations(
         for width, (n, seconds) in (run.get("draft_seconds") or {}).items():
             drafted = [s for s, _ in replayed.steps[1:] if s.drafting and s.width == int(width)]
             if drafted and n and seconds > 0:
-                features = np.array([draft_features(s) for s in drafted])
+                features = np.array([costs.features(s, DRAFT_ROOFLINE) for s in drafted])
                 out.append((features.mean(axis=0), 1e3 * seconds / n))
         job = np.sum([costs.features(s) for s, _ in replayed.steps], axis=0)
         job[len(STEP_PARTS) :] = [1e3 * f(spec.job) for f in JOB.values()]
         out.append((job, 1e3 * run["generation_seconds"]))
     return out
-
-
-def draft_features(step: ReplayStep) -> list[float]:
-    """A step's part of each parameter in its draft's own time (what the draft clock times)."""
-    parts = [f(step) if name in DRAFT_PARTS else 0.0 for name, f in STEP_PARTS.items()]
-    return parts + [0.0] * len(JOB)
 
 
 def _measured(
@@ -289,13 +320,71 @@ def _measured(
             yield kind, 1e3 * seconds / count, by_kind[kind]
 
 
-def _solve(equations: list[Equation]) -> FittedCosts:
+def _settled(
+    specs: list[tuple[RunSpec, dict[str, Any]]], played: dict[RunSpec, Replay], costs: FittedCosts
+) -> FittedCosts:
+    """The rooflines' bounds found: each step priced by the side that bounds it under `costs`,
+    solved (each equation weighed by its error under `costs`: _weights), and again under the
+    solution (BOUND_ROUNDS times); a step near its bound's edge may flip back and forth, so
+    the solution that prices the runs best is kept."""
+    equations = _equations(specs, played, costs)
+    best, best_error = costs, _error(equations, costs)
+    for _ in range(BOUND_ROUNDS):
+        costs = _solve(equations, _weights(equations, costs))
+        equations = _equations(specs, played, costs)
+        error = _error(equations, costs)
+        if error < best_error:
+            best, best_error = costs, error
+    return best
+
+
+def _relative_errors(equations: list[Equation], costs: FittedCosts) -> np.ndarray:
+    theta = np.array([getattr(costs, name) for name in PARAMETERS])
+    return np.array([float(f @ theta) / ms - 1 for f, ms in equations])
+
+
+def _weights(equations: list[Equation], costs: FittedCosts) -> np.ndarray:
+    """Huber's weights: 1 for an equation within ROBUST of its measurement under `costs`, less
+    beyond (its error then counts linearly), so an equation whose replayed steps are not the
+    GPU's (an adaptive run whose widths the replay chose otherwise) moves the prices less
+    than its square would. Under the zero model every equation weighs 1."""
+    errors = np.abs(_relative_errors(equations, costs)) if any(costs.parameters().values()) else 0
+    return np.sqrt(np.minimum(1.0, ROBUST / np.maximum(errors, 1e-12)))
+
+
+def _started(
+    specs: list[tuple[RunSpec, dict[str, Any]]], played: dict[RunSpec, Replay]
+) -> FittedCosts:
+    """The first fit's bounds, settled from the sum of each roofline's sides (every step on
+    both) and from that sum with the COMPUTE sides scaled by each of START_SCALES (a step's
+    bound moved either way): the best of them, as the bounds' search finds a local best."""
+    summed = _solve(_equations(specs, played, _ZERO))
+    starts = [summed] + [
+        replace(summed, **{n: getattr(summed, n) * k for n in (*COMPUTE, *DRAFT_COMPUTE)})
+        for k in START_SCALES
+    ]
+    fits = [_settled(specs, played, start) for start in starts]
+    return min(fits, key=lambda c: _error(_equations(specs, played, c), c))
+
+
+def _error(equations: list[Equation], costs: FittedCosts) -> float:
+    """Huber's loss of the equations' relative errors under `costs` (their features taken
+    under `costs` too: each step priced by the side that bounds it): squares within ROBUST,
+    linear beyond."""
+    errors = np.abs(_relative_errors(equations, costs))
+    return float(np.where(errors <= ROBUST, errors**2, 2 * ROBUST * errors - ROBUST**2).sum())
+
+
+def _solve(equations: list[Equation], weights: np.ndarray | None = None) -> FittedCosts:
     """Non-negative least squares over relative errors (each equation divided by its
-    measurement: a 7 ms step's 3% weighs as a 100 ms step's)."""
-    a = np.array([f / ms for f, ms in equations])
-    theta = nnls(a, np.ones(len(equations)))
+    measurement: a 7 ms step's 3% weighs as a 100 ms step's), each times its weight."""
+    w = np.ones(len(equations)) if weights is None else weights
+    a = np.array([f / ms for f, ms in equations]) * w[:, None]
+    theta = nnls(a, w)
     # To 4 digits: another CPU's last bits of a float must not turn a replay's width choice.
-    return FittedCosts(*(float(f"{x:.4g}") for x in theta))
+    return FittedCosts(
+        **{name: float(f"{x:.4g}") for name, x in zip(PARAMETERS, theta, strict=True)}
+    )
 
 
 def nnls(a: np.ndarray, b: np.ndarray, tolerance: float = 1e-12) -> np.ndarray:
@@ -347,4 +436,4 @@ def _ratios(
     return out
 
 
-_ZERO = FittedCosts(*([0.0] * (len(STEP_PARTS) + len(JOB))))
+_ZERO = FittedCosts(**dict.fromkeys(PARAMETERS, 0.0))

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from batchrun.bench.replay.costs import Costs, H200Costs
+from batchrun.bench.replay.graphs import StepGraphs
 from batchrun.bench.replay.step import BLOCK, ReplayStep
 from batchrun.engine.core.page_pool import PagePool
 from batchrun.engine.core.requests import Request
@@ -111,7 +112,9 @@ def replay(
     for i in range(job.rows):
         scheduler.add(Request(i, [1] * job.prompt_len, params))
     stopper, draws, result = Stopper(None, set(), 1 << 30), Draws(seed), Replay()
+    graphs = StepGraphs(job.batch, job.budget, spec.widths)
     launched: Launched | None = None
+    last_width = 0
     while scheduler.num_unfinished or launched is not None:
         slots = [req.state.slot for req in scheduler.running]
         scheduled = scheduler.schedule(spec.next_widths(slots, scheduler.prefill_pending))
@@ -120,7 +123,8 @@ def replay(
             if scheduled.admitted:
                 given = torch.tensor([it.slot for it in scheduled.admitted])
                 spec.admit([it.req for it in scheduled.admitted], given)
-            step = _shape(scheduled, spec, job)
+            step = _shape(scheduled, spec, job, graphs, last_width)
+            last_width = step.max_width if step.num_decoding else 0
             items = scheduled.items
             new = Launched(
                 scheduled,
@@ -141,11 +145,16 @@ def replay(
     return result
 
 
-def _shape(scheduled: ScheduledStep, spec: Speculator, job: Job) -> ReplayStep:
+def _shape(
+    scheduled: ScheduledStep, spec: Speculator, job: Job, graphs: StepGraphs, last_width: int
+) -> ReplayStep:
     items = scheduled.items
     decoding = [it for it in items if it.decoding]
+    widths = tuple(it.num_new for it in decoding)
+    uniform = len(decoding) == len(items)
+    target_rows = graphs.target_rows(widths) if uniform else None
     return ReplayStep(
-        widths=tuple(it.num_new for it in decoding),
+        widths=widths,
         decode_slots=tuple(it.slot for it in decoding),
         num_live=len(items),
         prefill_rows=sum(it.num_new for it in items if not it.decoding),
@@ -154,6 +163,9 @@ def _shape(scheduled: ScheduledStep, spec: Speculator, job: Job) -> ReplayStep:
         constrained=job.constrained,  # the runner does
         drafter=isinstance(spec, DFlashSpeculator),
         oracle=job.oracle,
+        target_graph_rows=target_rows or 0,
+        draft_graph_requests=graphs.draft_requests(sum(w > 1 for w in widths)),
+        switched=bool(widths) and last_width != 0 and max(widths) != last_width,
     )
 
 

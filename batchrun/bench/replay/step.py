@@ -21,6 +21,11 @@ class ReplayStep:
     constrained: bool
     drafter: bool = True  # a speculator with a draft (False: plain decoding)
     oracle: bool = False  # the benchmark's acceptance oracle replaces the drafts
+    # The CUDA graphs it runs in (graphs.py): the target's padded rows (0: eager, its own
+    # rows) and the draft's padded requests (0: what it drafts).
+    target_graph_rows: int = 0
+    draft_graph_requests: int = 0
+    switched: bool = False  # it and the step before decode, their widest rows differ
 
     @property
     def num_requests(self) -> int:
@@ -46,6 +51,16 @@ class ReplayStep:
     @property
     def num_rows(self) -> int:
         return self.query_rows + self.prefill_rows
+
+    @property
+    def target_rows(self) -> int:
+        """Rows the target's forward runs: a graph's padded ones, or the step's own."""
+        return self.target_graph_rows or self.num_rows
+
+    @property
+    def draft_requests(self) -> int:
+        """Requests the draft's forward runs: its graph's padded ones, or those it drafts."""
+        return self.draft_graph_requests or self.drafting
 
     @property
     def query_rows(self) -> int:
