@@ -74,6 +74,53 @@ def _job_cell(run: dict[str, Any] | None, name: str, base: float | None) -> str:
     return f"{tps / base:.2f}x"
 
 
+# The width policy's contract: `auto` at least this share of the best of no draft and the
+# full block, in every scenario.
+POLICY_FLOOR = 0.97
+
+
+def policy(results: dict[str, Result]) -> list[str]:
+    """The width policy against its contract: one row per workload and drafter scenario that
+    ran under both `auto` and `full` (useless, the oracle at each tau, each changing
+    scenario), `auto` and `full` against no draft, `auto` against the better of the two."""
+
+    def rows_of(result: Result) -> list[list[str]]:
+        rows = []
+        for name, entry in result["workloads"].items():
+            runs = entry["runs"]
+            base = runs.get("none", {}).get("tokens_per_second")
+            scenarios = _ordered(r[: -len(" auto")] for r in runs if r.endswith(" auto"))
+            for scenario in scenarios:
+                auto, full = runs.get(f"{scenario} auto"), runs.get(f"{scenario} full")
+                if not (base and auto and full):
+                    continue
+                best = max(base, full["tokens_per_second"])
+                share = auto["tokens_per_second"] / best
+                rows.append(
+                    [
+                        name,
+                        scenario,
+                        f"{base:,.0f}",
+                        f"{auto['tokens_per_second'] / base:.3f}",
+                        f"{full['tokens_per_second'] / base:.3f}",
+                        f"{share:.3f}" + ("" if share >= POLICY_FLOOR else " (missed)"),
+                    ]
+                )
+        return rows
+
+    header = [
+        "workload",
+        "drafter",
+        "`none` tok/s",
+        "`auto` / `none`",
+        "`full` / `none`",
+        f"`auto` / best of the two (>= {POLICY_FLOOR})",
+    ]
+    if len(results) > 1:
+        header.insert(0, "file")
+    return markdown(header, _per_file(results, rows_of))
+
+
 # --- `batchrun bench --shape` sweeps ---------------------------------------------------------
 
 
@@ -298,6 +345,7 @@ def replay_fit(results: dict[str, Result]) -> list[str]:
 
 FILE_KINDS: dict[str, Callable[[dict[str, Result]], list[str]]] = {
     "jobs": jobs,
+    "policy": policy,
     "replay-fit": replay_fit,
     "steady": steady,
     "demo-policy": demo_policy,

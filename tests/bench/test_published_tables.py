@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from batchrun.bench.table_kinds import jobs, steady
+from batchrun.bench.table_kinds import jobs, policy, steady
 from batchrun.bench.tables import MANIFEST, Table, load_manifest, main, render, source, update
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,6 +90,24 @@ def test_a_jobs_table_shows_every_run_in_its_file(tmp_path: Path) -> None:
     assert b1 == "| b1 | 100 (25%) | — | — | — | 3.00x |"
     assert "**historical**" in text and "`abc1234`" in text
     assert "`batchrun bench --jobs w1,b1`" in text
+
+
+def test_a_policy_table_holds_auto_to_the_better_of_none_and_full() -> None:
+    """One row per drafter scenario run under both auto and full; a scenario only one ran is
+    left out, and a share under the contract says it missed."""
+    runs = {
+        "none": _run(1000.0),
+        "useless auto": _run(960.0),  # 0.96 of none, which beats full
+        "useless full": _run(300.0),
+        "oracle tau 6.5 auto": _run(1700.0),
+        "oracle tau 6.5 full": _run(1750.0),  # 1700 / 1750 = 0.971
+        "collapse auto": _run(1100.0),  # no full run: no row
+    }
+    lines = policy({"f.json": {"workloads": {"w2": {"runs": runs}}}})
+    assert lines[2:] == [
+        "| w2 | useless | 1,000 | 0.960 | 0.300 | 0.960 (missed) |",
+        "| w2 | oracle tau 6.5 | 1,000 | 1.700 | 1.750 | 0.971 |",
+    ]
 
 
 def test_a_file_without_provenance_is_historical_one_with_it_names_its_commit() -> None:

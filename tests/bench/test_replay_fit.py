@@ -52,40 +52,36 @@ MISSES: dict[Path, dict[tuple[str, str], str]] = {
         ),
     },
     H100: {
+        # The file's auto runs ran a policy that decoded steps with prefill chunks at width 1;
+        # the replay runs today's (width_policy.py's mixed_width): those of w1 and w2 match as
+        # well or better (bench/results/jobs-h100-w2-b1-policy-mixed-width.json has w2 and b1
+        # run with it, but no w1 to pin the compute-bound prices: its own fit misses its full
+        # runs by 6-11%).
         **{
-            ("w1", f"mixed rows auto / {base}"): (
-                "the replayed policy drafts in 43 steps (widths 2-16) where the GPU's drafted "
-                "in 106, and the GPU's width-16 steps took 36.4 ms against 20.5 replayed "
-                "(more requests decoding in them): the GPU's drafting cost it 6%"
+            ("w1", f"collapse auto / {base}"): (
+                "its steps after a width change replay unlike the GPU's (width 1 7% short, "
+                "width 2 15% long: the fit leaves a switch unpriced, switch_ms fits to 0); "
+                "the job replays 3.5% long"
             )
             for base in ("none", "best of none and full")
         },
+        ("w1", "useless full / none"): (
+            "its width-16 steps at 128 requests replay at 61.8 ms against 64.9: the rooflines "
+            "fitted over every workload's steps underprice the widest verify at the largest batch"
+        ),
         ("w1", "collapse full / none"): (
-            "its width-16 decode steps replayed at 56.5 ms against 62.2: the calibrated "
+            "its width-16 decode steps replayed at 57.1 ms against 62.2: the calibrated "
             "divergence leaves fewer requests decoding in them than the GPU had"
         ),
         **{
             ("w2", f"oracle tau 6.5 auto / {base}"): (
-                "the widths replay as run (width 8: 86 steps, 85 measured), but the GPU's run "
-                "committed less a round (acceptance length 5.0 against 6.5 at full width): "
-                "replayed 10% short of its 3.98 s"
+                "the widths replay as run (width 8 mostly), but the job replays 10% short of its "
+                "3.98 s: the GPU's width-2 step after a switch took 22.1 ms (13.6 replayed) and "
+                "its width-8 steps 15.8 (14.5)"
             )
             for base in ("none", "best of none and full")
         },
-        **{
-            ("w2", f"mixed rows auto / {base}"): (
-                "the replayed policy verifies the good rows at width 8 (165 steps; the GPU's 79, "
-                "and 64 at 16), and the GPU's drafting steps took 13.9 and 15.4 ms at widths 8 "
-                "and 16 against 11.3 and 12.7 replayed"
-            )
-            for base in ("none", "best of none and full")
-        },
-        **{
-            ("b1", f"{run} full / none"): B1_STEPS
-            for run in ("useless", "oracle tau 6.5", "collapse")
-        },
-        ("b1", "oracle tau 6.5 auto / none"): B1_STEPS,
-        ("b1", "collapse auto / none"): B1_STEPS,
+        **{("b1", f"{run} full / none"): B1_STEPS for run in ("useless", "oracle tau 6.5")},
         **{
             ("b1", f"mixed rows auto / {base}"): (
                 "the order of the rows: the replay runs them by index (a good row, then a "
