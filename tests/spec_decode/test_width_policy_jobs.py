@@ -107,7 +107,8 @@ def _step_width_for_every_row(
 
 RULES: list[tuple[str, Job, str, Costs, Callable[[pytest.MonkeyPatch], None]]] = [
     (
-        "steps with prefill chunks decode at width 1",
+        # Taken out: such steps choose their width as decode steps do (their time measured).
+        "steps with prefill chunks draft only where their verify rows pay (mixed_width)",
         W1,
         "tau 3",
         H200,
