@@ -8,9 +8,7 @@ real shapes (head_dim 128, 32/8 heads, bfloat16, page size 16, contexts to 2048)
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
@@ -69,6 +67,7 @@ from batchrun.kernels.triton_fused import (  # noqa: E402
 from batchrun.layers.norm import RMSNorm  # noqa: E402
 from batchrun.layers.ops import TORCH_OPS  # noqa: E402
 from batchrun.layers.rotary import RotaryEmbedding  # noqa: E402
+from tests.helpers.sm90 import compile_offline  # noqa: E402
 
 # The interpreter turns loop bounds loaded from memory into ints the way numpy 2.4 refuses
 # (numpy<2.4 is pinned in the test extra); quiet its deprecation notice.
@@ -774,15 +773,7 @@ def test_attention_compiles_for_sm90_without_spills() -> None:
     """Qwen3-8B's decode and verify attention compile for Hopper ahead of time
     (no GPU needed) with no register spills; `python -m batchrun.kernels.compile_check` checks
     every configuration."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-m", "batchrun.kernels.compile_check", "--quick"],
-        cwd=Path(__file__).resolve().parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = compile_offline("-m", "batchrun.kernels.compile_check", "--quick")
     assert run.returncode == 0, run.stdout + run.stderr
 
 

@@ -10,9 +10,6 @@ With CUDA, the cases marked `gpu` add DFlash2's shapes (V 151936 bf16, N 16 and 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
@@ -25,6 +22,7 @@ from batchrun.kernels import compile_check  # noqa: E402
 from batchrun.kernels.triton_topk import MAX_K, supports_k, topk_triton  # noqa: E402
 from batchrun.layers import top_k as top_k_module  # noqa: E402
 from batchrun.layers.top_k import top_k  # noqa: E402
+from tests.helpers.sm90 import compile_offline  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -136,15 +134,7 @@ def test_top_k_on_the_cpu_is_torch_topk() -> None:
 def test_the_kernel_compiles_for_sm90_without_spills() -> None:
     """DFlash2's case (bf16, K 16, V 151936) compiles for Hopper ahead of time, no GPU needed;
     `python -m batchrun.kernels.compile_check --top-k` checks every K and dtype."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-m", "batchrun.kernels.compile_check", "--top-k", "--quick"],
-        cwd=Path(__file__).resolve().parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = compile_offline("-m", "batchrun.kernels.compile_check", "--top-k", "--quick")
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("ok top-K") == 2, run.stdout
 

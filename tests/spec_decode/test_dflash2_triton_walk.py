@@ -13,9 +13,6 @@ selector's shapes (K 16, R 256, V 152k, P 15, N 1..128)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
@@ -28,6 +25,7 @@ from batchrun.kernels import compile_check  # noqa: E402
 from batchrun.sampling.draft_verify import proposal_uniforms  # noqa: E402
 from batchrun.spec_decode.dflash2.triton_walk import walk_triton  # noqa: E402
 from batchrun.spec_decode.dflash2.walk import Walk, walk, walk_torch  # noqa: E402
+from tests.helpers.sm90 import compile_offline  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -167,16 +165,7 @@ def walk_inputs(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_the_kernel_compiles_for_sm90_without_spills() -> None:
     """The compiler, not the interpreter: it refuses what the interpreter runs (a global that
     is no constexpr broke the kernel on the H100 once, with every interpreted test passing)."""
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root)
-    run = subprocess.run(
-        [sys.executable, str(root / "tests/helpers/compile_dflash2_walk.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = compile_offline("tests/helpers/compile_dflash2_walk.py")
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("'stack': 0") == 2, run.stdout
 
