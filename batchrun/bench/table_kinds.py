@@ -314,11 +314,11 @@ def demo_policy(results: dict[str, Result]) -> list[str]:
 def replay_fit(results: dict[str, Result]) -> list[str]:
     """The fitted parameters, then each of the file's ratios beside the replay's, then each
     run's mean step of each kind timed and its whole job, measured and replayed (ms)."""
-    from batchrun.bench.replay.fitted import fit_costs  # the replay runs the scheduler
+    from batchrun.bench.replay.fitted import fit_file  # the replay runs the scheduler
 
     lines: list[str] = []
     for result in results.values():
-        fit = fit_costs(result)
+        fit = fit_file(result)
         params = fit.costs.parameters()
         lines += markdown(
             ["parameter", "fitted"], [[f"`{k}`", f"{v:.4g}"] for k, v in params.items()]

@@ -7,14 +7,13 @@ jobs-h100-w1-w2-b1-policy.json), to which the fit's step prices are fitted kind 
 from __future__ import annotations
 
 import json
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from batchrun.bench.replay.fitted import Fit, FittedCosts, fit_costs, nnls, run_specs
+from batchrun.bench.replay.fitted import Fit, FittedCosts, fit_costs, fit_file, nnls, run_specs
 
 REPO = Path(__file__).parents[2]
 # The H100 file of issue 46's opening (48ad8c6, before per-width step times) and the one of the
@@ -184,9 +183,8 @@ def test_a_model_is_recovered_from_the_steps_it_priced() -> None:
         assert replayed == pytest.approx(measured, rel=0.01), key
 
 
-@cache
 def fitted(path: Path) -> Fit:
-    return fit_costs(json.loads(path.read_text()))
+    return fit_file(json.loads(path.read_text()))
 
 
 def _ratios() -> list[Any]:

@@ -13,6 +13,8 @@ beside its run's measured time outside them."""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import random
 from collections import defaultdict
@@ -227,6 +229,17 @@ def _spec(workload: str, name: str, job: Job) -> RunSpec:
     acceptance = " ".join(what).removeprefix("oracle ")
     oracle = replace(job, oracle=acceptance != "useless")
     return RunSpec(workload, name, oracle, acceptance, "auto" if mode == "auto" else BLOCK)
+
+
+def fit_file(result: dict[str, Any]) -> Fit:
+    """fit_costs, once per file's content in a process: a fit takes about a minute, and the
+    published tables and the fit's tests ask for the same files' fits."""
+    return _fit_of_text(json.dumps(result))
+
+
+@functools.lru_cache(maxsize=4)
+def _fit_of_text(text: str) -> Fit:
+    return fit_costs(json.loads(text))
 
 
 def fit_costs(result: dict[str, Any]) -> Fit:
