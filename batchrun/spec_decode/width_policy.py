@@ -118,6 +118,11 @@ def best_width(
     return best
 
 
+def best_rate(accept: Sequence[float], costs: Mapping[int, float], share: float = 1.0) -> float:
+    """The most tokens per request per millisecond among the widths of `costs` (0.0: none)."""
+    return max((step_tokens(accept, w, share) / c for w, c in costs.items()), default=0.0)
+
+
 def step_width(
     policy: WidthPolicy,
     *,
@@ -257,7 +262,7 @@ class WidthPolicy:
         accept = self.accept()
         block_tokens = expected_tokens(accept, self.widths[-1])
         widths = [w for w in self._widths_for(bucket, block_tokens) if w in fits] or fits
-        known = {w: c for w in widths if (c := self.cost(w, bucket)) is not None}
+        known = self._measured(widths, bucket)
         width = self._to_measure(widths, known, accept, bucket, requests or bucket)
         if width is None:
             current = self._chosen.get(bucket, (None, 0.0))[0]
@@ -282,10 +287,10 @@ class WidthPolicy:
         ms_per_row = min(self._ms_per_row, default=0.0)
         draft = self._draft_least(bucket)
         accept, share = self.accept(), self.row_share
-        known = {w: c for w in self.widths if (c := self.cost(w, bucket)) is not None}
+        known = self._measured(self.widths, bucket)
         if self.probing or self.dormant or not any(self.trials) or not ms_per_row or not known:
             return 1
-        decode_rate = max(step_tokens(accept, w, share) / c for w, c in known.items())
+        decode_rate = best_rate(accept, known, share)
 
         def net(w: int) -> float:  # tokens per request beyond what the time buys in decode
             added = requests * (w - 1) * ms_per_row + draft
@@ -294,6 +299,10 @@ class WidthPolicy:
         drafting = [w for w in self.widths if 1 < w <= max_width]
         best = max(drafting, key=net, default=1)
         return best if best > 1 and net(best) > 0 else 1
+
+    def _measured(self, widths: Sequence[int], bucket: int) -> dict[int, float]:
+        """width -> cost of those of `widths` measured enough in `bucket`."""
+        return {w: c for w in widths if (c := self.cost(w, bucket)) is not None}
 
     def _probe_ms(self, bucket: int, requests: int) -> float:
         """What a probe (PROBE_ROUNDS rounds at the narrowest drafting width) costs over as many
@@ -331,14 +340,14 @@ class WidthPolicy:
             self._probed_at = self._step
             return drafting[0]
         share = self.row_share
-        best_rate = max((step_tokens(accept, w, share) / c for w, c in known.items()), default=0.0)
+        best = best_rate(accept, known, share)
         for w in reversed(widths):
             if w in known:
                 continue
             # Its own first samples, if any: a hiccup only adds time, so no more than halves a
             # step; a width that loses even at half its least sample is not run again.
             floor = max(self._floor(w, bucket, requests), self._least(w, bucket) / 2)
-            if not floor or step_tokens(accept, w, share) / floor > best_rate * (1 + SWITCH_MARGIN):
+            if not floor or step_tokens(accept, w, share) / floor > best * (1 + SWITCH_MARGIN):
                 return w
         return None
 
