@@ -212,11 +212,13 @@ class _Mode:
                 entry = self.result["workloads"][w.name]
                 stats = _run(self.engine, job, w.batch, oracle)
                 if w.name in self.plan.profiled:  # a repeat, so the timed run pays no profiler
-                    again = marks and self._oracle(
-                        continuations[w.name], self.budgets[w.name], marks
+                    again = (  # a fresh oracle: its seeded draws as the timed run had them
+                        self._oracle(continuations[w.name], self.budgets[w.name], marks)
+                        if marks
+                        else None
                     )
                     entry.setdefault("profiles", {})[name] = _profiled(
-                        partial(_run, self.engine, job, w.batch, again or None),
+                        partial(_run, self.engine, job, w.batch, again),
                         self.engine.device,
                     )
                 if self.mode == "none":  # a constrained workload's oracle replays "json"
