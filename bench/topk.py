@@ -1,49 +1,28 @@
 """What the vocabulary top-K costs on the GPU: the Triton kernel (batchrun/kernels/triton_topk.py)
 against torch.topk, the path it replaced, and an argmax over the same rows (DFlash's cost for the
-same head), each captured in a CUDA graph of REPEATS calls as the drafting graph runs it.
+same head), each captured in a CUDA graph of REPEATS calls as the drafting graph runs it
+(engine/device_rates.py's graph_ms).
 
     python bench/topk.py [--rows 15,16,480] [--vocab 151936] [--k 16] [--out FILE.json]
 
 Rows: DFlash2's draft rows are (block size - 1) x batch, 15 at batch 1 and 480 at batch 32; the
-logits are random bf16. Prints one line per row count and writes them to --out as JSON, with the
-device's name.
+logits are random bf16. Prints one line per row count and writes them to --out as JSON, with its
+provenance (commit, device, command).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from batchrun.bench.provenance import provenance
+from batchrun.engine.device_rates import graph_ms
 from batchrun.kernels.triton_topk import topk_triton
 
 REPEATS = 20  # calls per graph: one replay's launch cost spread over them
-
-
-def graph_ms(fn: Callable[[], object], replays: int = 10) -> float:
-    """Milliseconds per call of fn, replayed from a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles and warms outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEATS):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (replays * REPEATS)
 
 
 def main() -> None:
@@ -62,9 +41,9 @@ def main() -> None:
             "rows": n,
             "vocab": args.vocab,
             "k": args.k,
-            "triton_topk_ms": graph_ms(partial(topk_triton, x, args.k)),
-            "torch_topk_ms": graph_ms(partial(torch.topk, x, args.k)),
-            "argmax_ms": graph_ms(partial(torch.argmax, x, dim=-1)),
+            "triton_topk_ms": graph_ms(lambda _, x=x: topk_triton(x, args.k), REPEATS),
+            "torch_topk_ms": graph_ms(lambda _, x=x: torch.topk(x, args.k), REPEATS),
+            "argmax_ms": graph_ms(lambda _, x=x: torch.argmax(x, dim=-1), REPEATS),
             "logits_read_gb": x.numel() * x.element_size() / 1e9,
         }
         points.append(point)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.bench.shapes import FP8_BLOCK, FP8_SCALE, random_fp8
-from batchrun.engine.device_rates import time_ms
+from batchrun.engine.device_rates import graph_ms as device_graph_ms
 from batchrun.kernels.triton_fp8 import Tile, fp8_block_matmul, tile_for
 from batchrun.layers.fp8_linear import cublas_blockwise, cublas_matmul, fp8_matmul
 from batchrun.models.qwen3 import Qwen3Shape
@@ -76,17 +76,9 @@ def _cublas(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> bool:
 
 
 def graph_ms(call: Callable[..., object]) -> float:
-    """GPU milliseconds per call(i), from a CUDA graph of COPIES x 4 calls replayed: no launch
-    overhead, and the weights (call i reads copy i % COPIES) do not stay in the L2 cache."""
-    calls = COPIES * 4
-    for i in range(COPIES):  # warm-up: compilation, probes, the split-K buffers' allocations
-        call(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(i)
-    return time_ms(graph.replay, warmup=3, repeat=10) / calls
+    """GPU milliseconds per call(i), from a CUDA graph of COPIES x 4 calls: the weights (call i
+    reads copy i % COPIES) do not stay in the L2 cache."""
+    return device_graph_ms(call, COPIES * 4, warmup_calls=COPIES)
 
 
 def sweep_fp8_gemm(shape: Qwen3Shape, batches: tuple[int, ...]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ and jobs against them (bench/roofline.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,20 @@ def time_ms(fn: object, warmup: int = 3, repeat: int = 10) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def graph_ms(call: Callable[..., object], calls: int, warmup_calls: int = 1) -> float:
+    """GPU milliseconds per call(i), from a CUDA graph of call(0) .. call(calls - 1) replayed
+    (time_ms): no launch overhead. call(0) .. call(warmup_calls - 1) run first, outside the
+    graph (compilation, probes, allocations)."""
+    for i in range(warmup_calls):
+        call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    return time_ms(graph.replay, warmup=3, repeat=10) / calls
 
 
 def measure_ceilings(dtype: torch.dtype, device: torch.device, fp8: bool = False) -> Ceilings:
