@@ -37,6 +37,7 @@ from batchrun.config.job import JobSpec, load_job
 from batchrun.engine.device_rates import measure_ceilings
 from batchrun.engine.engine import Engine
 from batchrun.engine.heap import collect_everything
+from batchrun.engine.step_trace import summarize
 from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.runners.local import run_job
 from batchrun.runners.startup import check_start
@@ -218,8 +219,7 @@ class _Mode:
                         else None
                     )
                     entry.setdefault("profiles", {})[name] = _profiled(
-                        partial(_run, self.engine, job, w.batch, again),
-                        self.engine.device,
+                        partial(_run, self.engine, job, w.batch, again), self.engine
                     )
                 if self.mode == "none":  # a constrained workload's oracle replays "json"
                     continuations[w.name] = outputs(Path(job.output.directory))
@@ -313,15 +313,25 @@ def _run(
         return run_job(job, engine=engine)
 
 
-def _profiled(run: Callable[[], dict[str, Any]], device: torch.device) -> dict[str, Any]:
-    """A whole job under the profiler: its kernels by total time (graph replays included), and
-    how much of the job the device was busy (the rest is the host or the pipeline's gaps)."""
+def _profiled(run: Callable[[], dict[str, Any]], engine: Engine) -> dict[str, Any]:
+    """A whole job under the profiler: its kernels by total time (graph replays included), how
+    much of the job the device was busy (the rest is the host or the pipeline's gaps), and its
+    steps by kind and width: period against GPU time, and the share that replayed a graph."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = device.type == "cuda"
+    cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
-        stats = run()
+    instruments = engine.instruments
+    instruments.steps = []
+    instruments.timer.reset(enabled=True)
+    try:
+        with profile(activities=activities) as prof:
+            stats = run()
+        timing = instruments.timer.reset(enabled=False)
+        steps = summarize(instruments.steps, timing["draft_ms"], timing["target_ms"])
+    finally:
+        instruments.steps = None
+        instruments.timer.reset(enabled=False)
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     busy = sum(getattr(e, key) for e in events) / 1e6
@@ -329,6 +339,7 @@ def _profiled(run: Callable[[], dict[str, Any]], device: torch.device) -> dict[s
     return {
         "generation_seconds": stats["generation_seconds"],
         "kernel_seconds": busy,
+        "steps": steps,
         "busy_fraction": busy / stats["generation_seconds"],
         # name -> [seconds, calls]: what method_costs compares between two runs
         "kernels": {e.key: [getattr(e, key) / 1e6, e.count] for e in ranked[:PROFILED_KERNELS]},

@@ -69,6 +69,7 @@ class Launched:
     num_drafts: int  # drafts per decoding request copied back (0: not traced)
     seconds: float | None  # off a GPU the launch ran the step: its time
     logprobs: StepLogprobs | None = None  # when the job asks for them
+    replayed: bool = False  # the target's forward replayed a CUDA graph
 
 
 def copy_to_host(values: torch.Tensor) -> HostCopy:

@@ -1,6 +1,6 @@
 """What benchmarks and tests may switch on in an engine, off in jobs: GPU timing of a step's
 phases with CUDA events (the draft forward; the target forward with sampling) and a record of
-every verify round. Off, they cost nothing."""
+every verify round and of every step. Off, they cost nothing."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from batchrun.engine.step_trace import StepRecord
 from batchrun.spec_decode.acceptance import RoundTrace
 
 
@@ -46,3 +47,4 @@ class StepTimer:
 class Instruments:
     timer: StepTimer
     rounds: list[RoundTrace] | None = None  # set to a list: every verify round is appended
+    steps: list[StepRecord] | None = None  # set to a list: every step read back is appended

@@ -60,6 +60,7 @@ class TargetOutput:
     features: torch.Tensor | None  # every row's hidden states at the speculator's layers
     hidden: torch.Tensor | None = None  # an eager step's every row, pre-norm (prompt logprobs)
     linear: LinearStepMeta | None = None  # a hybrid target's step: its slots, for the commit
+    replayed: bool = False  # a CUDA graph ran the forward
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,9 @@ class ModelRunner:
             # The commit replays the live requests' rows: they lead the graph's scratch rows.
             linear = self.linear.meta(plan, args) if self.linear is not None else None
             features = captured[0] if captured else None
-            return TargetOutput(logits, row_slot, row_step, features, linear=linear)
+            return TargetOutput(
+                logits, row_slot, row_step, features, linear=linear, replayed=True
+            )
         mixed = None
         if chunks and plan.num_decoding:
             mixed = MixedDecoding(plan.num_decoding, plan.decode_rows, plan.max_width)

@@ -35,6 +35,7 @@ from batchrun.engine.instruments import Instruments, StepTimer
 from batchrun.engine.model_runner import ModelRunner, RunnerSizes
 from batchrun.engine.step_inputs import plan_step
 from batchrun.engine.step_times import StepTimes
+from batchrun.engine.step_trace import StepRecord
 from batchrun.models.qwen3 import Qwen3ForCausalLM
 from batchrun.sampling.grammar import Grammars
 from batchrun.sampling.grammar_masks import build_masks
@@ -195,6 +196,7 @@ class Worker:
             num_drafts=drafts.shape[1] if traced and drafts is not None else 0,
             seconds=seconds,
             logprobs=scores,
+            replayed=out.replayed,
         )
 
     def read(self, launched: Launched) -> StepOutput:
@@ -223,7 +225,13 @@ class Worker:
         done, last = time.perf_counter(), self._last_done
         self._last_done = done
         seconds = launched.seconds if launched.seconds is not None else done - (last or done)
-        self.step_times.record(launched.plan.kind, launched.plan.max_width, seconds)
+        plan = launched.plan
+        self.step_times.record(plan.kind, plan.max_width, seconds)
+        if self.instruments.steps is not None:
+            record = StepRecord(
+                plan.kind, plan.max_width, plan.num_live, plan.num_rows, launched.replayed, seconds
+            )
+            self.instruments.steps.append(record)
         self.speculator.learn(launched.plan, accepted, seconds)
 
     def abort(self, launched: Launched | None) -> None:

@@ -49,8 +49,14 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
         assert result["startup"][mode]["stages"]["load_target"] >= 0
     profiles = result["workloads"]["w2"]["profiles"]  # every run's, an untimed repeat each
     assert set(profiles) == set(result["workloads"]["w2"]["runs"])
-    for profile in profiles.values():
+    for name, profile in profiles.items():
         assert profile["kernel_seconds"] > 0 and "aten::" in profile["table"]
+        # its steps by kind and width: the timed run's (the same job again), but for the one
+        # launched before the last request finished, never read
+        steps = result["workloads"]["w2"]["runs"][name]["steps"]
+        traced = sum(s["steps"] for s in profile["steps"].values())
+        assert sum(steps.values()) - traced in (0, 1)
+        assert {key.split(" ")[0] for key in profile["steps"]} == set(steps)
         assert all(seconds >= 0 and calls > 0 for seconds, calls in profile["kernels"].values())
     assert "profiles" not in result["workloads"]["w3"]
     for name, entry in result["workloads"].items():
