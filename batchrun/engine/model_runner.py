@@ -241,9 +241,7 @@ class ModelRunner:
             # The commit replays the live requests' rows: they lead the graph's scratch rows.
             linear = self.linear.meta(plan, args) if self.linear is not None else None
             features = captured[0] if captured else None
-            return TargetOutput(
-                logits, row_slot, row_step, features, linear=linear, replayed=True
-            )
+            return TargetOutput(logits, row_slot, row_step, features, linear=linear, replayed=True)
         mixed = None
         if chunks and plan.num_decoding:
             mixed = MixedDecoding(plan.num_decoding, plan.decode_rows, plan.max_width)
