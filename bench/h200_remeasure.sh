@@ -77,6 +77,8 @@ for stage in ${STAGES:-nodraft}; do
         # steps traced (period against GPU time by kind and width, graph replays)
         jobs jobs-w2-b1-drafts w2,b1 --tau 6.5 --scenarios 'collapse,mixed rows' \
             --widths auto,full --profile-jobs "${PROFILED-}" --scratch /tmp/bj ;;
+    drafts-useless)  # W1 and J1 with a drafter that accepts nothing, under auto and full
+        jobs jobs-w1-j1-useless w1,j1 --tau '' --widths auto,full --scratch /tmp/bj ;;
     drafts-j1)
         jobs jobs-j1-drafts j1 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
     drafts-b)

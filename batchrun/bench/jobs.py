@@ -15,6 +15,7 @@ the same shape on other prompts (Triton compiles a kernel variant on its first u
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -43,6 +44,7 @@ from batchrun.runners.local import run_job
 from batchrun.runners.startup import check_start
 from batchrun.spec_decode.registry import METHODS
 
+WARM_TOKENS = 64  # new tokens of a run's warm-up rows
 PROFILED_KERNELS = 60  # a profile's kernels kept by name (its table shows the top 25)
 EXTRA_KERNELS = 15  # method_costs: the kernels whose time differs most between two runs
 ORACLE_LABEL = (
@@ -150,19 +152,28 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
     return result
 
 
-def _write_inputs(plan: JobsPlan, w: Workload) -> tuple[Path, Path, Path]:
+def _write_inputs(plan: JobsPlan, w: Workload) -> tuple[Path, Path]:
     """The workload's Parquet without its json_schema column and with it (the same file
-    twice for an unconstrained workload), and a warm-up's of the same shape on other prompts
-    (a batch of rows, outputs capped at 32 tokens)."""
+    twice for an unconstrained workload)."""
     folder, vocab = plan.scratch / "inputs", plan.shape.vocab_size
-    warm = replace(w, rows=min(w.rows, w.batch), max_tokens=_capped(w.max_tokens, 32))
     rows = w.write(folder / f"{w.name}.parquet", vocab, 0)
     free = rows if w.json_schema is None else folder / f"{w.name}-free.parquet"
-    return (
-        w.write(free, vocab, 0, constrained=False) if free != rows else rows,
-        rows,
-        warm.write(folder / f"{w.name}-warm.parquet", vocab, 1),
-    )
+    return (w.write(free, vocab, 0, constrained=False) if free != rows else rows, rows)
+
+
+def _warm_input(path: Path, w: Workload) -> Path:
+    """The warm-up of a run on `path`: its first batch + 1 rows (a second wave, so its steps
+    mix prefill and decode), each at most WARM_TOKENS new tokens. The rows keep their indices,
+    so an oracle drafts for them as for the run."""
+    head = path.with_name(f"{path.stem}-warm.parquet")
+    if not head.exists():
+        table = pq.read_table(path).slice(0, min(w.rows, w.batch + 1))
+        budgets = [WARM_TOKENS] * table.num_rows
+        if "max_tokens" in table.column_names:  # a ragged workload's own budgets, capped
+            budgets = [min(b, WARM_TOKENS) for b in table.column("max_tokens").to_pylist()]
+            table = table.drop(["max_tokens"])
+        pq.write_table(table.append_column("max_tokens", pa.array(budgets, pa.int64())), head)
+    return head
 
 
 class _Mode:
@@ -175,7 +186,7 @@ class _Mode:
         mode: str,
         target: Path,
         draft: Path | None,
-        inputs: dict[str, tuple[Path, Path, Path]],
+        inputs: dict[str, tuple[Path, Path]],
         budgets: dict[str, dict[int, int]],
         result: dict[str, Any],
     ) -> None:
@@ -198,17 +209,21 @@ class _Mode:
         for w in self.plan.workloads:
             constrained = w.json_schema is not None
             runs = _runs(self.mode, self.plan.taus, self.plan.scenarios, constrained)
-            for i, (name, marks) in enumerate(runs):
+            for name, marks in runs:
                 job = _job(self.plan, self.target, self.draft, self.mode, w, self.inputs, name)
-                if i == 0:
-                    warm = replace(
-                        job,
-                        input=replace(job.input, path=str(self.inputs[w.name][2])),
-                        output=replace(job.output, directory=job.output.directory + "-warm"),
-                    )
-                    _run(self.engine, warm, w.batch, None)
+                # Each run after a short one of its own (its oracle, its widths): what a first
+                # use costs (compiles) is paid there, not in the timed run (on the H100 a first
+                # use of width 8 cost ~0.7 s in a 4 s job: jobs-h100-w2-b1-policy-trace.json).
+                warm = replace(
+                    job,
+                    input=replace(job.input, path=str(_warm_input(Path(job.input.path), w))),
+                    output=replace(job.output, directory=job.output.directory + "-warm"),
+                )
                 oracle = None
                 if marks:
+                    oracle = self._oracle(continuations[w.name], self.budgets[w.name], marks)
+                _run(self.engine, warm, w.batch, oracle)
+                if marks:  # a fresh one: its seeded draws as they were
                     oracle = self._oracle(continuations[w.name], self.budgets[w.name], marks)
                 entry = self.result["workloads"][w.name]
                 stats = _run(self.engine, job, w.batch, oracle)
@@ -219,7 +234,8 @@ class _Mode:
                         else None
                     )
                     entry.setdefault("profiles", {})[name] = _profiled(
-                        partial(_run, self.engine, job, w.batch, again), self.engine
+                        partial(_run, self.engine, job, w.batch, again, gpu_times=True),
+                        self.engine.device,
                     )
                 if self.mode == "none":  # a constrained workload's oracle replays "json"
                     continuations[w.name] = outputs(Path(job.output.directory))
@@ -274,7 +290,7 @@ def _job(
     draft: Path | None,
     mode: str,
     w: Workload,
-    inputs: dict[str, tuple[Path, Path, Path]],
+    inputs: dict[str, tuple[Path, Path]],
     name: str,
 ) -> JobSpec:
     return load_job(
@@ -298,7 +314,7 @@ def _job(
 
 
 def _default_batch(
-    plan: JobsPlan, target: Path, w: Workload, inputs: dict[str, tuple[Path, Path, Path]]
+    plan: JobsPlan, target: Path, w: Workload, inputs: dict[str, tuple[Path, Path]]
 ) -> int:
     """The batch `batchrun run` chooses for the workload's job without a draft (its start-up
     checks choose it: engine/batch_choice.py)."""
@@ -306,32 +322,52 @@ def _default_batch(
 
 
 def _run(
-    engine: Engine, job: JobSpec, batch: int, oracle: AcceptanceOracle | None
+    engine: Engine,
+    job: JobSpec,
+    batch: int,
+    oracle: AcceptanceOracle | None,
+    gpu_times: bool = False,
 ) -> dict[str, Any]:
+    """The job's statistics, with its steps by kind and width (engine/step_trace.py: with
+    gpu_times, each step's GPU time too, which costs CUDA events) and the Triton kernels it
+    compiled (a compile inside a timed run is time no later run pays)."""
     engine.new_job(max_batch_size=batch)
-    with installed(engine.speculator, BenchHooks(oracle=oracle)):
-        return run_job(job, engine=engine)
-
-
-def _profiled(run: Callable[[], dict[str, Any]], engine: Engine) -> dict[str, Any]:
-    """A whole job under the profiler: its kernels by total time (graph replays included), how
-    much of the job the device was busy (the rest is the host or the pipeline's gaps), and its
-    steps by kind and width: period against GPU time, and the share that replayed a graph."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = engine.device.type == "cuda"
-    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     instruments = engine.instruments
     instruments.steps = []
-    instruments.timer.reset(enabled=True)
+    instruments.timer.reset(enabled=gpu_times)
+    compiled = _triton_compiled()
     try:
-        with profile(activities=activities) as prof:
-            stats = run()
+        with installed(engine.speculator, BenchHooks(oracle=oracle)):
+            stats = run_job(job, engine=engine)
         timing = instruments.timer.reset(enabled=False)
-        steps = summarize(instruments.steps, timing["draft_ms"], timing["target_ms"])
+        trace = summarize(instruments.steps, timing["draft_ms"], timing["target_ms"])
     finally:
         instruments.steps = None
         instruments.timer.reset(enabled=False)
+    after = _triton_compiled()
+    new = None if compiled is None or after is None else after - compiled
+    return stats | {"step_trace": trace, "kernels_compiled": new}
+
+
+def _triton_compiled() -> int | None:
+    """Kernels in Triton's on-disk cache (a compile adds one; None: no cache yet)."""
+    folder = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    try:
+        return sum(1 for entry in os.scandir(folder) if entry.is_dir())
+    except OSError:
+        return None
+
+
+def _profiled(run: Callable[[], dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """A whole job under the profiler: its kernels by total time (graph replays included), how
+    much of the job the device was busy (the rest is the host or the pipeline's gaps), and its
+    steps by kind and width with their GPU times (`run` times them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        stats = run()
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     busy = sum(getattr(e, key) for e in events) / 1e6
@@ -339,7 +375,7 @@ def _profiled(run: Callable[[], dict[str, Any]], engine: Engine) -> dict[str, An
     return {
         "generation_seconds": stats["generation_seconds"],
         "kernel_seconds": busy,
-        "steps": steps,
+        "steps": stats["step_trace"],
         "busy_fraction": busy / stats["generation_seconds"],
         # name -> [seconds, calls]: what method_costs compares between two runs
         "kernels": {e.key: [getattr(e, key) / 1e6, e.count] for e in ranked[:PROFILED_KERNELS]},
@@ -373,6 +409,8 @@ def _figures(stats: dict[str, Any], bound: dict[str, float] | None) -> dict[str,
         "width_seconds": stats.get("width_seconds"),  # by kind and width: [steps, seconds]
         "draft_seconds": stats.get("draft_seconds"),  # the draft's own, by width
         "verify_width_steps": stats["verify_width_steps"],
+        "step_trace": stats["step_trace"],  # by kind and width: period, longest, replays
+        "kernels_compiled": stats["kernels_compiled"],  # Triton compiles inside the run
         "error_rows": stats["error_rows"],
         "max_batch_size": stats["max_batch_size"],  # requests in flight
     }

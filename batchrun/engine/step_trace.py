@@ -24,10 +24,11 @@ class StepRecord:
 def summarize(
     records: list[StepRecord], draft_ms: list[float], target_ms: list[float]
 ) -> dict[str, dict[str, float]]:
-    """By "kind width": steps, mean period, requests and rows, the share replayed and, where
-    the timer ran (a GPU: one time per step, in step order), the mean GPU milliseconds of the
-    draft and of the target with its sampling."""
-    timed = len(draft_ms) == len(records)
+    """By "kind width": steps, mean and longest period, requests and rows, the share replayed
+    and, where the timer ran (a GPU: one time per step launched, in step order; the last one
+    launched may be unread), the mean GPU milliseconds of the draft and of the target with its
+    sampling."""
+    timed = bool(records) and len(draft_ms) >= len(records)
     groups: dict[str, list[int]] = defaultdict(list)
     for i, r in enumerate(records):
         groups[f"{r.kind} {r.width}"].append(i)
@@ -37,6 +38,7 @@ def summarize(
         out[key] = {
             "steps": len(rs),
             "period_ms": 1e3 * fmean(r.seconds for r in rs),
+            "max_period_ms": 1e3 * max(r.seconds for r in rs),  # a one-off stall stands out
             "requests": fmean(r.requests for r in rs),
             "rows": fmean(r.rows for r in rs),
             "replayed": fmean(r.replayed for r in rs),

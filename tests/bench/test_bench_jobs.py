@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from batchrun.bench.jobs import JobsPlan, kernel_difference, outputs, run_jobs
+from batchrun.bench.jobs import WARM_TOKENS, JobsPlan, kernel_difference, outputs, run_jobs
 from batchrun.bench.workloads import WORKLOADS
 from batchrun.models.qwen3 import Qwen3Shape
 
@@ -80,6 +80,16 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
                 assert sum(t for _, t in widths.values()) == pytest.approx(
                     run["step_seconds"][kind], abs=1e-3
                 )
+            for key, traced in run["step_trace"].items():  # the same steps, one at a time
+                kind, width = key.split(" ")
+                assert traced["steps"] == run["width_seconds"][kind][width][0]
+                assert traced["max_period_ms"] >= traced["period_ms"] > 0 or kind == "prefill"
+            assert run["kernels_compiled"] in (None, 0)  # no GPU: Triton compiles nothing
+        # Each run after a short run of its own rows (a second wave: batch + 1 of them)
+        for run in runs:
+            warm = outputs(tmp_path / "out" / name / (run.replace(" ", "-") + "-warm"))
+            assert set(warm) == set(range(min(rows, entry["workload"]["batch"] + 1)))
+            assert all(0 < len(tokens) <= WARM_TOKENS for tokens in warm.values())
         for run in (runs["useless full"], runs["oracle tau 6.5 full"]):  # the draft, timed
             assert set(run["draft_seconds"]) == {"16"} and run["draft_seconds"]["16"][1] > 0
         assert runs["none"]["draft_seconds"] is None
