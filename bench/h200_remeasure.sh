@@ -39,6 +39,8 @@ for stage in ${STAGES:-nodraft}; do
     nodraft)  # no draft on W1 and W2, and transformers' generate() three times on each
         jobs jobs-w1-w2-nodraft-generate w1,w2 --widths '' --tau '' --hf-jobs w1,w2 \
             --scratch /tmp/bj ;;
+    nodraft-w1)  # W1 alone: no draft, and generate() three times on it
+        jobs jobs-w1-nodraft-generate w1 --widths '' --tau '' --hf-jobs w1 --scratch /tmp/bj ;;
     before)  # the redesign's before on W1 (BEFORE's code, same scratch checkpoint)
         RUN_DIR=$BEFORE jobs jobs-w1-nodraft-before w1 --widths '' --tau '' --scratch /tmp/bj
         # the old code wrote no provenance: name the commit it ran

@@ -335,7 +335,7 @@ def _run(
     instruments = engine.instruments
     instruments.steps = []
     instruments.timer.reset(enabled=gpu_times)
-    compiled = _triton_compiled()
+    compiled = _triton_kernels()
     try:
         with installed(engine.speculator, BenchHooks(oracle=oracle)):
             stats = run_job(job, engine=engine)
@@ -344,18 +344,20 @@ def _run(
     finally:
         instruments.steps = None
         instruments.timer.reset(enabled=False)
-    after = _triton_compiled()
-    new = None if compiled is None or after is None else after - compiled
+    new = sorted(name for entry, name in _triton_kernels().items() if entry not in compiled)
     return stats | {"step_trace": trace, "kernels_compiled": new}
 
 
-def _triton_compiled() -> int | None:
-    """Kernels in Triton's on-disk cache (a compile adds one; None: no cache yet)."""
+def _triton_kernels() -> dict[str, str]:
+    """Triton's on-disk cache: entry -> its kernel's name (a compile adds an entry)."""
     folder = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    try:
-        return sum(1 for entry in os.scandir(folder) if entry.is_dir())
-    except OSError:
-        return None
+    if not folder.is_dir():
+        return {}
+    kernels = {}
+    for entry in folder.iterdir():
+        names = [p.stem for p in entry.glob("*.json") if not p.name.startswith("__grp__")]
+        kernels[entry.name] = names[0] if names else "?"
+    return kernels
 
 
 def _profiled(run: Callable[[], dict[str, Any]], device: torch.device) -> dict[str, Any]:
@@ -410,7 +412,7 @@ def _figures(stats: dict[str, Any], bound: dict[str, float] | None) -> dict[str,
         "draft_seconds": stats.get("draft_seconds"),  # the draft's own, by width
         "verify_width_steps": stats["verify_width_steps"],
         "step_trace": stats["step_trace"],  # by kind and width: period, longest, replays
-        "kernels_compiled": stats["kernels_compiled"],  # Triton compiles inside the run
+        "kernels_compiled": stats["kernels_compiled"],  # Triton kernels compiled inside the run
         "error_rows": stats["error_rows"],
         "max_batch_size": stats["max_batch_size"],  # requests in flight
     }

@@ -84,7 +84,7 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
                 kind, width = key.split(" ")
                 assert traced["steps"] == run["width_seconds"][kind][width][0]
                 assert traced["max_period_ms"] >= traced["period_ms"] > 0 or kind == "prefill"
-            assert run["kernels_compiled"] in (None, 0)  # no GPU: Triton compiles nothing
+            assert run["kernels_compiled"] == []  # no GPU: Triton compiles nothing
         # Each run after a short run of its own rows (a second wave: batch + 1 of them)
         for run in runs:
             warm = outputs(tmp_path / "out" / name / (run.replace(" ", "-") + "-warm"))
