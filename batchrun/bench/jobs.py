@@ -30,6 +30,7 @@ import torch
 from batchrun.attention.kv_dtype import kv_element_size
 from batchrun.bench.hooks import BenchHooks, installed
 from batchrun.bench.oracle import AcceptanceOracle, check_scenarios
+from batchrun.bench.ratios import speed_ratios
 from batchrun.bench.roofline import job_bound
 from batchrun.bench.scratch_models import write_scratch_models
 from batchrun.bench.shapes import DRAFT_LAYERS
@@ -161,13 +162,15 @@ def _write_inputs(plan: JobsPlan, w: Workload) -> tuple[Path, Path]:
     return (w.write(free, vocab, 0, constrained=False) if free != rows else rows, rows)
 
 
-def _warm_input(path: Path, w: Workload) -> Path:
-    """The warm-up of a run on `path`: its first batch + 1 rows (a second wave, so its steps
-    mix prefill and decode), each at most WARM_TOKENS new tokens. The rows keep their indices,
-    so an oracle drafts for them as for the run."""
+def _warm_input(path: Path) -> Path:
+    """The warm-up of a run on `path`: the same rows, each at most WARM_TOKENS new tokens. Its
+    waves admit and chunk the prompts as the run's do, so the kernel variants its steps need
+    (attention's tiles follow each step's longest chunk) compile here: the first rows alone
+    left one to compile inside timed runs (`kernels_compiled` in jobs-h100-w1-j1-useless.json).
+    The rows keep their indices, so an oracle drafts for them as for the run."""
     head = path.with_name(f"{path.stem}-warm.parquet")
     if not head.exists():
-        table = pq.read_table(path).slice(0, min(w.rows, w.batch + 1))
+        table = pq.read_table(path)
         budgets = [WARM_TOKENS] * table.num_rows
         if "max_tokens" in table.column_names:  # a ragged workload's own budgets, capped
             budgets = [min(b, WARM_TOKENS) for b in table.column("max_tokens").to_pylist()]
@@ -216,7 +219,7 @@ class _Mode:
                 # use of width 8 cost ~0.7 s in a 4 s job: jobs-h100-w2-b1-policy-trace.json).
                 warm = replace(
                     job,
-                    input=replace(job.input, path=str(_warm_input(Path(job.input.path), w))),
+                    input=replace(job.input, path=str(_warm_input(Path(job.input.path)))),
                     output=replace(job.output, directory=job.output.directory + "-warm"),
                 )
                 oracle = None
@@ -418,22 +421,16 @@ def _figures(stats: dict[str, Any], bound: dict[str, float] | None) -> dict[str,
     }
     if bound is not None:
         run["fraction_of_bound"] = bound["bound_seconds"] / seconds
+        run["fraction_of_serial_bound"] = bound["serial_bound_seconds"] / seconds
     return run
 
 
 def add_ratios(entry: dict[str, Any]) -> None:
-    """Each run's tokens/s against no draft, a draft's adaptive width ("auto" or "<draft>
-    auto") against the better of no draft and its full block, no draft against generate()."""
+    """Each run's tokens/s against its no-draft run and an adaptive width's against the better
+    of that and its full block (bench/ratios.py), no draft against generate()."""
     runs = entry["runs"]
+    ratios = speed_ratios({name: run["tokens_per_second"] for name, run in runs.items()})
     base = runs.get("none", {}).get("tokens_per_second")
-    ratios: dict[str, float] = {}
-    for name, run in runs.items():
-        if base and name != "none":
-            ratios[f"{name} / none"] = run["tokens_per_second"] / base
-        full = runs.get(name[: -len("auto")] + "full")
-        if base and name.split(" ")[-1] == "auto" and full:
-            best = max(base, full["tokens_per_second"])
-            ratios[f"{name} / best of none and full"] = run["tokens_per_second"] / best
     hf = entry.get("hf_generate", {}).get("tokens_per_second")
     if base and hf:
         ratios["none / generate()"] = base / hf

@@ -131,7 +131,8 @@ def job_bound(
     measured copy rate, whichever is longer; FP8 weights at the FP8 matmul rate. A MoE
     token multiplies by its top-k experts; a decode step reads the experts a full batch routes
     to. A hybrid's attention and K/V are its full-attention layers'; each output token also
-    reads and writes its request's linear state, and costs its Gated DeltaNet updates."""
+    reads and writes its request's linear state, and costs its Gated DeltaNet updates. Also
+    the bound of the phases run one after the other (serial_bound_seconds)."""
     s = shape
     per_token = s.num_experts_per_tok or None  # experts one token's matmuls use (None: dense)
     layer_params = weight_bytes(s, 1, experts=per_token) - s.vocab_size * s.hidden_size
@@ -139,10 +140,11 @@ def job_bound(
     kv_per_token = paged * 2 * s.num_kv_heads * s.head_dim * (kv_element or element)
     attention = 4 * paged * s.num_heads * s.head_dim  # FLOPs per (query, key) pair
     per_output = state_bytes(s, element)
-    flops = context_read = 0.0
+    flops = prompt_flops = context_read = 0.0
     for prompt, out in zip(prompt_lens, max_tokens, strict=True):
-        flops += 2 * layer_params * (prompt + out) + 2 * s.vocab_size * s.hidden_size * out
-        flops += _recurrent_flops(s) * (prompt + out)
+        per_position = 2 * layer_params + _recurrent_flops(s)
+        prompt_flops += per_position * prompt + attention * prompt * (prompt - 1) / 2
+        flops += per_position * (prompt + out) + 2 * s.vocab_size * s.hidden_size * out
         context = (prompt + out) * (prompt + out - 1) / 2  # keys each position attends to
         flops += attention * context
         context_read += kv_per_token * (prompt * out + out * (out - 1) / 2) + per_output * out
@@ -150,10 +152,16 @@ def job_bound(
     moved = steps * weight_bytes(s, element, experts=experts_read(s, batch) or None) + context_read
     compute_s = flops / ceilings.matmul_rate(s)
     memory_s = moved / ceilings.copy_bytes_per_s
+    prefill_s = prompt_flops / ceilings.matmul_rate(s)
+    decode_s = max(compute_s - prefill_s, memory_s)
     return {
         "compute_seconds": compute_s,
         "memory_seconds": memory_s,
         "bound_seconds": max(compute_s, memory_s),
+        # The phases one after the other: the prompts' matmuls, then decoding at the larger of
+        # its matmuls and its reads. The bound above assumes the two overlap, which a schedule
+        # whose waves prefill together and then decode together does not do.
+        "serial_bound_seconds": prefill_s + decode_s,
         "flops": flops,
         "bytes": moved,
     }

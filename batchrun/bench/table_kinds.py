@@ -8,6 +8,8 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from batchrun.bench.ratios import no_draft_run
+
 Result = dict[str, Any]
 MISSING = "—"
 
@@ -82,16 +84,18 @@ POLICY_FLOOR = 0.97
 def policy(results: dict[str, Result]) -> list[str]:
     """The width policy against its contract: one row per workload and drafter scenario that
     ran under both `auto` and `full` (useless, the oracle at each tau, each changing
-    scenario), `auto` and `full` against no draft, `auto` against the better of the two."""
+    scenario), `auto` and `full` against no draft on the same rows (bench/ratios.py), `auto`
+    against the better of the two."""
 
     def rows_of(result: Result) -> list[list[str]]:
         rows = []
         for name, entry in result["workloads"].items():
             runs = entry["runs"]
-            base = runs.get("none", {}).get("tokens_per_second")
             scenarios = _ordered(r[: -len(" auto")] for r in runs if r.endswith(" auto"))
             for scenario in scenarios:
                 auto, full = runs.get(f"{scenario} auto"), runs.get(f"{scenario} full")
+                none = runs.get(no_draft_run(f"{scenario} auto", runs), {})
+                base = none.get("tokens_per_second")
                 if not (base and auto and full):
                     continue
                 best = max(base, full["tokens_per_second"])

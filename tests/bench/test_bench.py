@@ -205,3 +205,22 @@ def test_an_fp8_job_is_held_to_fp8_ceilings() -> None:
     s = bf16
     kv_read = s.num_layers * 2 * s.num_kv_heads * s.head_dim * (1024 * 256 + 256 * 255 / 2)
     assert two["bytes"] - one["bytes"] == pytest.approx(kv_read)
+
+
+def test_a_job_has_an_overlap_bound_and_a_serial_one() -> None:
+    """W1's shape (1,024 in, 256 out, batch 128): the overlap bound is the larger of the job's
+    compute and memory; the serial one the prompts' compute plus decoding at the larger of its
+    own compute and the memory, so it lies between that and the sum of the two."""
+    from batchrun.bench.roofline import job_bound
+    from batchrun.bench.shapes import shape_from_flags
+    from batchrun.engine.device_rates import Ceilings
+
+    s = shape_from_flags("qwen3-8b")
+    ceilings = Ceilings(copy_bytes_per_s=3.3e12, matmul_flops_per_s=7.6e14)
+    w1 = job_bound(s, 2, [1024] * 256, [256] * 256, 128, ceilings)
+    compute, memory = w1["compute_seconds"], w1["memory_seconds"]
+    assert w1["bound_seconds"] == max(compute, memory)
+    assert max(compute, memory) < w1["serial_bound_seconds"] < compute + memory
+    prompts_only = job_bound(s, 2, [1024] * 256, [0] * 256, 128, ceilings)
+    prefill = prompts_only["compute_seconds"]
+    assert w1["serial_bound_seconds"] == pytest.approx(prefill + max(compute - prefill, memory))

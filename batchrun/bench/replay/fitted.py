@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from batchrun.bench.ratios import speed_ratios
 from batchrun.bench.replay.job import Job, Replay, replay
 from batchrun.bench.replay.scenarios import scenario
 from batchrun.bench.replay.step import BLOCK, ReplayStep
@@ -430,22 +431,13 @@ def nnls(a: np.ndarray, b: np.ndarray, tolerance: float = 1e-12) -> np.ndarray:
 def _ratios(
     result: dict[str, Any], speeds: dict[tuple[str, str], float]
 ) -> dict[tuple[str, str], tuple[float, float]]:
-    """The file's ratios (bench/jobs.py's add_ratios) beside the same ratios of the replays."""
+    """The file's ratios beside the same ratios of the replays (bench/ratios.py)."""
     out = {}
     for wname, entry in result["workloads"].items():
-        played = {n: tps for (w, n), tps in speeds.items() if w == wname}
-        if "none" not in played:
-            continue
+        played = speed_ratios({n: tps for (w, n), tps in speeds.items() if w == wname})
         for key, measured in entry["ratios"].items():
-            name, _, against = key.partition(" / ")
-            if name not in played:
-                continue
-            base = played["none"]
-            if against == "best of none and full":
-                base = max(base, played[name[: -len("auto")] + "full"])
-            elif against != "none":
-                continue
-            out[wname, key] = (measured, played[name] / base)
+            if key in played:
+                out[wname, key] = (measured, played[key])
     return out
 
 
