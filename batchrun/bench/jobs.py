@@ -9,8 +9,9 @@ matmul and copy rates measured in the same run, and transformers' generate() on 
 where asked.
 
 One engine per mode (no draft, auto, full) is built for the largest batch and runs every
-workload in turn, as a fresh engine would (`Engine.new_job`), after an untimed warm-up job of
-the same shape on other prompts (Triton compiles a kernel variant on its first use)."""
+workload in turn, as a fresh engine would (`Engine.new_job`); each run after an untimed
+warm-up of its own rows and oracle, shorter (Triton compiles a kernel variant on its first
+use, and a run's widths and chunks are its own)."""
 
 from __future__ import annotations
 
@@ -265,10 +266,6 @@ class _Mode:
             scenario=marks.get("scenario"),
             budgets=budgets,
         )
-
-
-def _capped(span: tuple[int, int], most: int) -> tuple[int, int]:
-    return (min(span[0], most), min(span[1], most))
 
 
 def _runs(
