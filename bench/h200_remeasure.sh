@@ -41,6 +41,13 @@ for stage in ${STAGES:-nodraft}; do
             --scratch /tmp/bj ;;
     nodraft-w1)  # W1 alone: no draft, and generate() three times on it
         jobs jobs-w1-nodraft-generate w1 --widths '' --tau '' --hf-jobs w1 --scratch /tmp/bj ;;
+    stall-free)  # W1 with the prompt chunks beside decode rows capped (the engine's
+        # prefill_beside_decode) at 256, 512 and 768, against uncapped W1 in the same call
+        jobs jobs-w1-nodraft-uncapped w1 --widths '' --tau '' --scratch /tmp/bj
+        for cap in 256 512 768; do
+            jobs "jobs-w1-prefill-beside-$cap" w1 --widths '' --tau '' \
+                --jobs-prefill-beside-decode "$cap" --scratch /tmp/bj
+        done ;;
     before)  # the redesign's before on W1 (BEFORE's code, same scratch checkpoint)
         RUN_DIR=$BEFORE jobs jobs-w1-nodraft-before w1 --widths '' --tau '' --scratch /tmp/bj
         # the old code wrote no provenance: name the commit it ran

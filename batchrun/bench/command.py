@@ -185,6 +185,12 @@ def _stats_acceptance(paths: tuple[Path, ...]) -> dict[str, list[float]]:
     help="--jobs: the jobs' --max-batched-tokens (default: run's).",
 )
 @click.option(
+    "--jobs-prefill-beside-decode",
+    "prefill_beside_decode_jobs",
+    type=click.IntRange(min=1),
+    help="--jobs: the jobs' --prefill-beside-decode (default: run's, the rest of the budget).",
+)
+@click.option(
     "--jobs-default-batch",
     "default_batch_jobs",
     is_flag=True,
@@ -407,6 +413,7 @@ def _jobs(opts: dict[str, Any], progress: Callable[[dict[str, Any]], None]) -> d
         device=device,
         hf_workloads=tuple(w for w in opts["hf_jobs"].split(",") if w),
         max_batched_tokens=opts["max_batched_tokens_jobs"],
+        prefill_beside_decode=opts["prefill_beside_decode_jobs"],
         default_batch=opts["default_batch_jobs"],
         profiled=tuple(w for w in opts["profile_jobs"].split(",") if w),
         kv_cache_dtype=opts["kv_cache_dtype"][0],

@@ -69,6 +69,7 @@ class JobsPlan:
     device: str = "cuda"
     hf_workloads: tuple[str, ...] = ()  # also run generate() on these
     max_batched_tokens: int | None = None  # None: the job default
+    prefill_beside_decode: int | None = None  # None: the job default (the rest of the budget)
     default_batch: bool = False  # set no max_batch_size: the job default, as a user who sets none
     profiled: tuple[str, ...] = ()  # profile every run of these (an untimed repeat each)
     kv_cache_dtype: str = "auto"  # the target's KV cache: auto (the model dtype) or fp8
@@ -105,6 +106,7 @@ def run_jobs(plan: JobsPlan, progress: Callable[[dict[str, Any]], None]) -> dict
             "gpu": torch.cuda.get_device_name(device) if cuda else None,
             "torch": torch.__version__,
             "scratch_models_seconds": time.perf_counter() - started,
+            "prefill_beside_decode": plan.prefill_beside_decode,  # the jobs' (None: unset)
         },
         "ceilings": asdict(ceilings) if ceilings is not None else None,
         "oracle": ORACLE_LABEL,
@@ -306,6 +308,7 @@ def _job(
             "device": plan.device,
             "max_batch_size": None if plan.default_batch else w.batch,
             "max_batched_tokens": plan.max_batched_tokens,
+            "prefill_beside_decode": plan.prefill_beside_decode,
             "kv_cache_dtype": plan.kv_cache_dtype,
             "overwrite": True,
             "quiet": True,

@@ -160,6 +160,7 @@ class Engine:
             min_width=speculator.widths[0],
             recompute_tail=tail,
             recorded=Recorded(self.block_size, config.logprobs, config.prompt_logprobs),
+            prefill_beside_decode=config.prefill_beside_decode,
         )
         self.worker.start_job(config.batch_size, config.max_batched_tokens)
         # Constrained requests waiting for their grammar; the scheduler fails those with none.

@@ -136,6 +136,23 @@ class EngineOptions:
         "and what the device's memory holds).",
         help="Tokens per forward pass.",
     )
+    # Stall-free batching (Sarathi-Serve's): a step that decodes carries a prompt chunk of at
+    # most this many tokens, so it costs little more than its decode part and the rows start
+    # decoding (and finish) staggered, later rows' prefill riding on earlier rows' decode.
+    # Unset until the GPU decides: the fitted H100 replay gives W1 (batch 128) +13% at 512 and a
+    # four-wave job +31%, but a replay explains, the GPU decides (docs/benchmarks.md).
+    prefill_beside_decode: int | None = option(
+        None,
+        kind=Kind.INT,
+        low=1,
+        high=MAX_BATCHED_TOKENS,
+        doc="The most prompt tokens a step that decodes takes beside its decode rows "
+        "(stall-free batching: smaller chunks keep each decode step near its own cost and let "
+        "later rows' prefill ride on earlier rows' decode). Unset: the rest of "
+        "max_batched_tokens. Outputs do not change.",
+        help="Prompt tokens a decoding step takes at most.",
+        unset="the rest of the token budget",
+    )
     gpu_memory_fraction: float = option(  # weights, graphs, activations, then KV
         0.9,
         kind=Kind.FLOAT,

@@ -40,9 +40,11 @@ def test_jobs_run_every_mode_and_agree(tmp_path: Path) -> None:
         dtype="float32",
         device="cpu",
         profiled=("w2",),
+        prefill_beside_decode=8,  # the jobs' engine option, recorded (stall-free chunks)
     )
     seen: list[dict] = []
     result = run_jobs(plan, seen.append)
+    assert result["setup"]["prefill_beside_decode"] == 8
     assert seen and seen[-1] is result  # the figures so far after each run
     assert "oracle" in result["oracle"]
     for mode in ("none", "auto", "full"):

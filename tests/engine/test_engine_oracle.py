@@ -203,6 +203,17 @@ def test_chunked_prefill_matches_generate(make_model: MakeModel, shape: str) -> 
     assert_matches(path, batch, requests)
 
 
+def test_stall_free_chunks_match_generate(make_model: MakeModel) -> None:
+    """At most 5 prompt tokens beside a step's decode rows (prefill_beside_decode): long
+    prompts then prefill a few tokens at a time under other rows' decoding, and every row is
+    still what generate() gives."""
+    path = make_model(**SHAPES["gqa2-tied"])
+    batch = cases(path)
+    requests, engine = run_engine(path, batch, max_batch_size=4, prefill_beside_decode=5)
+    assert engine.worker.step_kinds["mixed"] > 0  # chunks rode on decode rows
+    assert_matches(path, batch, requests)
+
+
 @pytest.mark.parametrize("chunk", [64, 7])
 def test_preemption_matches_generate(make_model: MakeModel, chunk: int) -> None:
     path = make_model(**SHAPES["mha-untied-2shards"])

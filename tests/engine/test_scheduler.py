@@ -51,13 +51,20 @@ def simulate(
     max_batched_tokens: int = 64,
     width: int = 1,
     accepted: Callable[[Request, int], int] = lambda req, step: 1,
+    prefill_beside_decode: int | None = None,
 ) -> tuple[Scheduler, Trace]:
     """Steps the scheduler as the engine does, with a stand-in model: a verify round commits
     `accepted(req, step)` tokens, capped by max_tokens; the KV past them is released. Each step
     is read back before the next (`schedule` advanced the chunks' progress and put the verify
     rows in flight)."""
     pool = PagePool(num_pages, page_size)
-    scheduler = Scheduler(pool, max_batch_size, max_batched_tokens, decode_width=width)
+    scheduler = Scheduler(
+        pool,
+        max_batch_size,
+        max_batched_tokens,
+        decode_width=width,
+        prefill_beside_decode=prefill_beside_decode,
+    )
     for i, (n, m) in enumerate(zip(prompts, max_tokens, strict=True)):
         scheduler.add(Request(i, [3] * n, SamplingParams(max_tokens=m)))
     trace = Trace()
@@ -137,6 +144,35 @@ def test_every_decoding_request_verifies_every_step() -> None:
         assert all(it.num_new == width for it in batch if it.decoding)
         assert len({id(it.req) for it in batch}) <= 10 // width
         assert sum(it.num_new for it in batch) <= 10
+
+
+def test_a_decoding_step_takes_at_most_its_prefill_beside_decode() -> None:
+    """Stall-free batching: a step with decode rows carries at most 6 prompt tokens beside
+    them; a step with none takes the whole budget; every request still finishes, and its rows
+    start decoding one after another rather than together."""
+    prompts, max_tokens = [40] * 6, [10] * 6
+    scheduler, trace = simulate(
+        prompts, max_tokens, num_pages=200, max_batched_tokens=64, prefill_beside_decode=6
+    )
+    assert scheduler.num_unfinished == 0
+    prefill = [sum(it.num_new for it in b if not it.decoding) for b in trace.batches]
+    decoding = [any(it.decoding for it in b) for b in trace.batches]
+    assert all(p <= 6 for p, d in zip(prefill, decoding, strict=True) if d)
+    assert any(p > 6 for p, d in zip(prefill, decoding, strict=True) if not d)
+    assert any(p and d for p, d in zip(prefill, decoding, strict=True))  # steps mix both
+    # Without it the same job prefills 64 tokens beside its decode rows.
+    _, plain = simulate(prompts, max_tokens, num_pages=200, max_batched_tokens=64)
+    first = [
+        next(
+            i
+            for i, b in enumerate(t.batches)
+            if any(it.decoding and it.req.row_index == r for it in b)
+        )
+        for t in (trace, plain)
+        for r in range(len(prompts))
+    ]
+    capped, whole = first[: len(prompts)], first[len(prompts) :]
+    assert max(capped) - min(capped) > max(whole) - min(whole)  # staggered starts
 
 
 def test_a_budget_below_the_verify_width_is_refused() -> None:

@@ -176,6 +176,7 @@ def run_specs(result: dict[str, Any]) -> Iterator[tuple[RunSpec, dict[str, Any]]
     """Each run of the file the replay can run (a constrained workload's are left out: the
     replay prices no grammar masks), with its record."""
     budget = EnginePart(target="").max_batched_tokens  # what the bench's jobs ran with
+    beside = result.get("setup", {}).get("prefill_beside_decode")
     for wname, entry in result["workloads"].items():
         w = entry["workload"]
         if w.get("json_schema") is not None:
@@ -186,6 +187,7 @@ def run_specs(result: dict[str, Any]) -> Iterator[tuple[RunSpec, dict[str, Any]]
             max_tokens=round(sum(w["max_tokens"]) / 2),
             batch=w["batch"],
             budget=budget,
+            prefill_beside_decode=beside,
         )
         for name, run in entry["runs"].items():
             yield _spec(wname, name, job), run

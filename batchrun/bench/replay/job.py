@@ -47,6 +47,7 @@ class Job:
     max_tokens: int
     batch: int
     budget: int = 4096
+    prefill_beside_decode: int | None = None  # the engine's option of that name
     constrained: bool = False  # every row's mask is built (its cost counted)
     oracle: bool = False  # the drafts are bench/oracle.py's (its work counted)
 
@@ -106,7 +107,12 @@ def replay(
         spec, decode_width, min_width = speculator(widths, job, costs), BLOCK, widths[0]
     pages = job.rows * (job.prompt_len + job.max_tokens + 3 * BLOCK) // 16 + job.rows
     scheduler = Scheduler(
-        PagePool(pages, 16), job.batch, job.budget, decode_width=decode_width, min_width=min_width
+        PagePool(pages, 16),
+        job.batch,
+        job.budget,
+        decode_width=decode_width,
+        min_width=min_width,
+        prefill_beside_decode=job.prefill_beside_decode,
     )
     params = SamplingParams(max_tokens=job.max_tokens, ignore_eos=True)
     for i in range(job.rows):

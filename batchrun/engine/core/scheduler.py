@@ -84,12 +84,14 @@ class Scheduler:
         recompute_tail: int = 1,
         min_width: int | None = None,
         recorded: Recorded = NOTHING_RECORDED,
+        prefill_beside_decode: int | None = None,
     ) -> None:
         """recompute_tail: prefill tokens a request admitted onto a cached prefix computes at
         least (a draft with sliding-window layers refills its window from them); min_width:
         the narrowest verify width the engine may ask for (default decode_width), which bounds
         how many requests can decode in one step's token budget; recorded: what each request
-        records besides its tokens."""
+        records besides its tokens; prefill_beside_decode: the most prefill tokens a step that
+        decodes takes beside its decode rows (None: the rest of the token budget)."""
         check_batch_budget(max_batched_tokens, decode_width)
         self.pool = pool
         self.recompute_tail = recompute_tail
@@ -97,6 +99,7 @@ class Scheduler:
         self.decode_width = decode_width  # 1, or the draft's block size B
         self.max_running = min(max_batch_size, max_batched_tokens // (min_width or decode_width))
         self.recorded = recorded
+        self.prefill_beside_decode = prefill_beside_decode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -155,6 +158,8 @@ class Scheduler:
             if self._decoding(req) and self._grow_or_preempt(req, req.state.in_flight + rows):
                 batch.append(self._plan(req, width[req], decoding=True))
         budget = self.max_batched_tokens - sum(n for _, n, _ in batch)
+        if batch and self.prefill_beside_decode is not None:
+            budget = min(budget, self.prefill_beside_decode)
         for req in list(self.running):
             if budget <= 0:
                 break

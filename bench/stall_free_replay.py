@@ -1,0 +1,59 @@
+"""What capping the prompt chunks beside decode rows (the engine's prefill_beside_decode) would
+do to no-draft jobs of W1's rows (1,024 prompt tokens, 256 new), as the replay prices them with
+the cost model fitted to an H100 result file (bench/replay/fitted.py). It explains, it does not
+decide: the GPU runs the same jobs (bench/h200_remeasure.sh's stage stall-free).
+
+    python bench/stall_free_replay.py [--fit bench/results/jobs-h100-w1-w2-b1-policy.json]
+        [--jobs 256x128,256x256,1024x128,64x32] [--caps 256,512,768,1024,2048] [--out FILE.json]
+
+Jobs are ROWSxBATCH. Prints one line per job and cap and writes them to --out as JSON, with its
+provenance (commit, device, command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from batchrun.bench.provenance import provenance
+from batchrun.bench.replay.fitted import fit_file
+from batchrun.bench.replay.job import Job, replay
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--fit", type=Path, default=Path("bench/results/jobs-h100-w1-w2-b1-policy.json")
+    )
+    parser.add_argument("--jobs", default="256x128,256x256,1024x128,64x32")
+    parser.add_argument("--caps", default="256,512,768,1024,2048")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    costs = fit_file(json.loads(args.fit.read_text())).costs
+    points = []
+    for spec in args.jobs.split(","):
+        rows, batch = (int(x) for x in spec.split("x"))
+        uncapped = None
+        for cap in [None, *(int(c) for c in args.caps.split(","))]:
+            job = Job(rows, 1024, 256, batch, prefill_beside_decode=cap)
+            played = replay(job, None, 1, costs=costs)
+            seconds = sum(costs.step(s) for s, _ in played.steps) / 1e3
+            uncapped = uncapped or seconds
+            point = {
+                "rows": rows,
+                "batch": batch,
+                "prefill_beside_decode": cap,
+                "seconds": seconds,
+                "steps": len(played.steps),
+                "speedup": uncapped / seconds,
+            }
+            points.append(point)
+            print(point, flush=True)
+    if args.out:
+        result = {"fit": str(args.fit), "points": points, "provenance": provenance()}
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
