@@ -32,6 +32,7 @@ SET: dict[str, Any] = {
     "verify_width": "full",
     "max_batch_size": 8,
     "max_batched_tokens": 128,
+    "prefill_beside_decode": 64,
     "gpu_memory_fraction": 0.5,
 }
 

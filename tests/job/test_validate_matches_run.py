@@ -419,6 +419,10 @@ BAD_VALUES: dict[str, tuple[BadKeys, str]] = {
     "verify_width": (keys(verify_width=0), "job key 'verify_width'"),
     "max_batch_size": (keys(max_batch_size=0), "job key 'max_batch_size'"),
     "max_batched_tokens": (keys(max_batched_tokens=0), "job key 'max_batched_tokens'"),
+    "prefill_beside_decode": (
+        keys(prefill_beside_decode=0),
+        "job key 'prefill_beside_decode'",
+    ),
     "gpu_memory_fraction": (keys(gpu_memory_fraction=2), "job key 'gpu_memory_fraction'"),
     "max_tokens": (keys(max_tokens=0), "job key 'max_tokens'"),
     "temperature": (keys(temperature=-1), "job key 'temperature'"),
