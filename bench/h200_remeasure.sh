@@ -79,8 +79,9 @@ for stage in ${STAGES:-nodraft}; do
         jobs jobs-w1-w2-b1-drafts w1,w2,b1 --tau 3,6.5 --scenarios 'collapse,mixed rows' \
             --widths auto,full --scratch /tmp/bj ;;
     drafts-policy)  # the width policy's contract on a short call: tau 6.5 and the scenarios
+        # (PROFILED: as in drafts-short)
         jobs jobs-w1-w2-b1-j1-policy w1,w2,b1,j1 --tau 6.5 --scenarios 'collapse,mixed rows' \
-            --widths auto,full --scratch /tmp/bj ;;
+            --widths auto,full --profile-jobs "${PROFILED-}" --scratch /tmp/bj ;;
     drafts-short)  # the policy on the two short workloads (a last call's budget); PROFILED
         # (workloads, default none): each of their runs again under the profiler, with its
         # steps traced (period against GPU time by kind and width, graph replays)
