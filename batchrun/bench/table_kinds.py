@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from batchrun.bench.ratios import no_draft_run
+from batchrun.bench.ratios import BEST, no_draft_run, speed_ratios
 
 Result = dict[str, Any]
 MISSING = "—"
@@ -90,23 +90,21 @@ def policy(results: dict[str, Result]) -> list[str]:
     def rows_of(result: Result) -> list[list[str]]:
         rows = []
         for name, entry in result["workloads"].items():
-            runs = entry["runs"]
-            scenarios = _ordered(r[: -len(" auto")] for r in runs if r.endswith(" auto"))
+            speeds = {n: run["tokens_per_second"] for n, run in entry["runs"].items()}
+            ratios = speed_ratios(speeds)
+            scenarios = _ordered(r[: -len(" auto")] for r in speeds if r.endswith(" auto"))
             for scenario in scenarios:
-                auto, full = runs.get(f"{scenario} auto"), runs.get(f"{scenario} full")
-                none = runs.get(no_draft_run(f"{scenario} auto", runs), {})
-                base = none.get("tokens_per_second")
-                if not (base and auto and full):
+                auto, full = f"{scenario} auto", f"{scenario} full"
+                share = ratios.get(f"{auto} / {BEST}")
+                if share is None:  # no full-block run (or no no-draft run) beside it
                     continue
-                best = max(base, full["tokens_per_second"])
-                share = auto["tokens_per_second"] / best
                 rows.append(
                     [
                         name,
                         scenario,
-                        f"{base:,.0f}",
-                        f"{auto['tokens_per_second'] / base:.3f}",
-                        f"{full['tokens_per_second'] / base:.3f}",
+                        f"{speeds[no_draft_run(auto, speeds)]:,.0f}",
+                        f"{ratios[f'{auto} / none']:.3f}",
+                        f"{ratios[f'{full} / none']:.3f}",
                         f"{share:.3f}" + ("" if share >= POLICY_FLOOR else " (missed)"),
                     ]
                 )
