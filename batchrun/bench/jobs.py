@@ -225,22 +225,14 @@ class _Mode:
                     input=replace(job.input, path=str(_warm_input(Path(job.input.path)))),
                     output=replace(job.output, directory=job.output.directory + "-warm"),
                 )
-                oracle = None
-                if marks:
-                    oracle = self._oracle(continuations[w.name], self.budgets[w.name], marks)
-                _run(self.engine, warm, w.batch, oracle)
-                if marks:  # a fresh one: its seeded draws as they were
-                    oracle = self._oracle(continuations[w.name], self.budgets[w.name], marks)
+                # Each oracle fresh: its seeded draws as the others had them.
+                oracle = partial(self._oracle, continuations, w.name, marks)
+                _run(self.engine, warm, w.batch, oracle())
                 entry = self.result["workloads"][w.name]
-                stats = _run(self.engine, job, w.batch, oracle)
+                stats = _run(self.engine, job, w.batch, oracle())
                 if w.name in self.plan.profiled:  # a repeat, so the timed run pays no profiler
-                    again = (  # a fresh oracle: its seeded draws as the timed run had them
-                        self._oracle(continuations[w.name], self.budgets[w.name], marks)
-                        if marks
-                        else None
-                    )
                     entry.setdefault("profiles", {})[name] = _profiled(
-                        partial(_run, self.engine, job, w.batch, again, gpu_times=True),
+                        partial(_run, self.engine, job, w.batch, oracle(), gpu_times=True),
                         self.engine.device,
                     )
                 if self.mode == "none":  # a constrained workload's oracle replays "json"
@@ -253,9 +245,16 @@ class _Mode:
                 progress(self.result)
 
     def _oracle(
-        self, continuation: dict[int, list[int]], budgets: dict[int, int], marks: dict[str, Any]
-    ) -> AcceptanceOracle:
-        """The oracle a run's marks (from _runs) name: at its tau or in its scenario."""
+        self,
+        continuations: dict[str, dict[int, list[int]]],
+        workload: str,
+        marks: dict[str, Any],
+    ) -> AcceptanceOracle | None:
+        """The oracle a run's marks (from _runs) name: at its tau or in its scenario (None: a
+        run without one, whose workload may have no continuations yet)."""
+        if not marks:
+            return None
+        continuation, budgets = continuations[workload], self.budgets[workload]
         engine = self.engine
         assert engine.block_size is not None
         return AcceptanceOracle(
@@ -342,11 +341,10 @@ def _run(
     try:
         with installed(engine.speculator, BenchHooks(oracle=oracle)):
             stats = run_job(job, engine=engine)
-        timing = instruments.timer.reset(enabled=False)
-        trace = summarize(instruments.steps, timing["draft_ms"], timing["target_ms"])
     finally:
-        instruments.steps = None
-        instruments.timer.reset(enabled=False)
+        timing = instruments.timer.reset(enabled=False)
+        records, instruments.steps = instruments.steps or [], None
+    trace = summarize(records, timing["draft_ms"], timing["target_ms"])
     new = sorted(name for entry, name in _triton_kernels().items() if entry not in compiled)
     return stats | {"step_trace": trace, "kernels_compiled": new}
 

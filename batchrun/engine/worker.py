@@ -232,7 +232,7 @@ class Worker:
                 plan.kind, plan.max_width, plan.num_live, plan.num_rows, launched.replayed, seconds
             )
             self.instruments.steps.append(record)
-        self.speculator.learn(launched.plan, accepted, seconds)
+        self.speculator.learn(plan, accepted, seconds)
 
     def abort(self, launched: Launched | None) -> None:
         """Drop the step in flight (its results unread) and what the speculator learned of
