@@ -140,7 +140,7 @@ class EngineOptions:
     # most this many tokens, so it costs little more than its decode part and the rows start
     # decoding (and finish) staggered, later rows' prefill riding on earlier rows' decode.
     # Unset until the GPU decides: the fitted H100 replay gives W1 (batch 128) +13% at 512 and a
-    # four-wave job +31%, but a replay explains, the GPU decides (docs/benchmarks.md).
+    # four-wave job +30%, but a replay explains, the GPU decides (docs/benchmarks.md).
     prefill_beside_decode: int | None = option(
         None,
         kind=Kind.INT,
