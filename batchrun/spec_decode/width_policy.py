@@ -53,18 +53,17 @@ PROBE_ROUNDS = 8
 PROBE_GUESS = 0.25
 # A drafter the policy has kept at width 1 for this many measured steps in a row, because it
 # accepts too little or costs too much at this batch, goes dormant: width-1 steps stop capturing
-# features and writing its context (1.6% of a step at batch 128 on an H200, 5% on the CPU
-# demo), so a drafter that loses costs what no drafter does. 16 steps: past the noise of a
-# single unlucky choice, a small share of any job. Prompts are written still (a step with
-# prefill chunks is not quiet), so every row's holes are in its output. When PROBE_EVERY comes
-# round it is probed at once, holes and all: on the demo pair those rounds accept about 70% of
-# what rows without holes do, and the gap closes within some 20 rounds of writes. A probe that
-# saw nothing accepted sends it back to sleep at once (16 steps of writes per probe cost the
-# CPU demo 0.7% of its job). Only from
-# DORMANT_MIN_BATCH requests on: the writes cost about 0.2% of a step at 16 or fewer on an
-# H200, less than the holes do.
+# features and writing its context, so a drafter that loses costs what no drafter does. The
+# writes cost 1.6% of a step at batch 128 on an H200, 2.1% at batch 1 on an H100 (6.90 against
+# 6.76 ms, bench/results/jobs-h100-w2-b1-policy-warm.json) and 5% on the CPU demo: at every
+# batch size more than the holes they spare a drafter that wakes on the same rows. 16 steps:
+# past the noise of a single unlucky choice, a small share of any job. Prompts are written still
+# (a step with prefill chunks is not quiet), so every row's holes are in its output. When
+# PROBE_EVERY comes round it is probed at once, holes and all: on the demo pair those rounds
+# accept about 70% of what rows without holes do, and the gap closes within some 20 rounds of
+# writes. A probe that saw nothing accepted sends it back to sleep at once (16 steps of writes
+# per probe cost the CPU demo 0.7% of its job).
 DORMANT_AFTER = 16
-DORMANT_MIN_BATCH = 16
 
 
 def candidate_widths(block_size: int) -> tuple[int, ...]:
@@ -268,7 +267,7 @@ class WidthPolicy:
             current = self._chosen.get(bucket, (None, 0.0))[0]
             width = best_width(accept, known, current, self.row_share)
             self._chosen[bucket] = (width, block_tokens)
-        held = width == 1 and any(self.trials) and bucket >= DORMANT_MIN_BATCH
+        held = width == 1 and any(self.trials)
         self._ones = self._ones + 1 if held else 0
         if held and self.trials[0] >= PROBE_ROUNDS and not self.hits[0]:
             self._ones = DORMANT_AFTER  # a probe saw nothing accepted: back to sleep at once

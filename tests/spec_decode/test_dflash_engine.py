@@ -632,7 +632,7 @@ def test_a_verify_width_beyond_the_block_is_refused(
 def test_a_dormant_drafter_writes_nothing_and_changes_nothing(
     draft_for: Callable[[str], tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A drafter that accepts nothing, at a batch where it may sleep: once dormant, width-1
+    """A drafter that accepts nothing: once dormant, width-1
     steps (graph replays and eager steps alike) capture no features and the draft's context is
     not written; greedy outputs still equal target-only's."""
     from batchrun.engine.model_runner import ModelRunner
@@ -668,9 +668,8 @@ def test_a_dormant_drafter_writes_nothing_and_changes_nothing(
     assert False in captures  # it went dormant
     quiet = captures.index(False)  # the first step that captured nothing: dormant from here
     assert quiet < len(captures) // 2, (quiet, len(captures))  # early in the job
-    # It sleeps until a probe is due or the batch falls under DORMANT_MIN_BATCH at the job's
-    # end (a share of the time that depends on the machine's step times), then writes its
-    # context again: while asleep nothing was stored.
+    # It sleeps until a probe is due (a share of the time that depends on the machine's step
+    # times), then writes its context again: while asleep nothing was stored.
     woke = captures.index(True, quiet) if True in captures[quiet:] else len(captures)
     assert not [s for s in stored if quiet < s <= woke], (quiet, woke)
     assert any(name == "target1-quiet" for name, _ in engine.runner.replays)

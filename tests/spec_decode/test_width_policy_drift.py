@@ -166,7 +166,7 @@ def test_a_drafter_held_at_width_1_is_probed_at_a_cost_of_1_percent() -> None:
     """No rounds at width 1: once PROBE_EVERY times the probe's cost has passed since the last
     round, the counts are cleared and the narrowest drafting width probes (PROBE_ROUNDS rounds);
     a drafter still useless goes back to width 1. The probes cost about 1% of the time."""
-    policy, batch = WidthPolicy(BLOCK, WIDTHS), 8  # under DORMANT_MIN_BATCH: never dormant
+    policy, batch = WidthPolicy(BLOCK, WIDTHS), 8
     seen, spent, extra = [], 0.0, 0.0
     for _ in range(5000):
         width = policy.choose(batch)
