@@ -12,12 +12,12 @@ after another, reading the routing on the host.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from batchrun.kernels.dispatch import triton_kernel
 from batchrun.layers.mlp import SwiGLU
 from batchrun.parallel.group import TensorParallel
 
@@ -89,14 +89,10 @@ class SparseMoe(nn.Module):
         return self.tp.all_reduce(out) if self.tp is not None else out
 
 
-@functools.cache
 def fused_kernel() -> FusedExperts | None:
     """The fused experts when triton imports (CUDA tensors), else None: the reference path."""
-    try:
-        from batchrun.kernels.triton_moe import fused_experts
-    except ImportError:
-        return None
-    return fused_experts
+    kernel: FusedExperts | None = triton_kernel("batchrun.kernels.triton_moe", "fused_experts")
+    return kernel
 
 
 class SharedExpertMoe(SparseMoe):

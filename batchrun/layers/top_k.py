@@ -6,12 +6,14 @@ same values; among equal values the kernel puts the lower index first."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
+from batchrun.kernels.dispatch import cuda_kernel, triton_kernel
+
 TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+_TRITON = "batchrun.kernels.triton_topk"  # its kernel, on CUDA (kernels/dispatch.py)
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,13 +26,5 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _kernel(logits: torch.Tensor, k: int) -> TopK | None:
-    return _import_kernel(k) if logits.is_cuda else None
-
-
-@functools.cache
-def _import_kernel(k: int) -> TopK | None:
-    try:
-        from batchrun.kernels.triton_topk import supports_k, topk_triton
-    except ImportError:
-        return None
-    return topk_triton if supports_k(k) else None
+    kernel: TopK | None = cuda_kernel(logits, _TRITON, "topk_triton")
+    return kernel if kernel is not None and triton_kernel(_TRITON, "supports_k")(k) else None

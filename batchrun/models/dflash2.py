@@ -13,7 +13,6 @@ whose context K/V, attention and caches it keeps, with two additions.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.attention.base import AttentionBackend
+from batchrun.kernels.dispatch import cuda_kernel
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.layers.top_k import top_k
 from batchrun.models.block_attention import BlockAttention
@@ -70,16 +70,10 @@ BlockConvKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int],
 
 
 def _kernel(x: torch.Tensor) -> BlockConvKernel | None:
-    return _import_kernel() if x.is_cuda else None
-
-
-@functools.cache
-def _import_kernel() -> BlockConvKernel | None:
-    try:
-        from batchrun.kernels.triton_block_conv import block_conv_triton
-    except ImportError:
-        return None
-    return block_conv_triton
+    kernel: BlockConvKernel | None = cuda_kernel(
+        x, "batchrun.kernels.triton_block_conv", "block_conv_triton"
+    )
+    return kernel
 
 
 def block_conv_torch(

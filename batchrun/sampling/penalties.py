@@ -17,13 +17,13 @@ torch code here is the reference and the CPU path.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from batchrun.attention.meta import row_starts
+from batchrun.kernels.dispatch import cuda_kernel
 from batchrun.sampling.control_state import LogitControls
 
 
@@ -125,13 +125,7 @@ Kernel = Callable[[torch.Tensor, LogitControls], None]
 
 def _kernel(logits: torch.Tensor) -> Kernel | None:
     """The Triton pass for CUDA logits when triton imports; None keeps the torch path."""
-    return _import_kernel() if logits.is_cuda else None
-
-
-@functools.cache
-def _import_kernel() -> Kernel | None:
-    try:
-        from batchrun.sampling.triton_penalties import apply_controls_triton
-    except ImportError:
-        return None
-    return apply_controls_triton
+    kernel: Kernel | None = cuda_kernel(
+        logits, "batchrun.sampling.triton_penalties", "apply_controls_triton"
+    )
+    return kernel

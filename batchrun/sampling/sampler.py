@@ -18,12 +18,12 @@ held as int64 words; the torch path stays the reference and the CPU path.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from batchrun.kernels.dispatch import cuda_kernel
 from batchrun.sampling.params import SamplingParams
 from batchrun.sampling.philox import philox_uniform
 
@@ -109,16 +109,10 @@ PlainKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 def _plain_kernel(logits: torch.Tensor) -> PlainKernel | None:
     """The Triton sampler for CUDA logits when triton imports; None keeps the torch path (the
     reference, and the CPU path)."""
-    return _import_plain_kernel() if logits.is_cuda else None
-
-
-@functools.cache
-def _import_plain_kernel() -> PlainKernel | None:
-    try:
-        from batchrun.sampling.triton_sampling import sample_plain
-    except ImportError:
-        return None
-    return sample_plain
+    kernel: PlainKernel | None = cuda_kernel(
+        logits, "batchrun.sampling.triton_sampling", "sample_plain"
+    )
+    return kernel
 
 
 def _scaled(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:

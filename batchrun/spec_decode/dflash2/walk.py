@@ -23,12 +23,12 @@ uniforms); the torch version below is the reference and the CPU path.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from batchrun.kernels.dispatch import cuda_kernel
 from batchrun.sampling.draft_verify import proposal_uniforms
 
 
@@ -64,16 +64,10 @@ def walk(
 
 
 def _kernel(unary: torch.Tensor) -> WalkKernel | None:
-    return _import_kernel() if unary.is_cuda else None
-
-
-@functools.cache
-def _import_kernel() -> WalkKernel | None:
-    try:
-        from batchrun.spec_decode.dflash2.triton_walk import walk_triton
-    except ImportError:
-        return None
-    return walk_triton
+    kernel: WalkKernel | None = cuda_kernel(
+        unary, "batchrun.spec_decode.dflash2.triton_walk", "walk_triton"
+    )
+    return kernel
 
 
 def walk_torch(
