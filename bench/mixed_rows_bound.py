@@ -6,7 +6,7 @@ steps the job cannot shed: a never-right row commits one token a step whatever i
 it starts only when a slot frees. It explains a miss, it does not decide.
 
     python bench/mixed_rows_bound.py [--fit bench/results/jobs-h100-w1-w2-b1-policy.json]
-        [--workload w2] [--out FILE.json]
+        [--workloads w1,w2] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from batchrun.bench.provenance import provenance
-from batchrun.bench.replay.fitted import fit_file, run_specs
+from batchrun.bench.replay.fitted import FittedCosts, RunSpec, fit_file, run_specs
 from batchrun.bench.replay.step import ReplayStep
 
 
@@ -36,24 +37,16 @@ def plain(step: ReplayStep) -> ReplayStep:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--fit", type=Path, default=Path("bench/results/jobs-h100-w1-w2-b1-policy.json")
-    )
-    parser.add_argument("--workload", default="w2")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    result = json.loads(args.fit.read_text())
-    fit = fit_file(result)
-    costs = fit.costs
-    specs = {(s.workload, s.name): s for s, _ in run_specs(result)}
-    none = specs[args.workload, "none"].replay(costs)
-    measured = result["workloads"][args.workload]["runs"]
-    point: dict[str, object] = {"workload": args.workload, "none_steps": len(none.steps)}
+def _bound(
+    result: dict[str, Any], costs: FittedCosts, specs: dict[tuple[str, str], RunSpec], w: str
+) -> dict[str, Any]:
+    """Workload w's mixed rows runs: measured, replayed and with their drafting free, over none."""
+    none = specs[w, "none"].replay(costs)
+    measured = result["workloads"][w]["runs"]
+    point: dict[str, Any] = {"workload": w, "none_steps": len(none.steps)}
     # auto's own steps, and the full block's (the good rows' fewest: every row at the block)
     for name in ("mixed rows auto", "mixed rows full"):
-        played = specs[args.workload, name].replay(costs)
+        played = specs[w, name].replay(costs)
         fixed = played.seconds - sum(ms for _, ms in played.steps) / 1e3  # outside the steps
         free = fixed + sum(costs.step(plain(s)) for s, _ in played.steps) / 1e3
         point[name] = {
@@ -63,9 +56,25 @@ def main() -> None:
             "free_drafting_over_none": none.seconds / free,
             "steps": len(played.steps),
         }
-    print(json.dumps(point, indent=1))
+    return point
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--fit", type=Path, default=Path("bench/results/jobs-h100-w1-w2-b1-policy.json")
+    )
+    parser.add_argument("--workloads", default="w1,w2")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    result = json.loads(args.fit.read_text())
+    fit = fit_file(result)
+    costs = fit.costs
+    specs = {(s.workload, s.name): s for s, _ in run_specs(result)}
+    points = [_bound(result, costs, specs, w) for w in args.workloads.split(",")]
+    print(json.dumps(points, indent=1))
     if args.out:
-        out = {"fit": str(args.fit), **point, "provenance": provenance()}
+        out = {"fit": str(args.fit), "points": points, "provenance": provenance()}
         args.out.write_text(json.dumps(out, indent=1) + "\n")
 
 
