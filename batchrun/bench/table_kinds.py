@@ -314,35 +314,31 @@ def demo_policy(results: dict[str, Result]) -> list[str]:
 
 
 def replay_fit(results: dict[str, Result]) -> list[str]:
-    """The fitted parameters, then each of the file's ratios beside the replay's, then each
-    run's mean step of each kind timed and its whole job, measured and replayed (ms)."""
-    from batchrun.bench.replay.fitted import fit_file  # the replay runs the scheduler
+    """One fit to the table's files (one call's: fitted.one_call): the fitted parameters, then
+    each ratio beside the replay's, then each run's mean step of each kind timed and its whole
+    job, measured and replayed (ms)."""
+    from batchrun.bench.replay.fitted import fit_file, one_call  # the replay runs the scheduler
 
-    lines: list[str] = []
-    for result in results.values():
-        fit = fit_file(result)
-        params = fit.costs.parameters()
-        lines += markdown(
-            ["parameter", "fitted"], [[f"`{k}`", f"{v:.4g}"] for k, v in params.items()]
-        )
-        rows = [
-            [w, f"`{key}`", f"{m:.3f}", f"{r:.3f}", f"{r / m - 1:+.1%}"]
-            for (w, key), (m, r) in fit.ratios.items()
+    fit = fit_file(one_call(list(results.values())))
+    params = fit.costs.parameters()
+    lines = markdown(["parameter", "fitted"], [[f"`{k}`", f"{v:.4g}"] for k, v in params.items()])
+    rows = [
+        [w, f"`{key}`", f"{m:.3f}", f"{r:.3f}", f"{r / m - 1:+.1%}"]
+        for (w, key), (m, r) in fit.ratios.items()
+    ]
+    lines += ["", *markdown(["workload", "ratio", "measured", "replayed", "off"], rows)]
+    kinds = _ordered(what for _, _, what in fit.residuals)
+    runs = list(dict.fromkeys((w, run) for w, run, _ in fit.residuals))
+    cells = [
+        [w, f"`{run}`"]
+        + [
+            f"{m:,.1f} / {r:,.1f}" if (m, r) != (0, 0) else MISSING
+            for m, r in (fit.residuals.get((w, run, k), (0, 0)) for k in kinds)
         ]
-        lines += ["", *markdown(["workload", "ratio", "measured", "replayed", "off"], rows)]
-        kinds = _ordered(what for _, _, what in fit.residuals)
-        runs = list(dict.fromkeys((w, run) for w, run, _ in fit.residuals))
-        cells = [
-            [w, f"`{run}`"]
-            + [
-                f"{m:,.1f} / {r:,.1f}" if (m, r) != (0, 0) else MISSING
-                for m, r in (fit.residuals.get((w, run, k), (0, 0)) for k in kinds)
-            ]
-            for w, run in runs
-        ]
-        header = ["workload", "run", *[f"{k}: measured / replayed ms" for k in kinds]]
-        lines += ["", *markdown(header, cells)]
-    return lines
+        for w, run in runs
+    ]
+    header = ["workload", "run", *[f"{k}: measured / replayed ms" for k in kinds]]
+    return [*lines, "", *markdown(header, cells)]
 
 
 FILE_KINDS: dict[str, Callable[[dict[str, Result]], list[str]]] = {

@@ -1,8 +1,9 @@
 """The replay's cost model fitted to a result file (bench/replay/fitted.py): the least squares
 themselves, a model recovered from replays it priced, and the fit to the H100 measurements of
-issue 46 reproducing each file's ratios: the file the issue opened with (tests/fixtures/
-h100-jobs-w2-b1-drafts.json) and the one with per-width step times (bench/results/
-jobs-h100-w1-w2-b1-policy.json), to which the fit's step prices are fitted kind by width."""
+issue 46 reproducing each call's ratios: the file the issue opened with (tests/fixtures/
+h100-jobs-w2-b1-drafts.json) and the engine as it is (80bc7aa: per-width step times, the
+draft's own, a dormant drafter at every batch), w2 and b1 with their call's w1, to which the
+fit's step prices are fitted kind by width."""
 
 from __future__ import annotations
 
@@ -13,26 +14,40 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchrun.bench.replay.fitted import Fit, FittedCosts, fit_costs, fit_file, nnls, run_specs
+from batchrun.bench.replay.fitted import (
+    Fit,
+    FittedCosts,
+    fit_costs,
+    fit_file,
+    nnls,
+    one_call,
+    run_specs,
+)
 
 REPO = Path(__file__).parents[2]
-# The H100 file of issue 46's opening (48ad8c6, before per-width step times) and the one of the
-# engine as it is (aca7ffa: per-width step times, the draft's own, w1 too).
-H100_OLD = REPO / "tests" / "fixtures" / "h100-jobs-w2-b1-drafts.json"
-H100 = REPO / "bench" / "results" / "jobs-h100-w1-w2-b1-policy.json"
+RESULTS = REPO / "bench" / "results"
+# A call's result files, fitted as one: the H100 file of issue 46's opening (48ad8c6, before
+# per-width step times), and the engine as it is (80bc7aa: w2 and b1, and w1's useless drafter
+# from the same call, which pins the compute-bound prices).
+H100_OLD = (REPO / "tests" / "fixtures" / "h100-jobs-w2-b1-drafts.json",)
+H100 = (
+    RESULTS / "jobs-h100-w2-b1-policy-dormant.json",
+    RESULTS / "jobs-h100-w1-j1-useless-dormant.json",
+)
 TOLERANCE = 0.03
 # Ratios each fit misses by more than TOLERANCE today (docs/speculative-decoding.md's tables say
-# by how much), and why. The GPU's own ratios move as much between runs: b1 collapse auto / none
-# was 1.206 at 48ad8c6, 1.321 at a2940b1 and 1.322 at aca7ffa.
+# by how much), and why. The GPU's own ratios move as much between runs: b1 oracle tau 6.5
+# auto / full was 0.986 at 82a80f0 and 0.958 at 80bc7aa.
 OLD_ENGINE = (
     "the file's engine drafted every decoding row once any verified drafts, with a policy "
     "before per-row widths: the replay runs today's (the new file replaces these runs)"
 )
-B1_STEPS = (
-    "b1's width-1 step priced 6.91 ms against 6.74 (weights_ms is set by w1's and w2's decode "
-    "steps, whose line lies 0.1-0.2 ms above b1's) and its width-16 step 8.61 against 8.75"
+WIDEST_VERIFY = (
+    "the rooflines fitted over every workload's steps misprice the widest verify: w1's "
+    "width-16 steps at 128 requests replay at 60.7 ms against 64.4, w2's at 32 at 19.4 "
+    "against 18.4"
 )
-MISSES: dict[Path, dict[tuple[str, str], str]] = {
+MISSES: dict[tuple[Path, ...], dict[tuple[str, str], str]] = {
     H100_OLD: {
         **{
             ("w2", f"{run} auto / {base}"): OLD_ENGINE
@@ -51,43 +66,30 @@ MISSES: dict[Path, dict[tuple[str, str], str]] = {
         ),
     },
     H100: {
-        # The file's auto runs ran a policy that decoded steps with prefill chunks at width 1;
-        # the replay runs today's (width_policy.py's mixed_width): those of w1 and w2 match as
-        # well or better (bench/results/jobs-h100-w2-b1-policy-mixed-width.json has w2 and b1
-        # run with it, but no w1 to pin the compute-bound prices: its own fit misses its full
-        # runs by 6-11%).
         **{
-            ("w1", f"collapse auto / {base}"): (
-                "its steps after a width change replay unlike the GPU's (width 1 7% short, "
-                "width 2 15% long: the fit leaves a switch unpriced, switch_ms fits to 0); "
-                "the job replays 3.5% long"
+            ("w1", f"useless auto / {base}"): (
+                "its width-1 steps replay at 14.7 ms against 14.3: the fit prices a drafter's "
+                "context writes (0.085 ms a request) that the GPU's dormant drafter skipped "
+                "for most of the job; the job replays 1.8% long, none's 1.6% short"
             )
             for base in ("none", "best of none and full")
         },
-        ("w1", "useless full / none"): (
-            "its width-16 steps at 128 requests replay at 61.8 ms against 64.9: the rooflines "
-            "fitted over every workload's steps underprice the widest verify at the largest batch"
-        ),
-        ("w1", "collapse full / none"): (
-            "its width-16 decode steps replayed at 57.1 ms against 62.2: the calibrated "
-            "divergence leaves fewer requests decoding in them than the GPU had"
-        ),
+        ("w1", "useless full / none"): WIDEST_VERIFY,
+        ("w2", "useless full / none"): WIDEST_VERIFY,
         **{
-            ("w2", f"oracle tau 6.5 auto / {base}"): (
-                "the widths replay as run (width 8 mostly), but the job replays 10% short of its "
-                "3.98 s: the GPU's width-2 step after a switch took 22.1 ms (13.6 replayed) and "
-                "its width-8 steps 15.8 (14.5)"
+            ("w2", f"collapse auto / {base}"): (
+                "its mixed steps replay 24% short (64 ms against 85) and its width-16 steps "
+                "11% long: the calibrated divergence spreads the admissions over more, "
+                "smaller chunks; the job replays 1.9% long, none's 1.4% short"
             )
             for base in ("none", "best of none and full")
         },
-        **{("b1", f"{run} full / none"): B1_STEPS for run in ("useless", "oracle tau 6.5")},
         **{
             ("b1", f"mixed rows auto / {base}"): (
                 "the order of the rows: the replay runs them by index (a good row, then a "
-                "row the drafter never gets right, which holds width 16 some 190 steps while "
-                "the good row's acceptance fades), the GPU in admission_order.py's order of "
-                "their random prompts, which the file does not record (228 steps at width 16 "
-                "and 344 at 1, against the replay's 454 and 142: one bad row there went first)"
+                "row the drafter never gets right), the GPU in admission_order.py's order of "
+                "their random prompts, which the file does not record (the GPU ran 312 steps "
+                "at width 1 and 255 at 16)"
             )
             for base in ("none", "best of none and full")
         },
@@ -183,32 +185,47 @@ def test_a_model_is_recovered_from_the_steps_it_priced() -> None:
         assert replayed == pytest.approx(measured, rel=0.01), key
 
 
-def fitted(path: Path) -> Fit:
-    return fit_file(json.loads(path.read_text()))
+def fitted(call: tuple[Path, ...]) -> Fit:
+    return fit_file(one_call([json.loads(p.read_text()) for p in call]))
 
 
 def _ratios() -> list[Any]:
     params = []
-    for path, misses in MISSES.items():
-        result = json.loads(path.read_text())
-        for w, entry in result["workloads"].items():
-            for ratio in entry["ratios"]:
-                reason = misses.get((w, ratio))
-                marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-                params.append(
-                    pytest.param(path, (w, ratio), marks=marks, id=f"{path.stem}: {w}, {ratio}")
-                )
+    for call, misses in MISSES.items():
+        for w, ratio in _call_ratios(call):
+            reason = misses.get((w, ratio))
+            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            name = call[0].stem
+            params.append(pytest.param(call, (w, ratio), marks=marks, id=f"{name}: {w}, {ratio}"))
     return params
 
 
+def _call_ratios(call: tuple[Path, ...]) -> list[tuple[str, str]]:
+    """Each ratio the call's files hold, by workload (not a constrained one's: the replay prices
+    no grammar masks)."""
+    results = [json.loads(p.read_text()) for p in call]
+    return [
+        (w, r)
+        for res in results
+        for w, e in res["workloads"].items()
+        if e["workload"].get("json_schema") is None
+        for r in e["ratios"]
+    ]
+
+
 def test_every_miss_names_a_ratio_of_its_file() -> None:
-    for path, misses in MISSES.items():
-        result = json.loads(path.read_text())
-        ratios = {(w, r) for w, entry in result["workloads"].items() for r in entry["ratios"]}
-        assert set(misses) <= ratios, path
+    for call, misses in MISSES.items():
+        assert set(misses) <= set(_call_ratios(call)), call
 
 
-@pytest.mark.parametrize(("path", "key"), _ratios())
-def test_the_h100_fits_reproduce_each_ratio(path: Path, key: tuple[str, str]) -> None:
-    measured, replayed = fitted(path).ratios[key]
+def test_files_of_different_calls_are_not_fitted_as_one() -> None:
+    first, second = (json.loads(p.read_text()) for p in H100)
+    second["provenance"]["commit"] = "0" * 40
+    with pytest.raises(ValueError, match="different calls"):
+        one_call([first, second])
+
+
+@pytest.mark.parametrize(("call", "key"), _ratios())
+def test_the_h100_fits_reproduce_each_ratio(call: tuple[Path, ...], key: tuple[str, str]) -> None:
+    measured, replayed = fitted(call).ratios[key]
     assert abs(replayed / measured - 1) <= TOLERANCE, (measured, replayed)

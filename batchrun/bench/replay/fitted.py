@@ -234,6 +234,21 @@ def _spec(workload: str, name: str, job: Job) -> RunSpec:
     return RunSpec(workload, name, oracle, acceptance, "auto" if mode == "auto" else BLOCK)
 
 
+def one_call(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Result files of one call (one commit, one device, one setup but their workloads) as
+    one, for one fit: a file of w2 and b1 leaves the compute-bound prices unpinned that its
+    call's w1 pins."""
+    first = results[0]
+    for other in results[1:]:
+        for key in ("commit", "device"):
+            if other["provenance"][key] != first["provenance"][key]:
+                raise ValueError(f"result files of different calls ({key}) cannot be fitted as one")
+        if other["setup"]["prefill_beside_decode"] != first["setup"]["prefill_beside_decode"]:
+            raise ValueError("result files of different setups cannot be fitted as one")
+    workloads = {w: e for result in results for w, e in result["workloads"].items()}
+    return {**first, "workloads": workloads}
+
+
 def fit_file(result: dict[str, Any]) -> Fit:
     """fit_costs, once per file's content in a process: a fit takes about a minute, and the
     published tables and the fit's tests ask for the same files' fits."""
