@@ -139,8 +139,9 @@ class EngineOptions:
     # Stall-free batching (Sarathi-Serve's): a step that decodes carries a prompt chunk of at
     # most this many tokens, so it costs little more than its decode part and the rows start
     # decoding (and finish) staggered, later rows' prefill riding on earlier rows' decode.
-    # Unset until the GPU decides: the fitted H100 replay gives W1 (batch 128) +13% at 512 and a
-    # four-wave job +30%, but a replay explains, the GPU decides (docs/benchmarks.md).
+    # Unset, as the GPU decided: on an H100 W1 at batch 128 ran 0.57x, 0.91x and 0.97x of
+    # uncapped at 256, 512 and 768 (a mixed step pays its prompt's matmuls on top of its decode
+    # rows' K/V reads, eagerly; docs/benchmarks.md), where the fitted replay had priced +13%.
     prefill_beside_decode: int | None = option(
         None,
         kind=Kind.INT,
