@@ -235,8 +235,8 @@ def _spec(workload: str, name: str, job: Job) -> RunSpec:
 
 
 def one_call(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Result files of one call (one commit, one device, one setup but their workloads) as
-    one, for one fit: a file of w2 and b1 leaves the compute-bound prices unpinned that its
+    """Result files of one call (one commit, device and setup; only their workloads differ)
+    as one, for one fit: a file of w2 and b1 leaves unpinned the compute-bound prices that its
     call's w1 pins."""
     first = results[0]
     for other in results[1:]:
