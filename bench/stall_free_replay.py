@@ -3,8 +3,10 @@ do to no-draft jobs of W1's rows (1,024 prompt tokens, 256 new), as the replay p
 the cost model fitted to an H100 result file (bench/replay/fitted.py). It explains, it does not
 decide: the GPU runs the same jobs (bench/h200_remeasure.sh's stage stall-free).
 
-    python bench/stall_free_replay.py [--fit bench/results/jobs-h100-w1-w2-b1-policy.json]
+    python bench/stall_free_replay.py [--fit FILE.json [FILE.json ...]]
         [--jobs 256x128,256x256,1024x128,64x32] [--caps 256,512,768,1024,2048] [--out FILE.json]
+
+--fit: one call's result files, fitted as one (default: the H100 call at 80bc7aa).
 
 Jobs are ROWSxBATCH. Prints one line per job and cap and writes them to --out as JSON, with its
 provenance (commit, device, command).
@@ -17,20 +19,23 @@ import json
 from pathlib import Path
 
 from batchrun.bench.provenance import provenance
-from batchrun.bench.replay.fitted import fit_file
+from batchrun.bench.replay.fitted import fit_file, one_call
 from batchrun.bench.replay.job import Job, replay
+
+DEFAULT_FIT = (
+    Path("bench/results/jobs-h100-w2-b1-policy-dormant.json"),
+    Path("bench/results/jobs-h100-w1-j1-useless-dormant.json"),
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--fit", type=Path, default=Path("bench/results/jobs-h100-w1-w2-b1-policy.json")
-    )
+    parser.add_argument("--fit", type=Path, nargs="+", default=list(DEFAULT_FIT))
     parser.add_argument("--jobs", default="256x128,256x256,1024x128,64x32")
     parser.add_argument("--caps", default="256,512,768,1024,2048")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    costs = fit_file(json.loads(args.fit.read_text())).costs
+    costs = fit_file(one_call([json.loads(p.read_text()) for p in args.fit])).costs
     points = []
     for spec in args.jobs.split(","):
         rows, batch = (int(x) for x in spec.split("x"))
@@ -51,7 +56,8 @@ def main() -> None:
             points.append(point)
             print(point, flush=True)
     if args.out:
-        result = {"fit": str(args.fit), "points": points, "provenance": provenance()}
+        fit = [str(p) for p in args.fit]
+        result = {"fit": fit, "points": points, "provenance": provenance()}
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -42,11 +42,6 @@ OLD_ENGINE = (
     "the file's engine drafted every decoding row once any verified drafts, with a policy "
     "before per-row widths: the replay runs today's (the new file replaces these runs)"
 )
-WIDEST_VERIFY = (
-    "the rooflines fitted over every workload's steps misprice the widest verify: w1's "
-    "width-16 steps at 128 requests replay at 60.7 ms against 64.4, w2's at 32 at 19.4 "
-    "against 18.4"
-)
 MISSES: dict[tuple[Path, ...], dict[tuple[str, str], str]] = {
     H100_OLD: {
         **{
@@ -68,19 +63,25 @@ MISSES: dict[tuple[Path, ...], dict[tuple[str, str], str]] = {
     H100: {
         **{
             ("w1", f"useless auto / {base}"): (
-                "its width-1 steps replay at 14.7 ms against 14.3: the fit prices a drafter's "
-                "context writes (0.085 ms a request) that the GPU's dormant drafter skipped "
-                "for most of the job; the job replays 1.8% long, none's 1.6% short"
+                "its steps with prompt chunks replay 5.1% long (110.0 ms against 104.7), "
+                "none's 1.7% short: the job replays 2.5% long, none's 1.0% short"
             )
             for base in ("none", "best of none and full")
         },
-        ("w1", "useless full / none"): WIDEST_VERIFY,
-        ("w2", "useless full / none"): WIDEST_VERIFY,
+        ("w2", "useless full / none"): (
+            "its width-16 steps at 32 requests replay at 19.3 ms against 18.4: the rooflines "
+            "fitted over every workload's steps price the widest verify's matmuls high there; "
+            "the job replays 3.1% long, none's 1.9% short"
+        ),
+        ("b1", "useless full / none"): (
+            "b1's width-1 step replays at 6.9 ms against 6.8 (weights_ms is set by w1's and "
+            "w2's decode steps too) and its width-16 step at 8.6 against 8.8"
+        ),
         **{
             ("w2", f"collapse auto / {base}"): (
-                "its mixed steps replay 24% short (64 ms against 85) and its width-16 steps "
-                "11% long: the calibrated divergence spreads the admissions over more, "
-                "smaller chunks; the job replays 1.9% long, none's 1.4% short"
+                "its mixed steps replay 25% short (63.8 ms against 84.8) and its width-16 steps "
+                "13% long: the calibrated divergence spreads the admissions over more, smaller "
+                "chunks; the job replays 1.5% long, none's 1.9% short"
             )
             for base in ("none", "best of none and full")
         },

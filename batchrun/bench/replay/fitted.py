@@ -34,20 +34,24 @@ Parts = dict[str, Callable[[ReplayStep], float]]
 Rooflines = tuple[tuple[Parts, Parts], ...]
 
 # What a step's milliseconds are made of, a parameter of FittedCosts each: the larger of reading
-# the weights and K/V (MEMORY) and the rows' matmuls (COMPUTE), a roofline as engine/
-# batch_size.py weighs them, plus the work outside both (EXTRA: the verify's own, the drafter's,
-# the benchmark oracle's, a change of width). A sum of MEMORY and COMPUTE cannot price the H100's
-# verify steps: at width 16 a step of 128 requests costs 3.5x one of 32 (2,048 and 512 rows),
-# not the 2.7x that a part per step and one per row give, as the matmuls hide the reading.
+# the weights (MEMORY) and the rows' matmuls (COMPUTE), a roofline as engine/batch_size.py weighs
+# them, plus the work outside both (EXTRA: the decode rows' K/V reads, the verify's own, the
+# drafter's, the benchmark oracle's, a change of width). A sum of MEMORY and COMPUTE cannot
+# price the H100's verify steps: at width 16 a step of 128 requests costs 3.5x one of 32 (2,048
+# and 512 rows), not the 2.7x that a part per step and one per row give, as the matmuls hide the
+# weights' reading. They do not hide the K/V reads, which run in the attention kernels apart
+# from the matmuls: W1's steps with 512 prompt tokens beside 96 decoding requests took 23.9 ms
+# on an H100 against 14.3 for 124 requests' decode alone (bench/results/
+# jobs-h100-w1-stall-free-512.json), where a roofline over both had priced them near the latter.
 MEMORY: Parts = {
     "weights_ms": lambda s: 1.0,  # the target's weights, read once a step
-    "ms_per_kv_token": lambda s: s.context,  # K/V tokens the decoding requests read
 }
 COMPUTE: Parts = {
     "compute_ms": lambda s: 1.0,  # what a compute-bound step spends beside its rows
     "ms_per_row": lambda s: s.target_rows,  # rows the target runs (a graph's padded ones)
 }
 EXTRA: Parts = {
+    "ms_per_kv_token": lambda s: s.context,  # K/V tokens the decoding requests read
     "ms_per_prefill_token": lambda s: s.prefill_rows,  # a prompt's attention, its K/V written
     "verify_ms_per_step": lambda s: float(s.max_width > 1),  # acceptance and commit of drafts
     "context_ms_per_request": lambda s: s.context_writes,  # its context written at width 1,
