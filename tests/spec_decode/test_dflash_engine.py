@@ -25,6 +25,7 @@ from batchrun.engine.engine import Engine
 from batchrun.errors import JobError
 from batchrun.sampling.params import SamplingParams
 from batchrun.spec_decode.dflash.speculator import DFlashSpeculator
+from batchrun.spec_decode.width_policy import WidthPolicy
 from batchrun.tools.tiny_draft import make_tiny_draft
 from tests.helpers.dflash_reference import (
     RefRound,
@@ -584,12 +585,18 @@ WIDE = "random-b8-default-ids"  # a block of 8
     ],
 )
 def test_every_verify_width_is_lossless(
-    draft_for: Callable[[str], tuple[Path, Path]], kind: str, width: int | str
+    draft_for: Callable[[str], tuple[Path, Path]],
+    kind: str,
+    width: int | str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Greedy outputs at fixed widths 1, 2, 5 and B, and under the adaptive policy, equal
     target-only's; a round of width w commits 1 .. w tokens, counted in B histogram bins, and
     drafts what the reference drafts from the same context (a sliding draft's window filled,
-    at width 1, by the target's own steps)."""
+    at width 1, by the target's own steps). The policy's drafter is kept awake: a dormant one
+    drafts from a context with holes by design (test_a_dormant_drafter_writes_nothing_and_
+    changes_nothing)."""
+    monkeypatch.setattr(WidthPolicy, "dormant", property(lambda _: False))
     target, draft = draft_for(kind)
     if kind in TRAINED:
         jobs = greedy_jobs(training_prompts(seed=0), [CONTINUATION, 3, 17, 1, 26, 9, 40, 30])
