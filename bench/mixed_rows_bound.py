@@ -46,9 +46,10 @@ def _bound(
     point: dict[str, Any] = {"workload": w, "none_steps": len(none.steps)}
     # auto's own steps, and the full block's (the good rows' fewest: every row at the block)
     for name in ("mixed rows auto", "mixed rows full"):
-        played = specs[w, name].replay(costs)
-        fixed = played.seconds - sum(ms for _, ms in played.steps) / 1e3  # outside the steps
-        free = fixed + sum(costs.step(plain(s)) for s, _ in played.steps) / 1e3
+        spec = specs[w, name]
+        played = spec.replay(costs)
+        steps = sum(costs.step(plain(s)) for s, _ in played.steps) / 1e3
+        free = costs.job_seconds(spec.job.rows) + steps  # the replay's time outside its steps
         point[name] = {
             "measured_over_none": measured["none"]["generation_seconds"]
             / measured[name]["generation_seconds"],
@@ -68,8 +69,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     result = json.loads(args.fit.read_text())
-    fit = fit_file(result)
-    costs = fit.costs
+    costs = fit_file(result).costs
     specs = {(s.workload, s.name): s for s, _ in run_specs(result)}
     points = [_bound(result, costs, specs, w) for w in args.workloads.split(",")]
     print(json.dumps(points, indent=1))

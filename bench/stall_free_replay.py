@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from batchrun.bench.provenance import provenance
-from batchrun.bench.replay.fitted import fit_file, one_call
+from batchrun.bench.replay.fitted import fit_file, load_call
 from batchrun.bench.replay.job import Job, replay
 
 DEFAULT_FIT = (
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--caps", default="256,512,768,1024,2048")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    costs = fit_file(one_call([json.loads(p.read_text()) for p in args.fit])).costs
+    costs = fit_file(load_call(args.fit)).costs
     points = []
     for spec in args.jobs.split(","):
         rows, batch = (int(x) for x in spec.split("x"))

@@ -19,6 +19,7 @@ from batchrun.bench.replay.fitted import (
     FittedCosts,
     fit_costs,
     fit_file,
+    load_call,
     nnls,
     one_call,
     run_specs,
@@ -187,7 +188,7 @@ def test_a_model_is_recovered_from_the_steps_it_priced() -> None:
 
 
 def fitted(call: tuple[Path, ...]) -> Fit:
-    return fit_file(one_call([json.loads(p.read_text()) for p in call]))
+    return fit_file(load_call(call))
 
 
 def _ratios() -> list[Any]:
@@ -204,11 +205,10 @@ def _ratios() -> list[Any]:
 def _call_ratios(call: tuple[Path, ...]) -> list[tuple[str, str]]:
     """Each ratio the call's files hold, by workload (not a constrained one's: the replay prices
     no grammar masks)."""
-    results = [json.loads(p.read_text()) for p in call]
+    workloads = load_call(call)["workloads"].items()
     return [
         (w, r)
-        for res in results
-        for w, e in res["workloads"].items()
+        for w, e in workloads
         if e["workload"].get("json_schema") is None
         for r in e["ratios"]
     ]

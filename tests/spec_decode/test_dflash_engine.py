@@ -639,9 +639,9 @@ def test_a_verify_width_beyond_the_block_is_refused(
 def test_a_dormant_drafter_writes_nothing_and_changes_nothing(
     draft_for: Callable[[str], tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A drafter that accepts nothing: once dormant, width-1
-    steps (graph replays and eager steps alike) capture no features and the draft's context is
-    not written; greedy outputs still equal target-only's."""
+    """A drafter that accepts nothing: once dormant, width-1 steps (graph replays and eager
+    steps alike) capture no features and the draft's context is not written; greedy outputs
+    still equal target-only's."""
     from batchrun.engine.model_runner import ModelRunner
 
     target, draft = draft_for("random")

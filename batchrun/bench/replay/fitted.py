@@ -18,8 +18,9 @@ import json
 import math
 import random
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -251,6 +252,11 @@ def one_call(results: list[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError("result files of different setups cannot be fitted as one")
     workloads = {w: e for result in results for w, e in result["workloads"].items()}
     return {**first, "workloads": workloads}
+
+
+def load_call(paths: Sequence[Path]) -> dict[str, Any]:
+    """one_call of the result files at `paths`."""
+    return one_call([json.loads(Path(p).read_text()) for p in paths])
 
 
 def fit_file(result: dict[str, Any]) -> Fit:
