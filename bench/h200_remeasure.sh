@@ -94,7 +94,8 @@ for stage in ${STAGES:-nodraft}; do
     drafts-b)
         jobs jobs-w3-w4-drafts w3,w4 --tau 3,6.5 --widths auto,full --scratch /tmp/bj ;;
     hybrid-steps)  # the hybrid qwen3.5-9b: decode steps at batch 1, 32, 128 against the
-        # roofline (state counted), DFlash projected at tau 3 and 6.5 from the measured rounds
+        # roofline (state counted), DFlash projected at tau 3 and 6.5 from the measured rounds,
+        # each verify width's rollback (the linear states' replay) timed apart
         budget=$(left)
         echo "== steps-qwen3.5-9b ($budget s left)" | tee -a "$LOG"
         timeout "$budget" python3 -m batchrun.cli bench --shape qwen3.5-9b --batch-sizes 1,32,128 \

@@ -1,8 +1,11 @@
-"""The engine's steady state, for `batchrun bench`: requests prefilled and decoding, and a
-profile of some of its steps."""
+"""The engine's steady state, for `batchrun bench`: requests prefilled and decoding, the
+rollback of a hybrid target's verify steps timed apart, and a profile of some of its steps."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -17,6 +20,42 @@ def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a CPU has none)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextmanager
+def timed_rollbacks(engine: Engine) -> Iterator[list[float]]:
+    """While open, every verify step's rollback on a hybrid target (`commit_linear`: its linear
+    layers' states replayed over the rows kept) is timed on the device's clock; the list it
+    yields holds their milliseconds once it closes. It stays empty for a target without linear
+    layers and for steps that verify nothing (their rows updated the states in the forward)."""
+    runner = engine.runner
+    plain = runner.commit_linear
+    spans: list[Callable[[], float]] = []
+    times: list[float] = []
+
+    def commit_linear(out: Any, accepted: torch.Tensor) -> None:
+        if out.linear is None or not out.linear.verify:
+            return plain(out, accepted)
+        if engine.device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            plain(out, accepted)
+            end.record()
+            spans.append(lambda: start.elapsed_time(end))
+        else:  # the CPU runs it as it is called
+            began = time.perf_counter()
+            plain(out, accepted)
+            elapsed = (time.perf_counter() - began) * 1e3
+            spans.append(lambda: elapsed)
+        return None
+
+    runner.commit_linear = commit_linear  # type: ignore[method-assign]
+    try:
+        yield times
+    finally:
+        del runner.commit_linear  # the class's method again
+        sync(engine.device)
+        times.extend(span() for span in spans)
 
 
 def start_decoding(engine: Engine, batch: int, context: int, **sampling: Any) -> list[Request]:

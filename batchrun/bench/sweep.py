@@ -29,7 +29,7 @@ from batchrun.bench.hooks import BenchHooks, installed
 from batchrun.bench.prompts import random_prompts
 from batchrun.bench.roofline import step_floor_ms
 from batchrun.bench.shapes import DRAFT_BLOCK, hf_twin, random_draft, random_target
-from batchrun.bench.steady import profile_point, start_decoding, sync
+from batchrun.bench.steady import profile_point, start_decoding, sync, timed_rollbacks
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.core.requests import Request
 from batchrun.engine.device_rates import Ceilings, measure_ceilings
@@ -88,11 +88,12 @@ def time_steps(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any
     graphed = engine.runner.replays.total()
     before = sum(len(r.output.token_ids) for r in reqs)
     sync(engine.device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync(engine.device)
-    wall_ms = (time.perf_counter() - start) / steps * 1e3
+    with timed_rollbacks(engine) as rollbacks:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(engine.device)
+        wall_ms = (time.perf_counter() - start) / steps * 1e3
     committed = sum(len(r.output.token_ids) for r in reqs) - before
     timing = engine.instruments.timer.reset(enabled=False)
     draft_ms, target_ms = _median(timing["draft_ms"]), _median(timing["target_ms"])
@@ -103,7 +104,7 @@ def time_steps(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any
         "host_ms": max(0.0, wall_ms - draft_ms - target_ms),
         "tokens_per_second": committed / steps / wall_ms * 1e3,
         "graphed_forwards_per_step": (engine.runner.replays.total() - graphed) / steps,
-    }
+    } | ({"rollback_ms": _median(rollbacks)} if rollbacks else {})
 
 
 def run_sweep(
@@ -286,9 +287,13 @@ def summarize(
     rows = []
     plain = {(p["batch"], p["context"]): p for p in points if p["mode"] == "target_only"}
     rounds: dict[tuple[int, int], dict[int, float]] = {}
+    rollbacks: dict[tuple[int, int], dict[int, float]] = {}  # a hybrid's, as a share of a round
     for p in points:
         if p["mode"] == "dflash":
-            rounds.setdefault((p["batch"], p["context"]), {})[p["width"]] = p["ms_per_step"]
+            key = (p["batch"], p["context"])
+            rounds.setdefault(key, {})[p["width"]] = p["ms_per_step"]
+            if "rollback_ms" in p:
+                rollbacks.setdefault(key, {})[p["width"]] = p["rollback_ms"] / p["ms_per_step"]
     for key, p in sorted(plain.items()):
         row: dict[str, Any] = {
             "batch": key[0],
@@ -304,6 +309,8 @@ def summarize(
                 name: _projection(key[0], accept, costs, p["tokens_per_second"])
                 for name, accept in profiles.items()
             }
+        if key in rollbacks:
+            row["rollback_share_by_width"] = rollbacks[key]
         for b in baselines:
             if (b["batch"], b["context"]) == key and "tokens_per_second" in b:
                 row[f"vs_generate_{b['mode']}"] = p["tokens_per_second"] / b["tokens_per_second"]

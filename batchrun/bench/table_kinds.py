@@ -140,6 +140,7 @@ def steady(results: dict[str, Result]) -> list[str]:
     taus = _ordered(t for row in summary for t in row.get("dflash_vs_target_only_at_tau", {}))
     widths = sorted({int(w) for row in summary for w in row.get("dflash_round_ms_by_width", {})})
     profiles = _ordered(p for row in summary for p in row.get("dflash", {}))
+    rollback = sorted({int(w) for row in summary for w in row.get("rollback_share_by_width", {})})
     header = ["batch, context", "ms per decode step", "share of memory roofline"]
     header += [
         f"vs generate() {k.removeprefix('vs_generate_').replace('_', ' ')}" for k in generate
@@ -150,6 +151,8 @@ def steady(results: dict[str, Result]) -> list[str]:
     if widths:
         header.append("DFlash round ms at W = " + " / ".join(map(str, widths)))
     header += [f"{_profile(p)}: adaptive W, vs target-only, vs full" for p in profiles]
+    if rollback:  # a hybrid's: its linear states replayed over the kept rows
+        header.append("rollback, % of a round at W = " + " / ".join(map(str, rollback)))
     several_files = len(results) > 1
     several_series = any(len(_series(r)) > 1 for r in results.values())
     rows = []
@@ -171,6 +174,9 @@ def steady(results: dict[str, Result]) -> list[str]:
                 by_width = r.get("dflash_round_ms_by_width", {})
                 row.append(" / ".join(_number(by_width.get(str(w)), "{:.1f}") for w in widths))
             row += [_adaptive(r.get("dflash", {}).get(p)) for p in profiles]
+            if rollback:
+                share = r.get("rollback_share_by_width", {})
+                row.append(" / ".join(_percent(share.get(str(w))) for w in rollback))
             rows.append(row)
     header = (["file"] if several_files else []) + (["series"] if several_series else []) + header
     return markdown(header, rows)
@@ -192,6 +198,10 @@ def _adaptive(p: dict[str, Any] | None) -> str:
         f"{p['adaptive_width']}, {p['adaptive_vs_target_only']:.2f}x,"
         f" {p['adaptive_vs_full_width']:.2f}x"
     )
+
+
+def _percent(share: float | None) -> str:
+    return MISSING if share is None else f"{100 * share:.1f}"
 
 
 def _number(value: float | None, form: str) -> str:

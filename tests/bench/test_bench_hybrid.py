@@ -54,6 +54,15 @@ def test_the_sweep_runs_a_hybrid_shape(tmp_path: Path) -> None:
     assert {p["mode"] for p in data["points"]} == {"target_only", "dflash"}
     assert all(p["tokens_per_second"] > 0 for p in data["points"])
     assert data["hf_generate"] == []  # no transformers twin of a hybrid
+    # The rollback is timed in every verify step, and only there.
+    verifying = {p["width"] for p in data["points"] if "rollback_ms" in p}
+    widths = {p["width"] for p in data["points"] if p["mode"] == "dflash"}
+    assert verifying == widths - {1} and verifying
+    assert all(p["mode"] == "dflash" for p in data["points"] if "rollback_ms" in p)
+    (row,) = data["summary"]
+    shares = row["rollback_share_by_width"]
+    assert set(shares) == {str(w) for w in verifying}
+    assert all(0 < share < 1 for share in shares.values())
 
 
 def test_a_hybrid_shape_refuses_tensor_parallelism() -> None:

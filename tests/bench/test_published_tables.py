@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from batchrun.bench.table_kinds import jobs, policy, steady
+from batchrun.bench.table_kinds import MISSING, jobs, policy, steady
 from batchrun.bench.tables import MANIFEST, Table, load_manifest, main, render, source, update
 
 REPO = Path(__file__).resolve().parents[2]
@@ -144,6 +144,17 @@ def test_a_steady_table_shows_every_point_of_every_series() -> None:
         "| b | 8, 1,024 | 6.00 | 0.50 |",
     ]
     assert len(jobs({"y.json": {"workloads": {}}})) == 2  # an empty file: a header, no rows
+
+
+def test_a_hybrid_sweep_shows_its_rollback_as_a_share_of_each_round() -> None:
+    rollback = {"rollback_share_by_width": {"2": 0.031, "16": 0.0121}}
+    summary = [
+        {"batch": 1, "context": 1024, "target_only_ms_per_token_step": 9.0} | rollback,
+        {"batch": 32, "context": 1024, "target_only_ms_per_token_step": 12.0},  # none timed
+    ]
+    lines = steady({"x.json": {"summary": summary}})
+    assert lines[0].endswith("| rollback, % of a round at W = 2 / 16 |")
+    assert lines[2].endswith("| 3.1 / 1.2 |") and lines[3].endswith(f"| {MISSING} / {MISSING} |")
 
 
 def test_check_reports_a_stale_block_and_the_rewrite_fixes_it(
