@@ -64,6 +64,11 @@ for stage in ${STAGES:-nodraft}; do
     fp8)  # FP8 weights and FP8 KV on W1, against the bf16 W1 of stage nodraft (same call)
         jobs jobs-w1-fp8-weights-fp8-kv w1 --widths '' --tau '' --fp8-weights \
             --kv-cache-dtype fp8 --scratch /tmp/bj8 ;;
+    fp8-profiled)  # bf16 and FP8 weights + KV on W1, no draft, each profiled too (an untimed
+        # repeat: its kernels by time), so the two jobs' kernels say where FP8 gains and not
+        jobs jobs-w1-bf16-profiled w1 --widths '' --tau '' --profile-jobs w1 --scratch /tmp/bj
+        jobs jobs-w1-fp8-weights-fp8-kv-profiled w1 --widths '' --tau '' --fp8-weights \
+            --kv-cache-dtype fp8 --profile-jobs w1 --scratch /tmp/bj8 ;;
     default-batch)  # W1 as a user who sets no --max-batch-size runs it, and at 64, 128, 256
         jobs jobs-w1-default-batch w1 --widths '' --tau '' --jobs-default-batch \
             --scratch /tmp/bj
