@@ -112,7 +112,8 @@ for stage in ${STAGES:-nodraft}; do
     dflash2)  # DFlash2 against DFlash at the Qwen3-8B shape, the oracle at tau 6.5: what the
         # selector and the convolutions add to a round (method_costs)
         # and each run's kernels (an untimed repeat): where the extra time goes
-        jobs jobs-${DFLASH2_JOBS:-b1,w2}-dflash2 ${DFLASH2_JOBS:-b1,w2} --tau 6.5 --widths full \
+        jobs "jobs-$(echo "${DFLASH2_JOBS:-b1,w2}" | tr , -)-dflash2" "${DFLASH2_JOBS:-b1,w2}" \
+            --tau 6.5 --widths full \
             --draft-methods dflash,dflash2 \
             --profile-jobs "${DFLASH2_PROFILED-b1,w2}" --scratch /tmp/bj ;;
     dflash2-kernels)  # the selector's top-K (Triton) against torch.topk and argmax, in graphs
