@@ -5,9 +5,11 @@ float32 up to summation order).
 
 Both read a request's state by its slot; with `keep` [D] they write the slot in place, the
 state after rows 0 .. keep[r] - 1 (a decode step keeps every row, a verify's commit the
-accepted ones), else they only read it. Grids are sized from tensor shapes only, so they run
-inside CUDA graph capture. Requests padding a graph step may share one slot: their writes race,
-but the slot they share is the scratch slot, which nothing reads.
+accepted ones), else they only read it. `rows` [D] (a verify's own rows per request, the kept
+ones in a commit) bounds the work: a graph's grid is as wide as the job's widest verify, and a
+request's cells past its rows are left unwritten. Grids are sized from tensor shapes only, so
+they run inside CUDA graph capture. Requests padding a graph step may share one slot: their
+writes race, but the slot they share is the scratch slot, which nothing reads.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def _conv_rows_kernel(
     slots_ptr,
     w_ptr,
     keep_ptr,
+    rows_ptr,
     out_ptr,
     stride_xd,
     stride_xw,
@@ -62,6 +65,7 @@ def _conv_rows_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
     KEEP: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -70,7 +74,10 @@ def _conv_rows_kernel(
     x_ptr += r * stride_xd
     conv_ptr += slot * stride_cs
     t = tl.arange(0, BLOCK_W)
-    tmask = t < W
+    n = W
+    if ROWS:
+        n = tl.load(rows_ptr + r).to(tl.int32)
+    tmask = t < n
     acc = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(K):  # tap j reads window row t + j
         val = _window_load(x_ptr, conv_ptr, t + j, c, tmask, cmask, stride_xw, stride_cc, K)
@@ -99,9 +106,11 @@ def conv_rows(
     slots: torch.Tensor,
     weight: torch.Tensor,
     keep: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """layers/gated_delta.py's conv_rows: qkv [D, W, C], conv [num_slots, C, K - 1] (its last
-    dimension contiguous), slots and keep [D], weight [C, K]; silu(conv) [D, W, C]."""
+    dimension contiguous), slots, keep and rows [D], weight [C, K]; silu(conv) [D, W, C], with
+    rows: request r's rows from rows[r] on unwritten."""
     d, w, c = qkv.shape
     k = weight.shape[1]
     out = torch.empty((d, w, c), dtype=qkv.dtype, device=qkv.device)
@@ -116,6 +125,7 @@ def conv_rows(
         slots,
         weight,
         keep if keep is not None else slots,
+        rows if rows is not None else slots,
         out,
         qkv.stride(0),
         qkv.stride(1),
@@ -131,6 +141,7 @@ def conv_rows(
         BLOCK_C=block_c,
         BLOCK_K=triton.next_power_of_2(max(k - 1, 1)),
         KEEP=keep is not None,
+        ROWS=rows is not None,
         num_warps=4,
     )
     return out
@@ -144,6 +155,7 @@ def _delta_rows_kernel(
     state_ptr,
     slots_ptr,
     keep_ptr,
+    rows_ptr,
     out_ptr,
     stride_md,
     stride_mw,
@@ -167,6 +179,7 @@ def _delta_rows_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     KEEP: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -183,6 +196,8 @@ def _delta_rows_kernel(
     rows = W
     if KEEP:
         rows = tl.load(keep_ptr + r).to(tl.int32)
+    elif ROWS:
+        rows = tl.load(rows_ptr + r).to(tl.int32)
     for t in range(0, rows):
         row = mixed_ptr + r * stride_md + t * stride_mw
         q = tl.load(row + hk * DK + kk, mask=kmask, other=0.0).to(tl.float32)
@@ -211,10 +226,12 @@ def delta_rows(
     keep: torch.Tensor | None,
     num_k_heads: int,
     head_k_dim: int,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """layers/gated_delta.py's delta_rows: mixed [D, W, C], g and beta [D, W, Hv] float32,
-    recurrent [num_slots, Hv, dk, dv] float32 (contiguous), slots and keep [D]; outputs
-    [D, W, Hv, dv] in mixed's dtype (with keep, rows from keep[r] on are left unwritten)."""
+    recurrent [num_slots, Hv, dk, dv] float32 (contiguous), slots, keep and rows [D]; outputs
+    [D, W, Hv, dv] in mixed's dtype, request r's from keep[r] on (else from rows[r] on) left
+    unwritten."""
     d, w, _ = mixed.shape
     heads, dk, dv = recurrent.shape[1:]
     out = torch.empty((d, w, heads, dv), dtype=mixed.dtype, device=mixed.device)
@@ -233,6 +250,7 @@ def delta_rows(
         recurrent,
         slots,
         keep if keep is not None else slots,
+        rows if rows is not None else slots,
         out,
         mixed.stride(0),
         mixed.stride(1),
@@ -256,6 +274,7 @@ def delta_rows(
         BLOCK_K=triton.next_power_of_2(dk),
         BLOCK_V=block_v,
         KEEP=keep is not None,
+        ROWS=rows is not None,
         num_warps=4,
     )
     return out

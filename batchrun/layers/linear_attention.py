@@ -155,7 +155,9 @@ class GatedDeltaNet(nn.Module):
         # A graph's padding requests (no rows) start where the live rows end: in range.
         grid = grid.clamp_(max=max(qkv.shape[0] - 1, 0))
         qkv, g, beta = qkv[grid], g[grid], beta[grid]
-        out = self._rows(qkv, g, beta, state, meta.slots[:d], None)
+        # A graph's grid is as wide as the job's widest verify: each request's kernels run
+        # its own rows only (a width-2 step in a 16-wide grid would run the rule 16 times).
+        out = self._rows(qkv, g, beta, state, meta.slots[:d], None, meta.q_lens)
         state.scratch_qkv[:d, :w] = qkv
         state.scratch_g[:d, :w] = g
         state.scratch_beta[:d, :w] = beta
@@ -165,7 +167,8 @@ class GatedDeltaNet(nn.Module):
         ends = starts + meta.q_lens
         req = torch.searchsorted(ends, t, right=True).clamp_(max=max(d - 1, 0))
         col = (t - starts[req]).clamp_(0, w - 1)
-        packed = out[req, col] * (t < ends[-1])[:, None, None].to(out.dtype)
+        # where, not a product: the cells past a request's rows were never written
+        packed = torch.where((t < ends[-1])[:, None, None], out[req, col], 0)
         return packed.reshape(meta.decode_rows, self.num_v_heads, self.head_v_dim)
 
     def _rows(
@@ -176,11 +179,14 @@ class GatedDeltaNet(nn.Module):
         state: LinearLayerState,
         slots: torch.Tensor,  # [D]
         keep: torch.Tensor | None,  # [D]: rows the slots take (None: they are only read)
+        rows: torch.Tensor | None = None,  # [D]: each request's own rows (None: all W)
     ) -> torch.Tensor:
-        """The core outputs [D, W, Hv, dv] of decode or verify rows, from the ops' kernels."""
-        mixed = self.ops.conv_rows(qkv, state.conv, slots, self.conv1d.weight[:, 0], keep)
+        """The core outputs [D, W, Hv, dv] of decode or verify rows, from the ops' kernels
+        (a request's cells past its rows unspecified)."""
+        weight = self.conv1d.weight[:, 0]
+        mixed = self.ops.conv_rows(qkv, state.conv, slots, weight, keep, rows)
         return self.ops.delta_rows(
-            mixed, g, beta, state.recurrent, slots, keep, self.num_k_heads, self.head_k_dim
+            mixed, g, beta, state.recurrent, slots, keep, self.num_k_heads, self.head_k_dim, rows
         )
 
     def _prefill(
@@ -223,4 +229,5 @@ class GatedDeltaNet(nn.Module):
             state.scratch_g[:d, :w],
             state.scratch_beta[:d, :w],
         )
-        self._rows(qkv, g, beta, state, meta.slots[:d], accepted + 1)
+        kept = accepted + 1
+        self._rows(qkv, g, beta, state, meta.slots[:d], kept, kept)

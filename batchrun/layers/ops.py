@@ -92,7 +92,11 @@ class TorchOps:
         slots: torch.Tensor,
         weight: torch.Tensor,
         keep: torch.Tensor | None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """gated_delta.conv_rows. rows [D]: request r's own rows (the cells past them pad a
+        graph's grid; their outputs are unspecified): the fused kernels skip the rest, the
+        reference computes every cell."""
         return gated_delta.conv_rows(qkv, conv, slots, weight, keep)
 
     def delta_rows(
@@ -105,7 +109,9 @@ class TorchOps:
         keep: torch.Tensor | None,
         num_k_heads: int,
         head_k_dim: int,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """gated_delta.delta_rows; rows as in conv_rows."""
         return gated_delta.delta_rows(
             mixed, g, beta, recurrent, slots, keep, num_k_heads, head_k_dim
         )

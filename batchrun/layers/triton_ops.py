@@ -62,8 +62,9 @@ class TritonOps(TorchOps):
         slots: torch.Tensor,
         weight: torch.Tensor,
         keep: torch.Tensor | None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return delta_kernels.conv_rows(qkv, conv, slots, weight, keep)
+        return delta_kernels.conv_rows(qkv, conv, slots, weight, keep, rows)
 
     def delta_rows(
         self,
@@ -75,9 +76,10 @@ class TritonOps(TorchOps):
         keep: torch.Tensor | None,
         num_k_heads: int,
         head_k_dim: int,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return delta_kernels.delta_rows(
-            mixed, g, beta, recurrent, slots, keep, num_k_heads, head_k_dim
+            mixed, g, beta, recurrent, slots, keep, num_k_heads, head_k_dim, rows
         )
 
     def prefill_chunks(

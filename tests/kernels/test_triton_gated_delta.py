@@ -52,11 +52,17 @@ def inputs(
 
 
 def run(
-    impl: object, x: dict[str, torch.Tensor], keep: torch.Tensor | None, shape: dict[str, int]
+    impl: object,
+    x: dict[str, torch.Tensor],
+    keep: torch.Tensor | None,
+    shape: dict[str, int],
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(outputs, conv states, recurrent states) of impl's conv_rows then delta_rows, on copies."""
+    """(outputs, conv states, recurrent states) of impl's conv_rows then delta_rows, on copies
+    (`rows`, each request's own, goes to the kernels: the reference computes every cell)."""
     conv, recurrent = x["conv"].clone(), x["recurrent"].clone()
-    mixed = impl.conv_rows(x["qkv"], conv, x["slots"], x["weight"], keep)  # type: ignore[attr-defined]
+    bound = {"rows": rows} if rows is not None else {}
+    mixed = impl.conv_rows(x["qkv"], conv, x["slots"], x["weight"], keep, **bound)  # type: ignore[attr-defined]
     out = impl.delta_rows(  # type: ignore[attr-defined]
         mixed,
         x["g"],
@@ -66,21 +72,26 @@ def run(
         keep,
         shape["num_k_heads"],
         shape["head_k_dim"],
+        **bound,
     )
     return out, conv, recurrent
 
 
 def check(shape: dict[str, int], requests: int, width: int, dtype: torch.dtype, mode: str) -> None:
     x = inputs(shape, requests, width, dtype)
-    keep = None
+    keep = own = None
     if mode == "decode":
         keep = torch.full((requests,), width, device=DEVICE)
     elif mode == "commit":  # accepted + 1 rows: from 1 (no draft accepted) to every row
-        keep = torch.arange(requests, device=DEVICE) % width + 1
+        keep = own = torch.arange(requests, device=DEVICE) % width + 1
+    elif mode == "ragged verify":  # rows of 1 to width in a width-wide grid, as in a graph
+        own = torch.arange(requests, device=DEVICE) % width + 1
     want_out, want_conv, want_state = run(gated_delta, x, keep, shape)
-    out, conv, state = run(kernels, x, keep, shape)
+    out, conv, state = run(kernels, x, keep, shape, own)
     # Where a slot is written: only the step's; where its rows' outputs hold: rows 0..keep-1.
-    kept = keep if keep is not None else torch.full((requests,), width, device=DEVICE)
+    kept = keep if keep is not None else own
+    if kept is None:
+        kept = torch.full((requests,), width, device=DEVICE)
     rows = torch.arange(width, device=DEVICE)[None] < kept[:, None]
     tol = {"atol": 2e-2, "rtol": 2e-2} if dtype != torch.float32 else {"atol": 1e-4, "rtol": 1e-4}
     torch.testing.assert_close(out[rows].float(), want_out[rows].float(), **tol)
@@ -92,10 +103,10 @@ def check(shape: dict[str, int], requests: int, width: int, dtype: torch.dtype, 
         assert not torch.equal(state, x["recurrent"]), "the step's slots were written"
 
 
-@pytest.mark.parametrize("mode", ["verify", "decode", "commit"])
+@pytest.mark.parametrize("mode", ["verify", "ragged verify", "decode", "commit"])
 @pytest.mark.parametrize("width", [1, 3, 5])
 def test_the_kernels_are_the_torch_rows(mode: str, width: int) -> None:
-    if mode == "verify" and width == 1:
+    if "verify" in mode and width == 1:
         pytest.skip("width 1 never verifies")
     check(TINY, 3, width, torch.float32, mode)
 
@@ -109,9 +120,9 @@ def test_a_kernel_of_no_requests_launches_nothing() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["verify", "decode", "commit"])
+@pytest.mark.parametrize("mode", ["verify", "ragged verify", "decode", "commit"])
 @pytest.mark.parametrize("width", [1, 16])
 def test_the_kernels_are_the_torch_rows_at_real_shapes(mode: str, width: int) -> None:
-    if mode == "verify" and width == 1:
+    if "verify" in mode and width == 1:
         pytest.skip("width 1 never verifies")
     check(REAL, 48, width, torch.bfloat16, mode)

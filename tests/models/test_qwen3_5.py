@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from batchrun.layers.linear_attention import LinearLayerState
+from batchrun.layers.ops import TorchOps, use_ops
+from batchrun.layers.triton_ops import TritonOps
 from batchrun.models.loader import load_qwen3
 from batchrun.models.qwen3_5 import Qwen3_5ForCausalLM
 from tests.helpers.hybrid_models import KINDS, VOCAB, Stepper, make_hybrid
@@ -137,13 +139,16 @@ def test_a_plain_decode_step_writes_its_slots_and_commit_does_nothing(
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("ops", [TorchOps, TritonOps])
 def test_a_verify_of_rows_at_widths_of_their_own_keeps_each_rows_accepted(
-    checkpoint: tuple[Path, nn.Module],
+    checkpoint: tuple[Path, nn.Module], ops: type[TorchOps]
 ) -> None:
     """Rows verifying 1, 3 and 4 rows in one step, packed by offsets: each row's logits are its
-    full sequence's, and the commit leaves each slot as the accepted rows alone would."""
+    full sequence's, and the commit leaves each slot as the accepted rows alone would. The
+    fused kernels (Triton's interpreter off a GPU) run each request's own rows only."""
     path, reference = checkpoint
     model = loaded(path)
+    use_ops(model, ops())
     widths = (1, 3, 4)
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 6, 13)]
