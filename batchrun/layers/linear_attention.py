@@ -4,26 +4,26 @@ step of many requests, each request's state in a slot of the layer's LinearLayer
 A step packs decode/verify rows first: requests [0, decoding), each its own W_r rows (1 is plain
 decoding) after those of the requests before it, then prefill chunks. Prefill chunks and plain
 decode rows update their slots in place. In a verify step (some W_r > 1) every decoding
-request's rows, laid out on a [decoding, max_q] grid, read their slots and write nothing there:
-the layer keeps, per verify row, what a replay needs (the pre-conv qkv row, g, beta) in the
-state's scratch, and `commit`, once acceptance is known, replays the kept rows from the slot's
-state and writes the result.
+request's rows read their slots and write nothing there: the layer keeps, per verify row, what
+a replay needs (the pre-conv qkv row, g, beta) in the state's scratch, packed as the step's
+rows are, and `commit`, once acceptance is known, replays the kept rows from the slot's state
+and writes the result.
 A rejected draft so leaves no trace, and verification costs O(W) per-token rows per request,
 no copy of the state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.attention.meta import padded_rows, row_starts
+from batchrun.attention.meta import row_starts
 from batchrun.layers.norm import GatedRMSNorm
-from batchrun.layers.ops import TORCH_OPS
+from batchrun.layers.ops import TORCH_OPS, DecodeRows
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,11 @@ class LinearStepMeta:
 
     # Built once a step on the device, for every linear layer (cached on the frozen instance).
     @cached_property
+    def layout(self) -> DecodeRows:
+        """The decoding requests' rows (a graph's padding requests have none)."""
+        return DecodeRows(row_starts(self.q_lens), self.q_lens, self.max_q)
+
+    @cached_property
     def prefill_cu(self) -> torch.Tensor:
         """[P + 1] int32: the prefill chunks' row offsets within the prefill rows."""
         offsets = [0]
@@ -63,13 +68,13 @@ class LinearStepMeta:
 @dataclass
 class LinearLayerState:
     """One linear layer's per-request state: a slot per request, and the scratch a verify step
-    fills for `commit` (indexed by the request's place among the decoding ones)."""
+    fills for `commit` (the step's decoding rows, packed as in the step)."""
 
     conv: torch.Tensor  # [num_slots, conv_dim, K - 1] model dtype: the last K - 1 inputs
     recurrent: torch.Tensor  # [num_slots, Hv, dk, dv] float32
-    scratch_qkv: torch.Tensor  # [max_decoding, max_width, conv_dim] model dtype
-    scratch_g: torch.Tensor  # [max_decoding, max_width, Hv] float32
-    scratch_beta: torch.Tensor  # [max_decoding, max_width, Hv] float32
+    scratch_qkv: torch.Tensor  # [max_decoding * max_width, conv_dim] model dtype
+    scratch_g: torch.Tensor  # [max_decoding * max_width, Hv] float32
+    scratch_beta: torch.Tensor  # [max_decoding * max_width, Hv] float32
 
 
 class _ConvWeight(nn.Module):
@@ -125,7 +130,7 @@ class GatedDeltaNet(nn.Module):
         core = torch.zeros(shape, dtype=x.dtype, device=x.device)
         rows = meta.decode_rows
         if meta.decoding:
-            core[:rows] = self._decode(qkv[:rows], g[:rows], beta[:rows], state, meta)
+            self._decode(qkv[:rows], g[:rows], beta[:rows], state, meta, core[:rows])
         if meta.prefill_lens:
             core[rows : rows + sum(meta.prefill_lens)] = self._prefill(
                 qkv[rows:], g[rows:], beta[rows:], state, meta
@@ -140,53 +145,43 @@ class GatedDeltaNet(nn.Module):
         beta: torch.Tensor,
         state: LinearLayerState,
         meta: LinearStepMeta,
-    ) -> torch.Tensor:
-        d, w = meta.decoding, meta.max_q
-        if not meta.verify:  # plain decoding: one row each, the slots take it now
-            qkv, g, beta = qkv.view(d, 1, -1), g.view(d, 1, -1), beta.view(d, 1, -1)
-            keep = torch.ones(d, dtype=torch.int64, device=qkv.device)
-            out = self._rows(qkv, g, beta, state, meta.slots[:d], keep)
-            return out.reshape(d, self.num_v_heads, self.head_v_dim)
-        # A verify step: each request's rows on a [D, max_q] grid (cells past its rows repeat
-        # its last one: every row is causal, so they change none of its own), its slot read
-        # only, the grid kept for commit.
-        starts = row_starts(meta.q_lens)
-        grid, _ = padded_rows(starts, meta.q_lens, w)
-        # A graph's padding requests (no rows) start where the live rows end: in range.
-        grid = grid.clamp_(max=max(qkv.shape[0] - 1, 0))
-        qkv, g, beta = qkv[grid], g[grid], beta[grid]
-        # A graph's grid is as wide as the job's widest verify: each request's kernels run
-        # its own rows only (a width-2 step in a 16-wide grid would run the rule 16 times).
-        out = self._rows(qkv, g, beta, state, meta.slots[:d], None, meta.q_lens)
-        state.scratch_qkv[:d, :w] = qkv
-        state.scratch_g[:d, :w] = g
-        state.scratch_beta[:d, :w] = beta
-        # Back to the packed rows: row t is request r's row t - starts[r]; rows past the
-        # requests' (a graph's padding) get zeros.
-        t = torch.arange(meta.decode_rows, device=grid.device)
-        ends = starts + meta.q_lens
-        req = torch.searchsorted(ends, t, right=True).clamp_(max=max(d - 1, 0))
-        col = (t - starts[req]).clamp_(0, w - 1)
-        # where, not a product: the cells past a request's rows were never written
-        packed = torch.where((t < ends[-1])[:, None, None], out[req, col], 0)
-        return packed.reshape(meta.decode_rows, self.num_v_heads, self.head_v_dim)
+        out: torch.Tensor,  # [decode_rows, Hv, dv] zeros: each request's outputs go to its rows
+    ) -> None:
+        """The decoding requests' rows: plain decoding's slots take their row now; a verify
+        step's are only read, its rows kept in the scratch for commit."""
+        d = meta.decoding
+        keep = None if meta.verify else meta.q_lens
+        self._rows(qkv, g, beta, state, meta.slots[:d], meta.layout, keep, out)
+        if meta.verify:
+            state.scratch_qkv[: qkv.shape[0]] = qkv
+            state.scratch_g[: g.shape[0]] = g
+            state.scratch_beta[: beta.shape[0]] = beta
 
     def _rows(
         self,
-        qkv: torch.Tensor,  # [D, W, conv_dim]
-        g: torch.Tensor,  # [D, W, Hv]
+        qkv: torch.Tensor,  # [N, conv_dim] packed rows
+        g: torch.Tensor,  # [N, Hv]
         beta: torch.Tensor,
         state: LinearLayerState,
         slots: torch.Tensor,  # [D]
+        rows: DecodeRows,
         keep: torch.Tensor | None,  # [D]: rows the slots take (None: they are only read)
-        rows: torch.Tensor | None = None,  # [D]: each request's own rows (None: all W)
-    ) -> torch.Tensor:
-        """The core outputs [D, W, Hv, dv] of decode or verify rows, from the ops' kernels
-        (a request's cells past its rows unspecified)."""
-        weight = self.conv1d.weight[:, 0]
-        mixed = self.ops.conv_rows(qkv, state.conv, slots, weight, keep, rows)
-        return self.ops.delta_rows(
-            mixed, g, beta, state.recurrent, slots, keep, self.num_k_heads, self.head_k_dim, rows
+        out: torch.Tensor | None,  # [N, Hv, dv], or None (a commit's outputs are not wanted)
+    ) -> None:
+        """Decode or verify rows through the ops' kernels, each request's own rows only (a
+        graph's steps allow the job's widest verify to every request)."""
+        mixed = self.ops.conv_rows(qkv, state.conv, slots, rows, self.conv1d.weight[:, 0], keep)
+        self.ops.delta_rows(
+            mixed,
+            g,
+            beta,
+            state.recurrent,
+            slots,
+            rows,
+            keep,
+            self.num_k_heads,
+            self.head_k_dim,
+            None if out is None else out.view(-1, self.num_v_heads, self.head_v_dim),
         )
 
     def _prefill(
@@ -223,11 +218,7 @@ class GatedDeltaNet(nn.Module):
         slots in the forward)."""
         if not meta.verify:
             return
-        d, w = meta.decoding, meta.max_q
-        qkv, g, beta = (
-            state.scratch_qkv[:d, :w],
-            state.scratch_g[:d, :w],
-            state.scratch_beta[:d, :w],
-        )
-        kept = accepted + 1
-        self._rows(qkv, g, beta, state, meta.slots[:d], kept, kept)
+        n, kept = meta.decode_rows, accepted + 1
+        rows = replace(meta.layout, lens=kept)
+        qkv, g, beta = state.scratch_qkv[:n], state.scratch_g[:n], state.scratch_beta[:n]
+        self._rows(qkv, g, beta, state, meta.slots[: meta.decoding], rows, kept, None)

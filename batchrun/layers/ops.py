@@ -8,11 +8,31 @@ in float32, cast to the input dtype, then scaled by the weight in that dtype (as
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.attention.meta import padded_rows
 from batchrun.layers import gated_delta
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A step's decoding requests' rows, packed: request r's are rows starts[r] .. starts[r] +
+    lens[r] - 1 of the step (a graph's padding requests have none), at most `width` each (a
+    host bound, static in a CUDA graph)."""
+
+    starts: torch.Tensor  # [D] int64 on the device
+    lens: torch.Tensor  # [D] int64 on the device
+    width: int
+
+    def grid(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows as a [D, width] grid: each cell's packed row (in range of num_rows) and
+        whether it is one of its request's rows."""
+        grid, valid = padded_rows(self.starts, self.lens, self.width)
+        return grid.clamp(max=max(num_rows - 1, 0)), valid
 
 
 class TorchOps:
@@ -83,38 +103,49 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    # A Gated DeltaNet's decode and verify rows, each request's state in a slot (the math and
-    # its arguments: layers/gated_delta.py).
+    # A Gated DeltaNet's decode and verify rows, packed (DecodeRows), each request's state in a
+    # slot (the math and its arguments: layers/gated_delta.py). The reference lays the rows
+    # on a [D, width] grid for gated_delta's functions; the fused set reads them in place.
     def conv_rows(
         self,
-        qkv: torch.Tensor,
+        qkv: torch.Tensor,  # [N, C] the step's pre-conv rows
         conv: torch.Tensor,
         slots: torch.Tensor,
+        rows: DecodeRows,
         weight: torch.Tensor,
         keep: torch.Tensor | None,
-        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """gated_delta.conv_rows. rows [D]: request r's own rows (the cells past them pad a
-        graph's grid; their outputs are unspecified): the fused kernels skip the rest, the
-        reference computes every cell."""
-        return gated_delta.conv_rows(qkv, conv, slots, weight, keep)
+        """gated_delta.conv_rows of each request's rows: [N, C], the rows of no request
+        unspecified."""
+        grid, valid = rows.grid(qkv.shape[0])
+        mixed = gated_delta.conv_rows(qkv[grid], conv, slots, weight, keep)
+        out = torch.zeros_like(qkv)
+        out[grid[valid]] = mixed[valid]
+        return out
 
     def delta_rows(
         self,
-        mixed: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
+        mixed: torch.Tensor,  # [N, C] conv_rows' output
+        g: torch.Tensor,  # [N, Hv] float32
+        beta: torch.Tensor,  # [N, Hv] float32
         recurrent: torch.Tensor,
         slots: torch.Tensor,
+        rows: DecodeRows,
         keep: torch.Tensor | None,
         num_k_heads: int,
         head_k_dim: int,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """gated_delta.delta_rows; rows as in conv_rows."""
-        return gated_delta.delta_rows(
-            mixed, g, beta, recurrent, slots, keep, num_k_heads, head_k_dim
+        out: torch.Tensor | None,  # [N, Hv, dv]: each request's outputs go to its rows
+    ) -> None:
+        """gated_delta.delta_rows of each request's rows (with keep, its kept ones), their
+        outputs written into `out` (None: a commit's, not wanted)."""
+        grid, valid = rows.grid(mixed.shape[0])
+        result = gated_delta.delta_rows(
+            mixed[grid], g[grid], beta[grid], recurrent, slots, keep, num_k_heads, head_k_dim
         )
+        if out is not None:
+            if keep is not None:
+                valid = valid & (torch.arange(rows.width, device=valid.device) < keep[:, None])
+            out[grid[valid]] = result[valid]
 
     def prefill_chunks(
         self,

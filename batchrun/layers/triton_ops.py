@@ -9,7 +9,7 @@ import torch
 import batchrun.kernels.triton_fused as kernels
 import batchrun.kernels.triton_gated_delta as delta_kernels
 import batchrun.kernels.triton_gated_delta_chunks as chunk_kernels
-from batchrun.layers.ops import TorchOps
+from batchrun.layers.ops import DecodeRows, TorchOps
 
 
 class TritonOps(TorchOps):
@@ -60,11 +60,13 @@ class TritonOps(TorchOps):
         qkv: torch.Tensor,
         conv: torch.Tensor,
         slots: torch.Tensor,
+        rows: DecodeRows,
         weight: torch.Tensor,
         keep: torch.Tensor | None,
-        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return delta_kernels.conv_rows(qkv, conv, slots, weight, keep, rows)
+        return delta_kernels.conv_rows(
+            qkv, conv, slots, rows.starts, rows.lens, rows.width, weight, keep
+        )
 
     def delta_rows(
         self,
@@ -73,13 +75,24 @@ class TritonOps(TorchOps):
         beta: torch.Tensor,
         recurrent: torch.Tensor,
         slots: torch.Tensor,
+        rows: DecodeRows,
         keep: torch.Tensor | None,
         num_k_heads: int,
         head_k_dim: int,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return delta_kernels.delta_rows(
-            mixed, g, beta, recurrent, slots, keep, num_k_heads, head_k_dim, rows
+        out: torch.Tensor | None,
+    ) -> None:
+        delta_kernels.delta_rows(
+            mixed,
+            g,
+            beta,
+            recurrent,
+            slots,
+            rows.starts,
+            rows.lens,
+            keep,
+            num_k_heads,
+            head_k_dim,
+            out,
         )
 
     def prefill_chunks(

@@ -102,9 +102,9 @@ def allocate_linear_states(
         i: LinearLayerState(
             conv=zeros(num_slots, shape.conv_dim, shape.linear_conv_kernel - 1, kind=dtype),
             recurrent=zeros(num_slots, heads, dk, dv),
-            scratch_qkv=zeros(max_decoding, max_width, shape.conv_dim, kind=dtype),
-            scratch_g=zeros(max_decoding, max_width, heads),
-            scratch_beta=zeros(max_decoding, max_width, heads),
+            scratch_qkv=zeros(max_decoding * max_width, shape.conv_dim, kind=dtype),
+            scratch_g=zeros(max_decoding * max_width, heads),
+            scratch_beta=zeros(max_decoding * max_width, heads),
         )
         for i in shape.linear_layers
     }
