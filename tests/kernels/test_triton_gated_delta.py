@@ -32,7 +32,7 @@ PADDING = 2  # requests padding the step, as in a graph: no rows, the scratch sl
 
 
 def step(
-    shape: dict[str, int], lens: list[int], width: int, dtype: torch.dtype
+    shape: dict[str, int], lens: list[int], width: int, dtype: torch.dtype, reverse: bool = False
 ) -> tuple[dict[str, torch.Tensor], DecodeRows]:
     """A step's packed rows (each request's lens[r], then as many padding rows as a graph of
     `width` per request would hold) and slot states, live requests in scattered slots."""
@@ -58,7 +58,13 @@ def step(
     }
     x = {k: v.to(DEVICE) for k, v in made.items()}
     q_lens = torch.tensor(lens + [0] * PADDING, device=DEVICE)
-    return x, DecodeRows(row_starts(q_lens), q_lens, width)
+    starts = row_starts(q_lens)
+    if reverse:  # the live requests' rows in reverse order: a request that ran past its rows
+        # would write over the rows of one whose program ran before it (as Triton's
+        # interpreter runs programs in order)
+        live = torch.tensor(lens[::-1], device=DEVICE)
+        starts[:requests] = row_starts(live).flip(0)
+    return x, DecodeRows(starts, q_lens, width)
 
 
 def run(
@@ -78,11 +84,11 @@ def run(
 def check(
     shape: dict[str, int], lens: list[int], width: int, dtype: torch.dtype, mode: str
 ) -> None:
-    x, rows = step(shape, lens, width, dtype)
+    x, rows = step(shape, lens, width, dtype, reverse="reversed" in mode)
     keep = None
     if mode == "decode":  # each live request keeps its one row, a padding request none
         keep = rows.lens
-    elif mode == "commit":  # accepted + 1 rows: from 1 (no draft accepted) to every row
+    elif mode.startswith("commit"):  # accepted + 1 rows: from 1 (no draft accepted) to every row
         keep = torch.tensor([i % n + 1 for i, n in enumerate(lens)] + [0] * PADDING, device=DEVICE)
         rows = DecodeRows(rows.starts, keep, width)
     want_out, want_conv, want_state = run(TorchOps(), x, rows, keep)
@@ -110,8 +116,10 @@ def check(
         ("verify", [3, 3, 3], 3),
         ("verify", [1, 3, 5], 5),  # rows of their own widths, as a graph as wide as 5 runs them
         ("verify", [2, 1], 16),
+        ("verify reversed", [1, 3, 5], 5),
         ("commit", [3, 3, 3], 3),
         ("commit", [5, 2, 4], 5),
+        ("commit reversed", [5, 2, 4], 5),
     ],
 )
 def test_the_kernels_are_the_torch_rows(mode: str, lens: list[int], width: int) -> None:
