@@ -12,8 +12,9 @@ and a chunk that ends at a stored boundary copies its slot into a snapshot after
 (`store`). After a verify step's acceptance, `commit` writes the states the kept rows leave: a
 rejected draft leaves no trace. A plain decode step (width 1) updates its slots in the
 forward, and its commit does nothing.
-A CUDA graph's step runs its padding requests too, in the scratch slot (graph_meta): they
-write only that slot's state and scratch rows past the live requests', which nothing reads.
+A CUDA graph's step holds padding requests too, in the scratch slot (graph_meta): they have no
+rows, so the kernels run nothing for them (at most rewrite that slot as it was), and the
+scratch rows past the live requests' are written but never read.
 """
 
 from __future__ import annotations
