@@ -16,8 +16,6 @@ from torch import nn
 
 from batchrun.engine import worker
 from batchrun.engine.step_inputs import StepPlan
-from batchrun.layers.ops import TorchOps, use_ops
-from batchrun.layers.triton_ops import TritonOps
 from batchrun.parallel.group import TensorParallel
 from batchrun.sampling.params import SamplingParams
 from batchrun.spec_decode.base import Speculator, StepShape, TargetView
@@ -42,14 +40,9 @@ PARAMS = [
 ]
 
 
-def run(
-    target: Path, draft: Path | None, graphs: bool, ops: TorchOps | None = None, **settings: Any
-):
-    """Every prompt under each of PARAMS (graphs: captured, emulated; ops: the target's, else
-    the CPU's torch set); finished, engine."""
+def run(target: Path, draft: Path | None, graphs: bool, **settings: Any):
+    """Every prompt under each of PARAMS (graphs: captured, emulated); finished, engine."""
     engine = cpu_engine(target, draft, **(SMALL | settings))
-    if ops is not None:
-        use_ops(engine.runner.model, ops)
     if graphs:
         engine.capture_graphs()
     jobs = [(p, sp) for p in prompts() for sp in PARAMS]
@@ -124,22 +117,17 @@ def test_a_hybrid_target_alone_replays_its_graphs(
     assert engine.num_preemptions > 0
 
 
-@pytest.mark.parametrize(
-    "verify_width, ops", [(2, TorchOps), ("full", TorchOps), ("full", TritonOps)]
-)
+@pytest.mark.parametrize("verify_width", [2, "full"])
 def test_verify_steps_on_a_hybrid_target_replay_their_graphs_lossless(
     bigram: Bigram,
     text_hybrid: Path,
     tmp_path: Path,
     padded: list[StepPlan],
     verify_width: int | str,
-    ops: type[TorchOps],
 ) -> None:
-    """TritonOps: the Gated DeltaNet kernels (Triton's interpreter off a GPU) run each
-    request's own rows of a graph as wide as the full block, padding requests among them."""
     eager, _ = run(text_hybrid, None, graphs=False)
     draft = write_draft(tmp_path / "bigram", learnt_table(eager, VOCAB))
-    graphed, engine = run(text_hybrid, draft, True, ops(), verify_width=verify_width)
+    graphed, engine = run(text_hybrid, draft, graphs=True, verify_width=verify_width)
     assert tokens(graphed) == tokens(eager)
     verified = {name for name, _ in engine.runner.replays if name != "target1"}
     assert verified, engine.runner.replays

@@ -218,8 +218,9 @@ class HostPlannedTorch(TorchAttention):
         ("torch", "zlab", "full"),
         ("torch", "zlab", 1),
         ("torch", "zlab", 2),
-        ("triton", "zlab", "full"),
         ("torch", "sliding", "auto"),
+        # Under Triton's interpreter once (2.5 minutes): a sliding draft's graphs run the
+        # target's Triton path and its full and windowed layers' (zlab's: on the GPU below).
         ("triton", "sliding", "full"),
         ("torch", "speculators-vocab", "full"),
         ("host-planned", None, 1),

@@ -141,12 +141,15 @@ def test_a_plain_decode_step_writes_its_slots_and_commit_does_nothing(
 @torch.no_grad()
 @pytest.mark.parametrize("ops", [TorchOps, TritonOps])
 def test_a_verify_of_rows_at_widths_of_their_own_keeps_each_rows_accepted(
-    checkpoint: tuple[Path, nn.Module], ops: type[TorchOps]
+    checkpoint: tuple[Path, nn.Module], ops: type[TorchOps], request: pytest.FixtureRequest
 ) -> None:
     """Rows verifying 1, 3 and 4 rows in one step, packed by offsets: each row's logits are its
     full sequence's, and the commit leaves each slot as the accepted rows alone would. The
-    fused kernels (Triton's interpreter off a GPU) run each request's own rows only."""
+    fused kernels (Triton's interpreter off a GPU, for one kind: the layers are the same) run
+    each request's own rows only."""
     path, reference = checkpoint
+    if ops is TritonOps and request.node.callspec.params["checkpoint"] != KINDS[0]:
+        pytest.skip("the fused kernels run on one kind (4 s each under the interpreter)")
     model = loaded(path)
     use_ops(model, ops())
     widths = (1, 3, 4)
