@@ -6,7 +6,8 @@ decide: the GPU runs the same jobs (bench/h200_remeasure.sh's stage stall-free).
     python bench/stall_free_replay.py [--fit FILE.json [FILE.json ...]]
         [--jobs 256x128,256x256,1024x128,64x32] [--caps 256,512,768,1024,2048] [--out FILE.json]
 
---fit: one call's result files, fitted as one (default: the H100 call at 80bc7aa).
+--fit: one call's result files, fitted as one (default: the H100 call that
+bench/published.toml's replay-fit-h100-widths table fits, 80bc7aa's).
 
 Jobs are ROWSxBATCH. Prints one line per job and cap and writes them to --out as JSON, with its
 provenance (commit, device, command).
@@ -16,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from batchrun.bench.provenance import provenance
 from batchrun.bench.replay.fitted import fit_file, load_call
 from batchrun.bench.replay.job import Job, replay
+from batchrun.bench.tables import ROOT, table_files
 
-DEFAULT_FIT = (
-    Path("bench/results/jobs-h100-w2-b1-policy-dormant.json"),
-    Path("bench/results/jobs-h100-w1-j1-useless-dormant.json"),
-)
+DEFAULT_FIT = table_files("replay-fit-h100-widths")  # the call the docs' second fit table fits
 
 
 def main() -> None:
@@ -56,7 +56,7 @@ def main() -> None:
             points.append(point)
             print(point, flush=True)
     if args.out:
-        fit = [str(p) for p in args.fit]
+        fit = [os.path.relpath(p, ROOT) for p in args.fit]  # as the manifest names them
         result = {"fit": fit, "points": points, "provenance": provenance()}
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -61,6 +61,14 @@ def load_manifest(root: Path = ROOT) -> tuple[list[Table], dict[str, str]]:
     return tables, data.get("added_in", {})
 
 
+def table_files(name: str, root: Path = ROOT) -> tuple[Path, ...]:
+    """The result files the manifest's table `name` publishes (e.g. the call a fit table
+    fits), as paths under root."""
+    tables, _ = load_manifest(root)
+    (table,) = [t for t in tables if t.name == name]
+    return tuple(root / path for path in table.sources())
+
+
 def render(table: Table, added_in: dict[str, str], root: Path = ROOT) -> str:
     """The block's text: the table, a blank line, then its sources."""
     loaded = {path: _load(root / path) for path in table.sources()}

@@ -24,17 +24,14 @@ from batchrun.bench.replay.fitted import (
     one_call,
     run_specs,
 )
+from batchrun.bench.tables import table_files
 
-REPO = Path(__file__).parents[2]
-RESULTS = REPO / "bench" / "results"
-# A call's result files, fitted as one: the H100 file of issue 46's opening (48ad8c6, before
-# per-width step times), and the engine as it is (80bc7aa: w2 and b1, and w1's useless drafter
-# from the same call, which pins the compute-bound prices).
-H100_OLD = (REPO / "tests" / "fixtures" / "h100-jobs-w2-b1-drafts.json",)
-H100 = (
-    RESULTS / "jobs-h100-w2-b1-policy-dormant.json",
-    RESULTS / "jobs-h100-w1-j1-useless-dormant.json",
-)
+# A call's result files, fitted as one, as the docs' fit tables publish them (bench/
+# published.toml): the H100 file of issue 46's opening (48ad8c6, before per-width step times),
+# and the engine as it is (80bc7aa: w2 and b1, and w1's useless drafter from the same call,
+# which pins the compute-bound prices).
+H100_OLD = table_files("replay-fit-h100")
+H100 = table_files("replay-fit-h100-widths")
 TOLERANCE = 0.03
 # Ratios each fit misses by more than TOLERANCE today (docs/speculative-decoding.md's tables say
 # by how much), and why. The GPU's own ratios move as much between runs: b1 oracle tau 6.5
