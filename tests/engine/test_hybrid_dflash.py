@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.engine.config import EngineConfig
-from batchrun.engine.engine import Engine
 from batchrun.sampling.params import SamplingParams
 from batchrun.tools.tiny_draft import make_tiny_draft
 from tests.helpers.dflash_reference import RefRound, reference_generate
 from tests.helpers.dflash_train import train_draft, training_prompts
 from tests.helpers.engine_runs import cpu_engine, requests_of, run_to_end
 from tests.helpers.hybrid_models import VOCAB
+from tests.kernels.test_triton_engine import run as triton_engine_run
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # the trained draft too
 
@@ -82,19 +81,16 @@ def test_on_the_gpu_graphs_replay_rounds_like_eager_steps(
     jobs = [(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
 
     def run(graphs: bool) -> tuple[list[list[int]], list[RefRound]]:
-        config = EngineConfig(
-            target=text_hybrid,
-            draft=trained,
-            device="cuda",
-            dtype="float32",
+        engine, _ = triton_engine_run(
+            text_hybrid,
+            trained,
+            [],
             attention_backend="triton",
             cuda_graphs=graphs,
             verify_width=verify_width,
-            max_batch_size=8,
             max_batched_tokens=64,
             num_pages=96,
         )
-        engine = Engine(config)
         engine.instruments.rounds = []
         finished = run_to_end(engine, requests_of(jobs))
         rounds = [
