@@ -107,8 +107,9 @@ for stage in ${STAGES:-nodraft}; do
             --contexts 1024 --steps 16 --tau 3,6.5 --no-hf-eager --hf-compiled-batches '' \
             --out "$OUT/steps-qwen3.5-9b.json" 2>&1 | grep -v -i warning | tee -a "$LOG" ;;
     hybrid-jobs)  # W2 (batch 32) on the hybrid: no draft, the oracle at tau 3 and 6.5
-        # (PROFILED=w2: each run again under the profiler, its kernels and steps traced)
-        jobs jobs-qwen3.5-9b-w2-drafts w2 --shape qwen3.5-9b --tau 3,6.5 --widths auto,full \
+        # (HYBRID_TAU: others; PROFILED=w2: each run again under the profiler, traced)
+        jobs jobs-qwen3.5-9b-w2-drafts w2 --shape qwen3.5-9b --tau "${HYBRID_TAU:-3,6.5}" \
+            --widths auto,full \
             --profile-jobs "${PROFILED-}" --scratch /tmp/bh ;;
     dflash2)  # DFlash2 against DFlash at the Qwen3-8B shape, the oracle at tau 6.5: what the
         # selector and the convolutions add to a round (method_costs)

@@ -12,8 +12,8 @@ from batchrun.models.qwen3 import Qwen3Shape
 from batchrun.models.qwen3_5 import (
     LINEAR,
     Qwen3_5Shape,
-    linear_scratch_bytes,
     linear_state_bytes,
+    linear_verify_row_bytes,
 )
 
 # The model dtype of an element size: the linear state's conv part is kept in it.
@@ -56,16 +56,14 @@ def _mixer_bytes(s: Qwen3Shape, layer: int, projection: int, element: int) -> in
 
 
 def state_bytes(shape: Qwen3Shape, element: int, verify_rows: int = 0) -> int:
-    """The linear state one request's step moves (0 without linear layers): a decode step reads
-    and writes it; a verify step of verify_rows rows reads it, writes their scratch, and its
-    commit reads the state and the scratch again and writes the state."""
+    """The linear state one request's step moves (0 without linear layers): a decode or verify
+    step reads it and writes it once (the rows its last verify kept taken first); a verify of
+    verify_rows rows also writes what each row keeps for the commit, read once later."""
     if not isinstance(shape, Qwen3_5Shape):
         return 0
     dtype = _DTYPES[element]
-    state = linear_state_bytes(shape, dtype)
-    if not verify_rows:
-        return 2 * state
-    return 3 * state + 2 * verify_rows * linear_scratch_bytes(shape, dtype)
+    rows = 2 * verify_rows * linear_verify_row_bytes(shape, dtype)
+    return 2 * linear_state_bytes(shape, dtype) + rows
 
 
 def _recurrent_flops(shape: Qwen3Shape) -> int:

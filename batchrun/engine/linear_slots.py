@@ -1,17 +1,19 @@
 """A hybrid target's per-request recurrent state (its Gated DeltaNet layers'), hosted beside
 the paged KV: one state slot per device-state slot (a request's slot is its state's, taken at
-admission and given back at finish), the scratch slot's for padding, and the verify scratch
-commit replays from (models/qwen3_5.py declares both, and their bytes), and the snapshot
-slots of reused prefixes (core/state_snapshots.py), SNAPSHOTS_PER_REQUEST per request.
+admission and given back at finish), the scratch slot's for padding, what a verify step keeps
+for its commit (models/qwen3_5.py declares both, and their bytes), and the snapshot slots of
+reused prefixes (core/state_snapshots.py), SNAPSHOTS_PER_REQUEST per request.
 
 Each step's `meta` maps its rows to their slots from the step plan. A prefill chunk at its
 request's position 0 starts from zero state, so a slot needs no clearing when a request takes
 it, and a later chunk carries the state on. A chunk that starts past a reused prefix (a cache
 hit, a sibling's prompt) has its slot restored from the prefix's snapshot first (`restore`),
 and a chunk that ends at a stored boundary copies its slot into a snapshot after the forward
-(`store`). After a verify step's acceptance, `commit` writes the states the kept rows leave: a
-rejected draft leaves no trace. A plain decode step (width 1) updates its slots in the
-forward, and its commit does nothing.
+(`store`). After a verify step's acceptance, `commit` hands each slot its kept rows, which its
+state takes at the start of the slot's next step (layers/ops.py's KeptRows): a rejected draft
+leaves no trace. A plain decode step (width 1) updates its slots in the forward, and its commit
+does nothing. A request's first step is a prefill chunk, after which its slot has no rows
+pending: a finished request's are dropped.
 A CUDA graph's step holds padding requests too, in the scratch slot (graph_meta): they have no
 rows, so the kernels run nothing for them (at most rewrite that slot as it was), and the
 scratch rows past the live requests' are written but never read.
@@ -50,8 +52,10 @@ def linear_memory_bytes(shape: Qwen3Shape, dtype: torch.dtype, num_slots: int, w
     sizing counts it."""
     if not isinstance(shape, Qwen3_5Shape) or not shape.linear_layers:
         return 0
-    slots = (num_slots + 1 + snapshot_slots(num_slots)) * linear_state_bytes(shape, dtype)
-    return slots + num_slots * width * linear_scratch_bytes(shape, dtype)
+    decode_slots = num_slots + 1
+    slots = (decode_slots + snapshot_slots(num_slots)) * linear_state_bytes(shape, dtype)
+    pending = decode_slots * 2 * torch.int32.itemsize  # KeptRows' counts and buffers
+    return slots + decode_slots * width * linear_scratch_bytes(shape, dtype) + pending
 
 
 class LinearSlots:
@@ -72,8 +76,9 @@ class LinearSlots:
         self.num_snapshots = snapshot_slots(num_slots)
         self._first_snapshot = num_slots + 1
         total = self._first_snapshot + self.num_snapshots
+        # The request slots and the scratch slot decode.
         self.states: dict[int, LinearLayerState] = allocate_linear_states(
-            model.shape, total, num_slots, max_width, dtype, device
+            model.shape, total, num_slots + 1, max_width, dtype, device
         )
         left = iter(pools)
         n = model.shape.num_layers

@@ -5,9 +5,12 @@ float32 up to summation order).
 
 A step's rows are packed: request r's at starts[r] .. starts[r] + lens[r] - 1 (at most `width`,
 the widest a step may have: a CUDA graph's static bound), read and written in place, with no
-grid of padded cells to gather or scatter. Both kernels read a request's state by its slot;
-with `keep` [D] they write the slot in place, the state after its rows 0 .. keep[r] - 1 (a
-decode step keeps its row, a verify's commit the accepted ones), else they only read it.
+grid of padded cells to gather or scatter. Both kernels read a request's state by its slot.
+The conv, with `keep` [D], writes the slot's carried inputs after rows 0 .. keep[r] - 1 (a
+decode step keeps its row, a verify's commit the accepted ones), else only reads them. The
+rule first applies the rows the slot's last verify kept (layers/ops.py's KeptRows), then a
+decode step's row, writing the state once; a verify step writes the state only if it had kept
+rows to apply, and stages its own rows for the commit.
 Grids are sized from tensor shapes and `width` only, so they run inside CUDA graph capture.
 Requests padding a graph step (no rows) run nothing but may rewrite their shared scratch slot
 as it was.
@@ -152,8 +155,13 @@ def _delta_rows_kernel(
     state_ptr,
     slots_ptr,
     starts_ptr,
-    counts_ptr,
+    lens_ptr,
     out_ptr,
+    count_ptr,
+    buffer_ptr,
+    kv_ptr,
+    kg_ptr,
+    kbeta_ptr,
     stride_m,
     stride_g,
     stride_b,
@@ -162,6 +170,12 @@ def _delta_rows_kernel(
     stride_sk,
     stride_on,
     stride_oh,
+    stride_ks,
+    stride_kb,
+    stride_kw,
+    stride_gs,
+    stride_gb,
+    stride_gw,
     scale,
     eps,
     REPEAT: tl.constexpr,
@@ -170,13 +184,13 @@ def _delta_rows_kernel(
     DV: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    KEEP: tl.constexpr,
-    STORE_OUT: tl.constexpr,
+    UPDATE: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    vblock = tl.program_id(2)
     kk = tl.arange(0, BLOCK_K)
-    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vv = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     kmask, vmask = kk < DK, vv < DV
     slot = tl.load(slots_ptr + r).to(tl.int64)
     start = tl.load(starts_ptr + r).to(tl.int64)
@@ -186,13 +200,33 @@ def _delta_rows_kernel(
     smask = kmask[:, None] & vmask[None, :]
     s = tl.load(state_ptrs, mask=smask, other=0.0)
     hk = h // REPEAT  # the q/k head this v head reads
-    rows = tl.load(counts_ptr + r).to(tl.int32)  # its rows, or with KEEP its kept ones
+    # The rows the slot's last verify kept (KeptRows): k and v, no q (no output is wanted).
+    pending = tl.load(count_ptr + slot)
+    buffer = tl.load(buffer_ptr + slot).to(tl.int64)
+    for t in range(0, pending):
+        row = kv_ptr + slot * stride_ks + buffer * stride_kb + t * stride_kw
+        k = tl.load(row + hk * DK + kk, mask=kmask, other=0.0).to(tl.float32)
+        v = tl.load(row + KEY_DIM + h * DV + vv, mask=vmask, other=0.0).to(tl.float32)
+        k = k * tl.math.rsqrt(tl.sum(k * k, 0) + eps)
+        gated = slot * stride_gs + buffer * stride_gb + t * stride_gw + h
+        s = s * tl.exp(tl.load(kg_ptr + gated))
+        delta = (v - tl.sum(s * k[:, None], 0)) * tl.load(kbeta_ptr + gated)
+        s = s + k[:, None] * delta[None, :]
+    # A constexpr and a runtime test: nested (Triton compiles no `and` of the two).
+    if not UPDATE:  # noqa: SIM102
+        if pending > 0:  # the state the kept rows leave: the slot's from now on
+            tl.store(state_ptrs, s, mask=smask)
+    # This step's rows: staged (a verify step's) in the slot's other buffer, for the commit.
+    stage = kv_ptr + slot * stride_ks + (1 - buffer) * stride_kb
+    staged = slot * stride_gs + (1 - buffer) * stride_gb + h
+    rows = tl.load(lens_ptr + r).to(tl.int32)
     for t in range(0, rows):
         n = start + t
         row = mixed_ptr + n * stride_m
         q = tl.load(row + hk * DK + kk, mask=kmask, other=0.0).to(tl.float32)
-        k = tl.load(row + KEY_DIM + hk * DK + kk, mask=kmask, other=0.0).to(tl.float32)
-        v = tl.load(row + 2 * KEY_DIM + h * DV + vv, mask=vmask, other=0.0).to(tl.float32)
+        k_in = tl.load(row + KEY_DIM + hk * DK + kk, mask=kmask, other=0.0)
+        v_in = tl.load(row + 2 * KEY_DIM + h * DV + vv, mask=vmask, other=0.0)
+        k, v = k_in.to(tl.float32), v_in.to(tl.float32)
         q = q * tl.math.rsqrt(tl.sum(q * q, 0) + eps) * scale
         k = k * tl.math.rsqrt(tl.sum(k * k, 0) + eps)
         g = tl.load(g_ptr + n * stride_g + h)
@@ -200,11 +234,20 @@ def _delta_rows_kernel(
         s = s * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s = s + k[:, None] * delta[None, :]
-        if STORE_OUT:
-            o = tl.sum(s * q[:, None], 0)
-            out_ptrs = out_ptr + n * stride_on + h * stride_oh + vv
-            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=vmask)
-    if KEEP:
+        o = tl.sum(s * q[:, None], 0)
+        tl.store(
+            out_ptr + n * stride_on + h * stride_oh + vv, o.to(out_ptr.dtype.element_ty), mask=vmask
+        )
+        if not UPDATE:
+            dst = stage + t * stride_kw
+            kv_ty = kv_ptr.dtype.element_ty
+            tl.store(dst + KEY_DIM + h * DV + vv, v_in.to(kv_ty), mask=vmask)
+            if vblock == 0:
+                tl.store(kg_ptr + staged + t * stride_gw, g)
+                tl.store(kbeta_ptr + staged + t * stride_gw, beta)
+                if h % REPEAT == 0:  # one program stages each k head's row
+                    tl.store(dst + hk * DK + kk, k_in.to(kv_ty), mask=kmask)
+    if UPDATE:
         tl.store(state_ptrs, s, mask=smask)
 
 
@@ -216,23 +259,28 @@ def delta_rows(
     slots: torch.Tensor,
     starts: torch.Tensor,
     lens: torch.Tensor,
-    keep: torch.Tensor | None,
+    kept: tuple[torch.Tensor, ...],
+    update: bool,
     num_k_heads: int,
     head_k_dim: int,
-    out: torch.Tensor | None,
+    out: torch.Tensor,
 ) -> None:
     """TorchOps.delta_rows: mixed [N, C] packed rows, g and beta [N, Hv] float32, recurrent
-    [num_slots, Hv, dk, dv] float32 (contiguous), slots, starts, lens and keep [D]; each
-    request's outputs written into out [N, Hv, dv] at its rows (with keep: its kept ones; no
-    out: none, as in a commit)."""
+    [num_slots, Hv, dk, dv] float32 (contiguous), slots, starts and lens [D]; each request's
+    state first takes its slot's pending kept rows, then its outputs are written into out
+    [N, Hv, dv] at its rows; update: the slot takes the rows, else they are staged. kept:
+    KeptRows' (count, buffer, kv, g, beta)."""
+    count, buffer, kept_kv, kept_g, kept_beta = kept
     d = slots.shape[0]
     heads, dk, dv = recurrent.shape[1:]
     if d == 0:
         return
     if not recurrent.is_contiguous() or mixed.stride(-1) != 1:
         raise ValueError("the state must be contiguous, and mixed's last dimension")
-    if g.stride(-1) != 1 or beta.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
+    if g.stride(-1) != 1 or beta.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("the last dimension must be contiguous")
+    if kept_g.stride() != kept_beta.stride() or kept_kv.stride(-1) != 1 or kept_g.stride(-1) != 1:
+        raise ValueError("the kept rows' g and beta must share their layout")
     # A [dk, BLOCK_V] block of the state per program: 128 x 32 float32 is 32 registers a thread.
     block_v = min(triton.next_power_of_2(dv), 32)
     _delta_rows_kernel[(d, heads, triton.cdiv(dv, block_v))](
@@ -242,16 +290,27 @@ def delta_rows(
         recurrent,
         slots,
         starts,
-        keep if keep is not None else lens,
-        out if out is not None else mixed,
+        lens,
+        out,
+        count,
+        buffer,
+        kept_kv,
+        kept_g,
+        kept_beta,
         mixed.stride(0),
         g.stride(0),
         beta.stride(0),
         recurrent.stride(0),
         recurrent.stride(1),
         recurrent.stride(2),
-        out.stride(0) if out is not None else 0,
-        out.stride(1) if out is not None else 0,
+        out.stride(0),
+        out.stride(1),
+        kept_kv.stride(0),
+        kept_kv.stride(1),
+        kept_kv.stride(2),
+        kept_g.stride(0),
+        kept_g.stride(1),
+        kept_g.stride(2),
         head_k_dim**-0.5,
         L2_EPS,
         REPEAT=heads // num_k_heads,
@@ -260,7 +319,6 @@ def delta_rows(
         DV=dv,
         BLOCK_K=triton.next_power_of_2(dk),
         BLOCK_V=block_v,
-        KEEP=keep is not None,
-        STORE_OUT=out is not None,
+        UPDATE=update,
         num_warps=4,
     )

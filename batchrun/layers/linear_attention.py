@@ -3,11 +3,13 @@ step of many requests, each request's state in a slot of the layer's LinearLayer
 
 A step packs decode/verify rows first: requests [0, decoding), each its own W_r rows (1 is plain
 decoding) after those of the requests before it, then prefill chunks. Prefill chunks and plain
-decode rows update their slots in place. In a verify step (some W_r > 1) every decoding
-request's rows read their slots and write nothing there: the layer keeps, per verify row, what
-a replay needs (the pre-conv qkv row, g, beta) in the state's scratch, packed as the step's
-rows are, and `commit`, once acceptance is known, replays the kept rows from the slot's state
-and writes the result.
+decode rows update their slots in place. In a verify step (some W_r > 1) no decoding request's
+rows enter its slot: the layer keeps, per verify row, what the slot may take once acceptance is
+known, and `commit` hands the kept rows over. The conv's carried inputs take them then (the
+pre-conv rows, kept in the scratch packed as the step's rows are: a few rows of inputs). The
+recurrent state takes them lazily (ops.KeptRows): the slot's next step applies them before its
+own rows, in the pass over the state it makes anyway, so a verify round reads and writes the
+state once, as a decode step does.
 A rejected draft so leaves no trace, and verification costs O(W) per-token rows per request,
 no copy of the state.
 """
@@ -23,7 +25,7 @@ from torch import nn
 
 from batchrun.attention.meta import row_starts
 from batchrun.layers.norm import GatedRMSNorm
-from batchrun.layers.ops import TORCH_OPS, DecodeRows
+from batchrun.layers.ops import TORCH_OPS, DecodeRows, KeptRows
 
 
 @dataclass(frozen=True)
@@ -67,14 +69,14 @@ class LinearStepMeta:
 
 @dataclass
 class LinearLayerState:
-    """One linear layer's per-request state: a slot per request, and the scratch a verify step
-    fills for `commit` (the step's decoding rows, packed as in the step)."""
+    """One linear layer's per-request state: a slot per request, the pre-conv rows a verify step
+    keeps for the conv's `commit` (packed as in the step), and the rows its slots' recurrent
+    states take in their next step (`kept`)."""
 
     conv: torch.Tensor  # [num_slots, conv_dim, K - 1] model dtype: the last K - 1 inputs
     recurrent: torch.Tensor  # [num_slots, Hv, dk, dv] float32
-    scratch_qkv: torch.Tensor  # [max_decoding * max_width, conv_dim] model dtype
-    scratch_g: torch.Tensor  # [max_decoding * max_width, Hv] float32
-    scratch_beta: torch.Tensor  # [max_decoding * max_width, Hv] float32
+    scratch_qkv: torch.Tensor  # [decode_slots * max_width, conv_dim] model dtype
+    kept: KeptRows
 
 
 class _ConvWeight(nn.Module):
@@ -147,29 +149,12 @@ class GatedDeltaNet(nn.Module):
         meta: LinearStepMeta,
         out: torch.Tensor,  # [decode_rows, Hv, dv] zeros: each request's outputs go to its rows
     ) -> None:
-        """The decoding requests' rows: plain decoding's slots take their row now; a verify
-        step's are only read, its rows kept in the scratch for commit."""
-        d = meta.decoding
+        """The decoding requests' rows through the ops' kernels, each request's own rows only
+        (a graph's steps allow the job's widest verify to every request): plain decoding's
+        slots take their row now; a verify step's slots take only their pending rows, its own
+        kept for commit (the pre-conv rows in the scratch, the rest staged by delta_rows)."""
+        slots, rows = meta.slots[: meta.decoding], meta.layout
         keep = None if meta.verify else meta.q_lens
-        self._rows(qkv, g, beta, state, meta.slots[:d], meta.layout, keep, out)
-        if meta.verify:
-            state.scratch_qkv[: qkv.shape[0]] = qkv
-            state.scratch_g[: g.shape[0]] = g
-            state.scratch_beta[: beta.shape[0]] = beta
-
-    def _rows(
-        self,
-        qkv: torch.Tensor,  # [N, conv_dim] packed rows
-        g: torch.Tensor,  # [N, Hv]
-        beta: torch.Tensor,
-        state: LinearLayerState,
-        slots: torch.Tensor,  # [D]
-        rows: DecodeRows,
-        keep: torch.Tensor | None,  # [D]: rows the slots take (None: they are only read)
-        out: torch.Tensor | None,  # [N, Hv, dv], or None (a commit's outputs are not wanted)
-    ) -> None:
-        """Decode or verify rows through the ops' kernels, each request's own rows only (a
-        graph's steps allow the job's widest verify to every request)."""
         mixed = self.ops.conv_rows(qkv, state.conv, slots, rows, self.conv1d.weight[:, 0], keep)
         self.ops.delta_rows(
             mixed,
@@ -178,11 +163,14 @@ class GatedDeltaNet(nn.Module):
             state.recurrent,
             slots,
             rows,
-            keep,
+            state.kept,
+            not meta.verify,
             self.num_k_heads,
             self.head_k_dim,
-            None if out is None else out.view(-1, self.num_v_heads, self.head_v_dim),
+            out,
         )
+        if meta.verify:
+            state.scratch_qkv[: qkv.shape[0]] = qkv
 
     def _prefill(
         self,
@@ -211,14 +199,11 @@ class GatedDeltaNet(nn.Module):
             self.head_k_dim,
         )
 
-    def commit(self, state: LinearLayerState, meta: LinearStepMeta, accepted: torch.Tensor) -> None:
-        """After a verify step: replay rows 0 .. accepted[r] of each decoding request r
-        (accepted [decoding] int64 on the device: drafts accepted) from its slot's state, and
-        write the states they leave. Nothing to do after other steps (their rows updated the
-        slots in the forward)."""
-        if not meta.verify:
-            return
-        n, kept = meta.decode_rows, accepted + 1
+    def commit(self, state: LinearLayerState, meta: LinearStepMeta, kept: torch.Tensor) -> None:
+        """After a verify step, kept [decoding] int64 on the device (drafts accepted + 1): each
+        decoding request's slot carries the conv inputs after its kept rows. Its recurrent
+        state takes them in its next step (the model's commit_linear hands them over)."""
         rows = replace(meta.layout, lens=kept)
-        qkv, g, beta = state.scratch_qkv[:n], state.scratch_g[:n], state.scratch_beta[:n]
-        self._rows(qkv, g, beta, state, meta.slots[: meta.decoding], rows, kept, None)
+        qkv = state.scratch_qkv[: meta.decode_rows]
+        slots = meta.slots[: meta.decoding]
+        self.ops.conv_rows(qkv, state.conv, slots, rows, self.conv1d.weight[:, 0], kept)

@@ -35,6 +35,35 @@ class DecodeRows:
         return grid.clamp(max=max(num_rows - 1, 0)), valid
 
 
+@dataclass(frozen=True)
+class KeptRows:
+    """A Gated DeltaNet layer's lazy commit: the verify rows a slot's acceptance kept, which its
+    recurrent state takes at the start of the slot's next decode or verify step (that step reads
+    the state anyway, and writes it once), not in a pass of their own after the acceptance.
+
+    Slot s's count[s] pending rows are kv/g/beta[s, buffer[s], :count[s]]. A verify step stages
+    its rows in the slot's other buffer, [s, 1 - buffer[s]], so no step overwrites the rows it
+    reads; the commit then names that buffer and how many of its rows were kept (`take`), and
+    every step, once all its layers have read them, clears its slots' counts (`clear`). count
+    and buffer are shared by every linear layer; kv, g and beta are the layer's."""
+
+    count: torch.Tensor  # [decode_slots] int32: rows pending
+    buffer: torch.Tensor  # [decode_slots] int32: 0 or 1, the buffer that holds them
+    kv: torch.Tensor  # [decode_slots, 2, max_width, C - Hk * dk] model dtype: k and v, post-conv
+    g: torch.Tensor  # [decode_slots, 2, max_width, Hv] float32
+    beta: torch.Tensor  # [decode_slots, 2, max_width, Hv] float32
+
+    def take(self, slots: torch.Tensor, kept: torch.Tensor) -> None:
+        """After a verify step's acceptance: slots [D] keep kept [D] rows of those it staged."""
+        self.count[slots] = kept.to(self.count.dtype)
+        self.buffer[slots] = 1 - self.buffer[slots]
+
+    def clear(self, slots: torch.Tensor) -> None:
+        """After a step's forward: its slots' states took their pending rows (a prefill chunk's
+        slot had none of its own request's: a finished request's are dropped)."""
+        self.count[slots] = 0
+
+
 class TorchOps:
     name = "torch"
 
@@ -131,21 +160,44 @@ class TorchOps:
         recurrent: torch.Tensor,
         slots: torch.Tensor,
         rows: DecodeRows,
-        keep: torch.Tensor | None,
+        kept: KeptRows,
+        update: bool,
         num_k_heads: int,
         head_k_dim: int,
-        out: torch.Tensor | None,  # [N, Hv, dv]: each request's outputs go to its rows
+        out: torch.Tensor,  # [N, Hv, dv]: each request's outputs go to its rows
     ) -> None:
-        """gated_delta.delta_rows of each request's rows (with keep, its kept ones), their
-        outputs written into `out` (None: a commit's, not wanted)."""
+        """gated_delta.delta_rows of each request's rows, after its slot's pending kept rows
+        (KeptRows), their outputs written into `out`. update: the slot takes the rows (a decode
+        step); else (a verify step) it takes only its pending rows and the rows are staged."""
+        key_dim = num_k_heads * head_k_dim
+        count, buffer = kept.count[slots].long(), kept.buffer[slots].long()
+        held = kept.kv[slots, buffer]  # [D, max_width, kv]: k and v only; the rule needs no q
+        gated_delta.delta_rows(
+            torch.cat((held.new_zeros(*held.shape[:2], key_dim), held), dim=-1),
+            kept.g[slots, buffer],
+            kept.beta[slots, buffer],
+            recurrent,
+            slots,
+            count,
+            num_k_heads,
+            head_k_dim,
+        )
         grid, valid = rows.grid(mixed.shape[0])
         result = gated_delta.delta_rows(
-            mixed[grid], g[grid], beta[grid], recurrent, slots, keep, num_k_heads, head_k_dim
+            mixed[grid],
+            g[grid],
+            beta[grid],
+            recurrent,
+            slots,
+            rows.lens if update else None,
+            num_k_heads,
+            head_k_dim,
         )
-        if out is not None:
-            if keep is not None:
-                valid = valid & (torch.arange(rows.width, device=valid.device) < keep[:, None])
-            out[grid[valid]] = result[valid]
+        out[grid[valid]] = result[valid]
+        if not update:
+            staged = (slots, 1 - buffer, slice(0, rows.width))
+            kept.kv[staged] = mixed[grid][..., key_dim:]
+            kept.g[staged], kept.beta[staged] = g[grid], beta[grid]
 
     def prefill_chunks(
         self,

@@ -9,7 +9,7 @@ import torch
 import batchrun.kernels.triton_fused as kernels
 import batchrun.kernels.triton_gated_delta as delta_kernels
 import batchrun.kernels.triton_gated_delta_chunks as chunk_kernels
-from batchrun.layers.ops import DecodeRows, TorchOps
+from batchrun.layers.ops import DecodeRows, KeptRows, TorchOps
 
 
 class TritonOps(TorchOps):
@@ -76,10 +76,11 @@ class TritonOps(TorchOps):
         recurrent: torch.Tensor,
         slots: torch.Tensor,
         rows: DecodeRows,
-        keep: torch.Tensor | None,
+        kept: KeptRows,
+        update: bool,
         num_k_heads: int,
         head_k_dim: int,
-        out: torch.Tensor | None,
+        out: torch.Tensor,
     ) -> None:
         delta_kernels.delta_rows(
             mixed,
@@ -89,7 +90,8 @@ class TritonOps(TorchOps):
             slots,
             rows.starts,
             rows.lens,
-            keep,
+            (kept.count, kept.buffer, kept.kv, kept.g, kept.beta),
+            update,
             num_k_heads,
             head_k_dim,
             out,

@@ -21,6 +21,7 @@ from batchrun.layers.linear_attention import GatedDeltaNet, LinearLayerState, Li
 from batchrun.layers.mlp import SwiGLU
 from batchrun.layers.moe import SharedExpertMoe
 from batchrun.layers.norm import ZeroCentredRMSNorm
+from batchrun.layers.ops import KeptRows
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 
@@ -63,48 +64,70 @@ class Qwen3_5Shape(Qwen3Shape):
 
 def linear_state_bytes(shape: Qwen3_5Shape, dtype: torch.dtype) -> int:
     """The bytes one request's slot takes over all linear layers (conv and recurrent state),
-    what memory sizing sets against KV pages; the verify scratch (allocate_linear_states) is
-    per decoding row, not per slot."""
+    what memory sizing sets against KV pages; what a verify keeps (allocate_linear_states) is
+    per verify row, not per slot."""
     conv = shape.conv_dim * (shape.linear_conv_kernel - 1) * dtype.itemsize
     heads = shape.linear_num_value_heads
     recurrent = heads * shape.linear_key_head_dim * shape.linear_value_head_dim * 4
     return len(shape.linear_layers) * (conv + recurrent)
 
 
+def _kept_row_bytes(shape: Qwen3_5Shape, dtype: torch.dtype) -> tuple[int, int]:
+    """(one verify row's pre-conv qkv, its staged k, v, g and beta), in one linear layer."""
+    key_dim = shape.linear_num_key_heads * shape.linear_key_head_dim
+    staged = (shape.conv_dim - key_dim) * dtype.itemsize + 2 * shape.linear_num_value_heads * 4
+    return shape.conv_dim * dtype.itemsize, staged
+
+
+def linear_verify_row_bytes(shape: Qwen3_5Shape, dtype: torch.dtype) -> int:
+    """What one verify row keeps over all linear layers for the commit (its pre-conv row, and
+    what the slot's recurrent state takes in its next step): each is written once and read at
+    most once."""
+    return len(shape.linear_layers) * sum(_kept_row_bytes(shape, dtype))
+
+
 def linear_scratch_bytes(shape: Qwen3_5Shape, dtype: torch.dtype) -> int:
-    """The verify scratch's bytes per verify row (one row of one decoding request), over all
-    linear layers: the pre-conv qkv row (model dtype), g and beta (float32), what commit replays
-    (allocate_linear_states allocates max_decoding * max_width of them)."""
-    row = shape.conv_dim * dtype.itemsize + 2 * shape.linear_num_value_heads * 4
-    return len(shape.linear_layers) * row
+    """What allocate_linear_states holds per verify row of one decode slot over all linear
+    layers: the pre-conv row, and the staged rows of both KeptRows buffers."""
+    pre_conv, staged = _kept_row_bytes(shape, dtype)
+    return len(shape.linear_layers) * (pre_conv + 2 * staged)
 
 
 def allocate_linear_states(
     shape: Qwen3_5Shape,
     num_slots: int,
-    max_decoding: int,
+    decode_slots: int,
     max_width: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> dict[int, LinearLayerState]:
-    """Zeroed states by layer index: num_slots request slots, and a verify scratch for
-    max_decoding requests of up to max_width rows."""
+    """Zeroed states by layer index: num_slots state slots, of which the first decode_slots
+    may decode or verify up to max_width rows a step (the rest restore prefixes)."""
     heads, dk, dv = (
         shape.linear_num_value_heads,
         shape.linear_key_head_dim,
         shape.linear_value_head_dim,
     )
+    kv_dim = shape.conv_dim - shape.linear_num_key_heads * dk
 
     def zeros(*size: int, kind: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.zeros(size, dtype=kind, device=device)
 
+    # Shared by every layer: a slot's rows pending are the same rows in each.
+    count, buffer = zeros(decode_slots, kind=torch.int32), zeros(decode_slots, kind=torch.int32)
+    staged = (decode_slots, 2, max_width)
     return {
         i: LinearLayerState(
             conv=zeros(num_slots, shape.conv_dim, shape.linear_conv_kernel - 1, kind=dtype),
             recurrent=zeros(num_slots, heads, dk, dv),
-            scratch_qkv=zeros(max_decoding * max_width, shape.conv_dim, kind=dtype),
-            scratch_g=zeros(max_decoding * max_width, heads),
-            scratch_beta=zeros(max_decoding * max_width, heads),
+            scratch_qkv=zeros(decode_slots * max_width, shape.conv_dim, kind=dtype),
+            kept=KeptRows(
+                count,
+                buffer,
+                kv=zeros(*staged, kv_dim, kind=dtype),
+                g=zeros(*staged, heads),
+                beta=zeros(*staged, heads),
+            ),
         )
         for i in shape.linear_layers
     }
@@ -199,16 +222,29 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
             if i in capture_layers:
                 captured[i] = x + residual
         features = torch.cat([captured[i] for i in capture_layers], -1) if capture_layers else None
+        if linear is not None and self.shape.linear_layers:  # each layer read the pending rows
+            self._kept_rows(kv_caches).clear(linear.slots)
         return x + residual if residual is not None else x, features
+
+    def _kept_rows(self, kv_caches: list[LayerCache]) -> KeptRows:
+        """The linear layers' KeptRows (their counts and buffers are shared)."""
+        state = kv_caches[self.shape.linear_layers[0]]
+        assert isinstance(state, LinearLayerState)
+        return state.kept
 
     def commit_linear(
         self, kv_caches: list[LayerCache], meta: LinearStepMeta, accepted: torch.Tensor
     ) -> None:
         """After a verify step's acceptance (accepted [meta.decoding] int64 on the device:
         drafts accepted, so rows 0 .. accepted[r] of request r are kept): every linear layer's
-        slots take the state their kept rows leave. A no-op after steps that verify nothing."""
+        slots carry their kept rows' conv inputs, and their recurrent states take the kept rows
+        at the start of their next step. A no-op after steps that verify nothing."""
+        if not meta.verify:
+            return
+        kept = accepted + 1
         for i in self.shape.linear_layers:
             state = kv_caches[i]
             layer = self.model.layers[i]
             assert isinstance(state, LinearLayerState) and isinstance(layer, HybridLayer)
-            layer.linear_attn.commit(state, meta, accepted)
+            layer.linear_attn.commit(state, meta, kept)
+        self._kept_rows(kv_caches).take(meta.slots[: meta.decoding], kept)

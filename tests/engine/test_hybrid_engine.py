@@ -127,11 +127,13 @@ def test_memory_sizing_counts_what_the_state_slots_allocate(
     states = runner.linear.states.values()
     slot = sum(t[0].nbytes for s in states for t in (s.conv, s.recurrent))
     assert slot == linear_state_bytes(shape, dtype)  # one slot, every linear layer
-    allocated = sum(
-        t.nbytes
-        for s in states
-        for t in (s.conv, s.recurrent, s.scratch_qkv, s.scratch_g, s.scratch_beta)
-    )
+    per_layer = [
+        (s.conv, s.recurrent, s.scratch_qkv, s.kept.kv, s.kept.g, s.kept.beta) for s in states
+    ]
+    shared = next(iter(states)).kept  # every layer's counts and buffers are the same tensors
+    assert all(s.kept.count is shared.count and s.kept.buffer is shared.buffer for s in states)
+    allocated = sum(t.nbytes for ts in per_layer for t in ts)
+    allocated += shared.count.nbytes + shared.buffer.nbytes
     assert allocated == linear_memory_bytes(shape, dtype, 3, 1)
     # The snapshot pool: the slots past the requests' and the scratch slot's, as many as the
     # page pool hands out, each one state.
@@ -148,18 +150,16 @@ def test_memory_sizing_counts_what_the_state_slots_allocate(
     budget = allocated + 10 * per_page + per_page // 2
     monkeypatch.setattr(memory, "CPU_KV_BUDGET_BYTES", budget)
     assert job_kv_pages(engine.config, shape, None, dtype, torch.device("cpu")) == 10
-    # Rollback at W = 16: per request, the scratch holds W rows of per-token inputs and no copy
-    # of the state (at most 1.25x one state plus O(W) rows).
+    # Rollback at W = 16: per decode slot (a request's, the scratch slot's) W rows of per-token
+    # inputs, and no copy of the state.
     states_of_one = 2 + snapshot_slots(1)  # its slot, the scratch slot, its snapshots
     scratch = linear_memory_bytes(shape, dtype, 1, 16) - states_of_one * linear_state_bytes(
         shape, dtype
     )
-    assert scratch == 16 * linear_scratch_bytes(shape, dtype)
-    assert scratch <= 1.25 * linear_state_bytes(shape, dtype) + 16 * linear_scratch_bytes(
-        shape, dtype
-    )
+    pending = 2 * 2 * torch.int32.itemsize  # two decode slots' counts and buffers
+    assert scratch == 2 * 16 * linear_scratch_bytes(shape, dtype) + pending
     with_draft = linear_memory_bytes(shape, dtype, 3, draft_block)
-    assert with_draft - allocated == 3 * (draft_block - 1) * linear_scratch_bytes(shape, dtype)
+    assert with_draft - allocated == 4 * (draft_block - 1) * linear_scratch_bytes(shape, dtype)
 
 
 def test_validate_and_a_whole_job_on_a_hybrid_checkpoint(text_hybrid: Path, tmp_path: Path) -> None:

@@ -87,6 +87,20 @@ def linear_states(stepper: Stepper) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def assert_same_after_a_decode(verify: Stepper, kept: Stepper, lens: list[int]) -> None:
+    """A verify's commit against a prefill of the kept rows alone (lens[r] tokens each): the
+    next decode step of each (the verify's slots take their kept rows in it) has the same
+    logits and leaves the same states, but for float32 rounding (the kept run reaches them
+    through the chunked form)."""
+    items = [(r, [r + 1], n) for r, n in enumerate(lens)]
+    got, _ = verify.step(items, [])
+    want, _ = kept.step(items, [])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for (c0, s0), (c1, s1) in zip(linear_states(verify), linear_states(kept), strict=True):
+        torch.testing.assert_close(c0, c1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s0, s1, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("seed", range(3))
 @torch.no_grad()
 def test_a_verify_commit_keeps_exactly_the_accepted_rows(
@@ -116,10 +130,8 @@ def test_a_verify_commit_keeps_exactly_the_accepted_rows(
 
     kept = Stepper(model, slots=3, max_width=width)
     kept.step([], [(r, seq + drafts[r][: int(accepted[r]) + 1], 0) for r, seq in enumerate(seqs)])
-    # Equal but for float32 rounding: the kept run reaches them through the chunked form.
-    for (c0, s0), (c1, s1) in zip(linear_states(verify), linear_states(kept), strict=True):
-        torch.testing.assert_close(c0, c1, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(s0, s1, atol=1e-5, rtol=1e-5)
+    lens = [len(seq) + int(accepted[r]) + 1 for r, seq in enumerate(seqs)]
+    assert_same_after_a_decode(verify, kept, lens)
 
 
 @torch.no_grad()
@@ -144,7 +156,7 @@ def test_a_verify_of_rows_at_widths_of_their_own_keeps_each_rows_accepted(
     checkpoint: tuple[Path, nn.Module], ops: type[TorchOps], request: pytest.FixtureRequest
 ) -> None:
     """Rows verifying 1, 3 and 4 rows in one step, packed by offsets: each row's logits are its
-    full sequence's, and the commit leaves each slot as the accepted rows alone would. The
+    full sequence's, and after the commit each slot decodes as the accepted rows alone would. The
     fused kernels (Triton's interpreter off a GPU, for one kind: the layers are the same) run
     each request's own rows only."""
     path, reference = checkpoint
@@ -171,6 +183,37 @@ def test_a_verify_of_rows_at_widths_of_their_own_keeps_each_rows_accepted(
 
     kept = Stepper(model, slots=3, max_width=max(widths))
     kept.step([], [(r, seq + drafts[r][: int(accepted[r]) + 1], 0) for r, seq in enumerate(seqs)])
-    for (c0, s0), (c1, s1) in zip(linear_states(verify), linear_states(kept), strict=True):
-        torch.testing.assert_close(c0, c1, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(s0, s1, atol=1e-5, rtol=1e-5)
+    lens = [len(seq) + int(accepted[r]) + 1 for r, seq in enumerate(seqs)]
+    assert_same_after_a_decode(verify, kept, lens)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("ops", [TorchOps, TritonOps])
+def test_verifies_in_a_row_take_each_ones_kept_rows_in_the_next(
+    checkpoint: tuple[Path, nn.Module], ops: type[TorchOps], request: pytest.FixtureRequest
+) -> None:
+    """A verify right after a verify's commit: its slots take the first one's kept rows before
+    its own (the lazy commit, ops.KeptRows), so its logits are the full sequences', and after
+    its own commit each slot decodes as the rows both kept would."""
+    path, reference = checkpoint
+    if ops is TritonOps and request.node.callspec.params["checkpoint"] != KINDS[0]:
+        pytest.skip("the fused kernels run on one kind (the layers are the same)")
+    model = loaded(path)
+    use_ops(model, ops())
+    width = 3
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (7, 12)]
+    verify = Stepper(model, slots=2, max_width=width)
+    verify.step([], [(r, seq, 0) for r, seq in enumerate(seqs)])
+    for accepted in (torch.tensor([1, 2]), torch.tensor([0, 1])):
+        drafts = [torch.randint(0, VOCAB, (width,), generator=gen).tolist() for _ in seqs]
+        logits, meta = verify.step([(r, drafts[r], len(seq)) for r, seq in enumerate(seqs)], [])
+        for r, seq in enumerate(seqs):
+            want = reference_logits(reference, seq + drafts[r])[len(seq) :]
+            got = logits[r * width : (r + 1) * width]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        verify.model.commit_linear(verify.caches, meta, accepted)
+        seqs = [seq + drafts[r][: int(accepted[r]) + 1] for r, seq in enumerate(seqs)]
+    kept = Stepper(model, slots=2, max_width=width)
+    kept.step([], [(r, seq, 0) for r, seq in enumerate(seqs)])
+    assert_same_after_a_decode(verify, kept, [len(seq) for seq in seqs])
