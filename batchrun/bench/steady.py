@@ -24,10 +24,11 @@ def sync(device: torch.device) -> None:
 
 @contextmanager
 def timed_rollbacks(engine: Engine) -> Iterator[list[float]]:
-    """While open, every verify step's rollback on a hybrid target (`commit_linear`: its linear
-    layers' states replayed over the rows kept) is timed on the device's clock; the list it
-    yields holds their milliseconds once it closes. It stays empty for a target without linear
-    layers and for steps that verify nothing (their rows updated the states in the forward)."""
+    """While open, every verify step's rollback on a hybrid target (`commit_linear`: the conv
+    inputs moved past the rows kept, the kept rows handed to each slot's next step, whose pass
+    over the state takes them) is timed on the device's clock; the list it yields holds their
+    milliseconds once it closes. It stays empty for a target without linear layers and for
+    steps that verify nothing (their rows updated the states in the forward)."""
     runner = engine.runner
     plain = runner.commit_linear
     spans: list[Callable[[], float]] = []

@@ -61,7 +61,7 @@ class KeptRows:
     def clear(self, slots: torch.Tensor) -> None:
         """After a step's forward: its slots' states took their pending rows (a prefill chunk's
         slot had none of its own request's: a finished request's are dropped)."""
-        self.count[slots] = 0
+        self.count.index_fill_(0, slots, 0)  # a kernel: no host value to copy in a graph
 
 
 class TorchOps:
