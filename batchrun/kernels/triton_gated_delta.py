@@ -280,7 +280,7 @@ def delta_rows(
     if g.stride(-1) != 1 or beta.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("the last dimension must be contiguous")
     if kept_g.stride() != kept_beta.stride() or kept_kv.stride(-1) != 1 or kept_g.stride(-1) != 1:
-        raise ValueError("the kept rows' g and beta must share their layout")
+        raise ValueError("the kept rows: last dimensions contiguous, g and beta of one layout")
     # A [dk, BLOCK_V] block of the state per program: 128 x 32 float32 is 32 registers a thread.
     block_v = min(triton.next_power_of_2(dv), 32)
     _delta_rows_kernel[(d, heads, triton.cdiv(dv, block_v))](
