@@ -238,7 +238,7 @@ class ModelRunner:
             metas = partial(self._graph_target_metas, size, width)
             replayed = self.graph_host.replay(graphs, size, [self.backend], metas)
             logits, row_slot, row_step, *captured = replayed
-            # The commit replays the live requests' rows: they lead the graph's scratch rows.
+            # The commit reads the live requests' kept rows: they lead the graph's scratch rows.
             linear = self.linear.meta(plan, args) if self.linear is not None else None
             features = captured[0] if captured else None
             return TargetOutput(logits, row_slot, row_step, features, linear=linear, replayed=True)

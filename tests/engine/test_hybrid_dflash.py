@@ -3,7 +3,7 @@ round of every row (its anchor, drafts and committed tokens) and each row's acce
 equal the definition's, the reference loop of tests/helpers/dflash_reference.py run with
 transformers' Qwen3_5ForCausalLM as the target, at the full block and narrower verify widths.
 The draft is trained a little on the target's continuations so that it is accepted sometimes
-and not always: rounds commit every length, so every row of the verify scratch is replayed."""
+and not always: rounds commit every length, so every row a verify keeps is taken by a slot."""
 
 from __future__ import annotations
 
