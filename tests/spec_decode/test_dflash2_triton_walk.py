@@ -24,7 +24,8 @@ import pytest  # noqa: E402
 from batchrun.kernels import compile_check  # noqa: E402
 from batchrun.sampling.draft_verify import proposal_uniforms  # noqa: E402
 from batchrun.spec_decode.dflash2.triton_walk import walk_triton  # noqa: E402
-from batchrun.spec_decode.dflash2.walk import Walk, walk, walk_torch  # noqa: E402
+from batchrun.spec_decode.dflash2.walk import Walk  # noqa: E402
+from tests.helpers.dflash2_walk import Case, edges, seeded_walk, torch_walk  # noqa: E402
 from tests.helpers.sm90 import compile_offline  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,10 +63,18 @@ def make_inputs(
     return {name: t.to(DEVICE) for name, t in made.items()}
 
 
+def kernel_walk(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """walk_triton of the case: with its uniforms, else drawing them from its rows' seed and
+    first_step."""
+    if "uniforms" in case:
+        return walk_triton(edges(case), case["uniforms"])
+    return walk_triton(edges(case), seed=case["seed"], first_step=case["first_step"])
+
+
 def centred(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """x with each uniform moved to the middle of the CDF bin the torch walk draws (the same
     tokens from walk_torch, far from the bins' edges)."""
-    ref = walk_torch(**x)
+    ref = torch_walk(x)
     index = (x["candidates"] == ref.tokens[..., None]).int().argmax(dim=-1)
     cdf = ref.q.cumsum(dim=-1)
     upper = cdf.gather(-1, index[..., None]).squeeze(-1)
@@ -88,7 +97,7 @@ def test_the_kernel_walks_greedy_rows_as_the_torch_walk(
     n: int, p: int, k: int, r: int, v: int
 ) -> None:
     x = make_inputs(n, p, k, r, v, seed=n * 7 + k, temperature=[0.0] * n)
-    assert_same_walk(walk_triton(**x), walk_torch(**x))
+    assert_same_walk(kernel_walk(x), torch_walk(x))
 
 
 def test_the_kernel_breaks_ties_to_the_lower_candidate_index() -> None:
@@ -96,9 +105,9 @@ def test_the_kernel_breaks_ties_to_the_lower_candidate_index() -> None:
     x["unary"] = torch.zeros_like(x["unary"])
     x["successor"][:, 4:] = 0  # a few edges tie at every position
     x["predecessor"][:, :4] = 0
-    tokens, q = walk_triton(**x)
+    tokens, q = kernel_walk(x)
     assert torch.equal(tokens, x["candidates"][:, :, 0])
-    assert_same_walk((tokens, q), walk_torch(**x))
+    assert_same_walk((tokens, q), torch_walk(x))
 
 
 @pytest.mark.parametrize(("n", "p", "k", "r", "v"), [(6, 5, 4, 8, 40), (4, 7, 16, 40, 300)])
@@ -106,7 +115,7 @@ def test_the_kernel_walks_sampled_and_greedy_rows_as_the_torch_walk(
     n: int, p: int, k: int, r: int, v: int
 ) -> None:
     x = centred(make_inputs(n, p, k, r, v, seed=p * 5 + n))
-    assert_same_walk(walk_triton(**x), walk_torch(**x))
+    assert_same_walk(kernel_walk(x), torch_walk(x))
 
 
 def test_the_kernel_reads_strided_inputs_and_bfloat16_codebooks() -> None:
@@ -119,7 +128,7 @@ def test_the_kernel_reads_strided_inputs_and_bfloat16_codebooks() -> None:
     assert not strided["unary"].is_contiguous() and not strided["hidden_proj"].is_contiguous()
     x = centred(x)
     strided["uniforms"] = x["uniforms"]
-    assert_same_walk(walk_triton(**strided), walk_torch(**x))
+    assert_same_walk(kernel_walk(strided), torch_walk(x))
 
 
 def coin_inputs(n: int, p: int, seed: int) -> dict[str, torch.Tensor]:
@@ -143,7 +152,7 @@ def test_the_kernel_draws_the_proposal_streams_uniforms_itself() -> None:
     """Given seeds and steps instead of uniforms, the kernel's draws are those of
     proposal_uniforms (sampling/draft_verify.py), position by position."""
     x = coin_inputs(6, 5, seed=3)
-    tokens, q = walk_triton(**x)
+    tokens, q = kernel_walk(x)
     assert torch.equal(q, torch.full_like(q, 0.5))
     second = proposal_uniforms(x["seed"], x["first_step"], 5) >= 0.5
     assert torch.equal(
@@ -153,7 +162,7 @@ def test_the_kernel_draws_the_proposal_streams_uniforms_itself() -> None:
 
 
 def walk_inputs(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """walk()'s arguments of a case with uniforms: any seeds (the draws differ from the case's)."""
+    """The case with seeds in place of its uniforms (any: the draws differ from the case's)."""
     args = {name: t for name, t in x.items() if name != "uniforms"}
     n = x["unary"].shape[0]
     args["seed"] = torch.arange(n, device=DEVICE) * 977 + 5
@@ -173,11 +182,11 @@ def test_the_kernel_compiles_for_sm90_without_spills() -> None:
 @pytest.mark.gpu
 def test_walk_takes_the_kernel_on_cuda() -> None:
     x = make_inputs(8, 5, 16, 64, 1000, seed=1, temperature=[0.0] * 8)
-    got = walk(**walk_inputs(x))
+    got = seeded_walk(walk_inputs(x))
     assert isinstance(got, Walk)
-    assert_same_walk((got.tokens, got.q), walk_torch(**x))
+    assert_same_walk((got.tokens, got.q), torch_walk(x))
     coins = coin_inputs(32, 15, seed=8)
-    drawn = walk(**coins)
+    drawn = seeded_walk(coins)
     second = proposal_uniforms(coins["seed"], coins["first_step"], 15) >= 0.5
     want = torch.where(second, coins["candidates"][..., 1], coins["candidates"][..., 0])
     assert torch.equal(drawn.tokens, want)
@@ -191,7 +200,7 @@ def test_the_real_selector_shape(n: int) -> None:
     x["predecessor"] = x["predecessor"].bfloat16()
     x["successor"] = x["successor"].bfloat16()
     x = centred(x)
-    assert_same_walk(walk_triton(**x), walk_torch(**x))
+    assert_same_walk(kernel_walk(x), torch_walk(x))
 
 
 @pytest.mark.gpu
@@ -202,14 +211,14 @@ def test_the_walk_replays_in_a_cuda_graph() -> None:
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            walk(**static)
+            seeded_walk(static)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = walk(**static)
+        out = seeded_walk(static)
     fresh = make_inputs(16, 15, 16, 256, 5000, seed=5, temperature=[0.0] * 16)
     for name, t in walk_inputs(fresh).items():
         static[name].copy_(t)
     graph.replay()
     torch.cuda.synchronize()
-    assert_same_walk((out.tokens, out.q), walk_torch(**fresh))
+    assert_same_walk((out.tokens, out.q), torch_walk(fresh))

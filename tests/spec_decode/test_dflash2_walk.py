@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from batchrun.spec_decode.dflash2.walk import inverse_cdf, walk_torch
+from batchrun.spec_decode.dflash2.walk import inverse_cdf
+from tests.helpers.dflash2_walk import torch_walk
 
 
 def make_inputs(
@@ -67,7 +68,7 @@ def row_by_row(x: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[list[l
 
 def test_the_walk_follows_the_selector_equation_greedy_and_sampled() -> None:
     x = make_inputs(n=6, p=5, k=4, r=8, v=40, seed=3, temperature=[0, 1, 0.5, 0, 2, 1])
-    out = walk_torch(**x)
+    out = torch_walk(x)
     tokens, qs = row_by_row(x)
     assert out.tokens.tolist() == tokens
     torch.testing.assert_close(out.q, torch.tensor(qs, dtype=torch.float32), atol=1e-5, rtol=0)
@@ -83,16 +84,16 @@ def test_the_first_position_is_scored_from_the_anchor() -> None:
     x["successor"] = torch.tensor([[1.0, 0], [0, 1.0], [-1.0, -1.0], [0, 0], [0, 0]])
     x["predecessor"] = torch.tensor([[0, 0], [0, 0], [0, 0], [3.0, 0], [0, 3.0]])
     x["anchors"] = torch.tensor([3])
-    assert walk_torch(**x).tokens.tolist() == [[0]]
+    assert torch_walk(x).tokens.tolist() == [[0]]
     x["anchors"] = torch.tensor([4])
-    assert walk_torch(**x).tokens.tolist() == [[1]]
+    assert torch_walk(x).tokens.tolist() == [[1]]
 
 
 def test_greedy_ties_go_to_the_lower_candidate_index() -> None:
     x = make_inputs(n=2, p=3, k=4, r=4, v=20, seed=1, temperature=[0, 0])
     x["unary"] = torch.zeros(2, 3, 4)
     x["successor"] = torch.zeros(20, 4)  # every edge scores 0: all K tie
-    out = walk_torch(**x)
+    out = torch_walk(x)
     assert out.tokens.tolist() == x["candidates"][:, :, 0].tolist()
     assert out.q[:, :, 0].eq(1).all() and out.q[:, :, 1:].eq(0).all()
 
@@ -114,7 +115,7 @@ def test_the_walk_chains_each_chosen_token_into_the_next_edge() -> None:
     x["candidates"] = torch.tensor([[[2, 1], [3, 2], [5, 4]]])
     # anchor 0 favours 1; 1 favours 3 (and 2, but 2 is not at position 1's top); 3 favours none
     # of position 2's: a tie, the lower index (5)
-    assert walk_torch(**x).tokens.tolist() == [[1, 3, 5]]
+    assert torch_walk(x).tokens.tolist() == [[1, 3, 5]]
 
 
 def test_inverse_cdf_picks_the_bin_holding_u_and_never_a_zero_mass_candidate() -> None:
@@ -130,5 +131,5 @@ def test_codebooks_in_bfloat16_are_read_in_float32() -> None:
     x = make_inputs(n=3, p=4, k=5, r=8, v=30, seed=5, temperature=[0, 1, 0.7])
     low = dict(x, predecessor=x["predecessor"].bfloat16(), successor=x["successor"].bfloat16())
     widened = dict(x, predecessor=low["predecessor"].float(), successor=low["successor"].float())
-    a, b = walk_torch(**low), walk_torch(**widened)
+    a, b = torch_walk(low), torch_walk(widened)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.q, b.q)

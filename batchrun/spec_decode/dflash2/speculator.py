@@ -17,7 +17,7 @@ from batchrun.parallel.group import TensorParallel
 from batchrun.spec_decode.base import StepShape, TargetView
 from batchrun.spec_decode.dflash.inputs import DraftInputs
 from batchrun.spec_decode.dflash.speculator import DFlashSpeculator
-from batchrun.spec_decode.dflash2.walk import walk
+from batchrun.spec_decode.dflash2.walk import WalkInputs, walk
 from batchrun.spec_decode.method import DraftBackends
 
 
@@ -57,7 +57,7 @@ class DFlash2Speculator(DFlashSpeculator):
         state = self.target.state
         tables = state.sampling.tables
         selector = draft.candidate_selector
-        walked = walk(
+        edges = WalkInputs(
             block.unary,
             block.candidates,
             block.hidden_proj,
@@ -65,9 +65,9 @@ class DFlash2Speculator(DFlashSpeculator):
             selector.predecessor_codebook,
             selector.successor_codebook,
             tables["temperature"][slots],
-            tables["seed"][slots],
-            state.out_len[slots],  # draft j is verified at the row that samples token out_len + j
         )
+        # Draft j is verified at the row that samples token out_len + j.
+        walked = walk(edges, tables["seed"][slots], state.out_len[slots])
         self.q[:n].copy_(walked.q)
         self.candidates[:n].copy_(block.candidates)
         return walked.tokens

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from batchrun.sampling.draft_verify import PROPOSAL_STREAM
 from batchrun.sampling.triton_sampling import stream_uniform
+from batchrun.spec_decode.dflash2.walk import WalkInputs
 
 __all__ = ["walk_triton"]
 
@@ -121,13 +122,7 @@ def _walk_kernel(
 
 
 def walk_triton(
-    unary: torch.Tensor,
-    candidates: torch.Tensor,
-    hidden_proj: torch.Tensor,
-    anchors: torch.Tensor,
-    predecessor: torch.Tensor,
-    successor: torch.Tensor,
-    temperature: torch.Tensor,
+    inputs: WalkInputs,
     uniforms: torch.Tensor | None = None,
     *,
     seed: torch.Tensor | None = None,
@@ -136,6 +131,7 @@ def walk_triton(
     """walk_torch's arguments and results (tokens [N, P] int64, q [N, P, K] float32), any
     strides, the codebooks in any float dtype; instead of `uniforms`, the rows' seed and
     first_step [N] int64 (contiguous): the kernel draws proposal_uniforms(seed, first_step, P)."""
+    unary, candidates, hidden_proj, anchors, predecessor, successor, temperature = inputs
     n, p, k = unary.shape
     r = hidden_proj.shape[-1]
     draw = uniforms is None

@@ -32,6 +32,18 @@ from batchrun.kernels.dispatch import cuda_kernel
 from batchrun.sampling.draft_verify import proposal_uniforms
 
 
+class WalkInputs(NamedTuple):
+    """What the walk scores, N rows of P draft positions of K candidates each."""
+
+    unary: torch.Tensor  # f32[N, P, K]: the draft head's logits, sorted descending
+    candidates: torch.Tensor  # i64[N, P, K]: their tokens
+    hidden_proj: torch.Tensor  # f32[N, P, R]: each position's projected hidden row
+    anchors: torch.Tensor  # i64[N]: the verified token each row's walk starts from
+    predecessor: torch.Tensor  # [V, R], any float dtype: the selector's codebooks
+    successor: torch.Tensor  # [V, R]
+    temperature: torch.Tensor  # f32[N]: 0 is greedy
+
+
 class Walk(NamedTuple):
     tokens: torch.Tensor  # [N, P] int64: the proposed drafts
     q: torch.Tensor  # [N, P, K] float32: the proposal's distribution over its candidates
@@ -40,27 +52,14 @@ class Walk(NamedTuple):
 WalkKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def walk(
-    unary: torch.Tensor,
-    candidates: torch.Tensor,
-    hidden_proj: torch.Tensor,
-    anchors: torch.Tensor,
-    predecessor: torch.Tensor,
-    successor: torch.Tensor,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
-    first_step: torch.Tensor,
-) -> Walk:
-    """unary f32[N, P, K] (sorted descending), candidates i64[N, P, K], hidden_proj f32[N, P, R],
-    anchors i64[N], predecessor and successor [V, R] (any float dtype), temperature f32[N] (0 =
-    greedy), the rows' seed and first_step i64[N]: position j's uniform is the proposal stream's
-    at step first_step + j (sampling/draft_verify.py). The Triton kernel on CUDA (it draws the
-    uniforms itself), else walk_torch."""
-    args = (unary, candidates, hidden_proj, anchors, predecessor, successor, temperature)
-    kernel = _kernel(unary)
+def walk(inputs: WalkInputs, seed: torch.Tensor, first_step: torch.Tensor) -> Walk:
+    """The walk of each row; the rows' seed and first_step i64[N]: position j's uniform is the
+    proposal stream's at step first_step + j (sampling/draft_verify.py). The Triton kernel on
+    CUDA (it draws the uniforms itself), else walk_torch."""
+    kernel = _kernel(inputs.unary)
     if kernel is None:
-        return walk_torch(*args, proposal_uniforms(seed, first_step, unary.shape[1]))
-    return Walk(*kernel(*args, seed=seed.contiguous(), first_step=first_step.contiguous()))
+        return walk_torch(inputs, proposal_uniforms(seed, first_step, inputs.unary.shape[1]))
+    return Walk(*kernel(inputs, seed=seed.contiguous(), first_step=first_step.contiguous()))
 
 
 def _kernel(unary: torch.Tensor) -> WalkKernel | None:
@@ -70,17 +69,10 @@ def _kernel(unary: torch.Tensor) -> WalkKernel | None:
     return kernel
 
 
-def walk_torch(
-    unary: torch.Tensor,
-    candidates: torch.Tensor,
-    hidden_proj: torch.Tensor,
-    anchors: torch.Tensor,
-    predecessor: torch.Tensor,
-    successor: torch.Tensor,
-    temperature: torch.Tensor,
-    uniforms: torch.Tensor,
-) -> Walk:
-    """The reference walk: batched over the N rows, a loop over the P positions."""
+def walk_torch(inputs: WalkInputs, uniforms: torch.Tensor) -> Walk:
+    """The reference walk, position j of row i drawing with uniforms[i, j]: batched over the N
+    rows, a loop over the P positions."""
+    unary, candidates, hidden_proj, anchors, predecessor, successor, temperature = inputs
     n, p, k = unary.shape
     sampled = temperature > 0
     # Greedy rows divide by 1: their softmax is computed and discarded, no branch on the host.
