@@ -32,7 +32,7 @@ from batchrun.models.qwen3_5 import (
     Qwen3_5ForCausalLM,
     Qwen3_5Shape,
     allocate_linear_states,
-    linear_scratch_bytes,
+    linear_kept_bytes,
     linear_state_bytes,
 )
 
@@ -54,8 +54,7 @@ def linear_memory_bytes(shape: Qwen3Shape, dtype: torch.dtype, num_slots: int, w
         return 0
     decode_slots = num_slots + 1
     slots = (decode_slots + snapshot_slots(num_slots)) * linear_state_bytes(shape, dtype)
-    pending = decode_slots * 2 * torch.int32.itemsize  # KeptRows' counts and buffers
-    return slots + decode_slots * width * linear_scratch_bytes(shape, dtype) + pending
+    return slots + linear_kept_bytes(shape, dtype, decode_slots, width)
 
 
 class LinearSlots:

@@ -26,6 +26,7 @@ from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.qwen3 import Qwen3ForCausalLM, Qwen3Shape
 
 LINEAR, FULL = "linear_attention", "full_attention"
+_INDEX = torch.int32  # KeptRows' count and buffer
 # A layer's cache: (K, V) pages for full attention, its state for a linear layer.
 LayerCache = tuple[torch.Tensor, torch.Tensor] | LinearLayerState
 
@@ -46,10 +47,14 @@ class Qwen3_5Shape(Qwen3Shape):
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def linear_key_dim(self) -> int:
+        """A linear layer's q (and k) channels: its key heads'."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
     def conv_dim(self) -> int:
         """A linear layer's conv channels: q and k (key heads), then v (value heads)."""
-        keys = self.linear_num_key_heads * self.linear_key_head_dim
-        return 2 * keys + self.linear_num_value_heads * self.linear_value_head_dim
+        return 2 * self.linear_key_dim + self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
@@ -74,8 +79,8 @@ def linear_state_bytes(shape: Qwen3_5Shape, dtype: torch.dtype) -> int:
 
 def _kept_row_bytes(shape: Qwen3_5Shape, dtype: torch.dtype) -> tuple[int, int]:
     """(one verify row's pre-conv qkv, its staged k, v, g and beta), in one linear layer."""
-    key_dim = shape.linear_num_key_heads * shape.linear_key_head_dim
-    staged = (shape.conv_dim - key_dim) * dtype.itemsize + 2 * shape.linear_num_value_heads * 4
+    kv_dim = shape.conv_dim - shape.linear_key_dim
+    staged = kv_dim * dtype.itemsize + 2 * shape.linear_num_value_heads * 4
     return shape.conv_dim * dtype.itemsize, staged
 
 
@@ -93,6 +98,14 @@ def linear_scratch_bytes(shape: Qwen3_5Shape, dtype: torch.dtype) -> int:
     return len(shape.linear_layers) * (pre_conv + 2 * staged)
 
 
+def linear_kept_bytes(
+    shape: Qwen3_5Shape, dtype: torch.dtype, decode_slots: int, max_width: int
+) -> int:
+    """What allocate_linear_states holds beside the state slots: each decode slot's rows of up
+    to max_width, and KeptRows' count and buffer (shared by the layers)."""
+    return decode_slots * (max_width * linear_scratch_bytes(shape, dtype) + 2 * _INDEX.itemsize)
+
+
 def allocate_linear_states(
     shape: Qwen3_5Shape,
     num_slots: int,
@@ -108,13 +121,13 @@ def allocate_linear_states(
         shape.linear_key_head_dim,
         shape.linear_value_head_dim,
     )
-    kv_dim = shape.conv_dim - shape.linear_num_key_heads * dk
+    kv_dim = shape.conv_dim - shape.linear_key_dim
 
     def zeros(*size: int, kind: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.zeros(size, dtype=kind, device=device)
 
     # Shared by every layer: a slot's rows pending are the same rows in each.
-    count, buffer = zeros(decode_slots, kind=torch.int32), zeros(decode_slots, kind=torch.int32)
+    count, buffer = zeros(decode_slots, kind=_INDEX), zeros(decode_slots, kind=_INDEX)
     staged = (decode_slots, 2, max_width)
     return {
         i: LinearLayerState(
