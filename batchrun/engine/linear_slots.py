@@ -149,6 +149,6 @@ class LinearSlots:
             state.recurrent.index_copy_(0, dst_t, state.recurrent.index_select(0, src_t))
 
     def commit(self, meta: LinearStepMeta, accepted: torch.Tensor) -> None:
-        """After the step's acceptance (accepted [decoding], on the device)."""
-        if meta.verify:
-            self.model.commit_linear(self.caches, meta, accepted)
+        """After the step's acceptance (accepted [decoding], on the device): the model's
+        commit_linear, which does nothing after a step that verified nothing."""
+        self.model.commit_linear(self.caches, meta, accepted)
